@@ -1,0 +1,21 @@
+# Shared settings for e2e/cluster scripts. Sourced, not run.
+# shellcheck shell=bash
+CLUSTER_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$CLUSTER_DIR/../.." && pwd)"
+# shellcheck source=versions.env
+. "$CLUSTER_DIR/versions.env"
+NODEGUARD_CACHE="${NODEGUARD_CACHE:-$HOME/.cache/nodeguard}"
+# Running cluster state (certs, etcd data, logs, kubeconfig). Outside the repo.
+NODEGUARD_CLUSTER_STATE="${NODEGUARD_CLUSTER_STATE:-$NODEGUARD_CACHE/cluster}"
+KUBECONFIG_PATH="$NODEGUARD_CLUSTER_STATE/admin.kubeconfig"
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Directory holding the binaries for the pinned versions; the key changes when
+# any pin or Go module file changes, so a stale binary is never reused.
+bin_dir() {
+  local key
+  key=$(cat "$CLUSTER_DIR/versions.env" "$CLUSTER_DIR"/go/*/go.mod "$CLUSTER_DIR"/go/*/go.sum "$CLUSTER_DIR"/go/kube/cmd/*/main.go "$CLUSTER_DIR"/go/etcd/main.go | sha256sum | cut -c1-12)
+  echo "$NODEGUARD_CACHE/bin/$KUBE_VERSION-$key"
+}

@@ -1,0 +1,51 @@
+//! Kubernetes adapters: the client, and the watches on this node and on the
+//! policies. (Named `k8s` rather than `kube` so it does not shadow the
+//! `kube` crate inside this crate.)
+
+pub mod node;
+pub mod watch;
+
+use std::path::Path;
+
+use kube::Client;
+use kube::config::{Config, KubeConfigOptions, Kubeconfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum K8sError {
+    #[error("cannot load kubeconfig {path}: {source}")]
+    Kubeconfig {
+        path: String,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error(
+        "no Kubernetes configuration found: not running in a pod and no kubeconfig ({source}); pass --kubeconfig or set KUBECONFIG"
+    )]
+    Infer {
+        #[source]
+        source: kube::config::InferConfigError,
+    },
+    #[error("cannot build a Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+}
+
+/// A client from an explicit kubeconfig, or else the in-cluster config
+/// (service account) or the default kubeconfig, in kube's usual order.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, K8sError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let err = |source| K8sError::Kubeconfig {
+                path: path.display().to_string(),
+                source,
+            };
+            let kc = Kubeconfig::read_from(path).map_err(err)?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(err)?
+        }
+        None => Config::infer()
+            .await
+            .map_err(|source| K8sError::Infer { source })?,
+    };
+    Client::try_from(config).map_err(K8sError::Client)
+}

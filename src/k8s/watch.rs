@@ -1,0 +1,127 @@
+//! Watches through kube-runtime's watcher: list, then watch with bookmarks,
+//! relist on `410 Gone`, and back off while the API server is away.
+//!
+//! [`watch_objects`] keeps a local snapshot of the watched objects and
+//! hands it to a callback after every change and after every (re)list. It
+//! reports to the health registry: the first completed list is the loop's
+//! first sync (`/readyz`), and every change is queued then updated.
+//! An API outage does not make the loop stuck: nothing is queued while the
+//! watcher waits, so `/livez` (and the watchdog) never punish an outage.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::server::LoopHandle;
+
+/// Objects by name.
+pub type Snapshot<K> = BTreeMap<String, Arc<K>>;
+
+/// Runs until `shutdown` is cancelled. `on_change` sees the whole snapshot.
+pub async fn watch_objects<K, F>(
+    api: Api<K>,
+    config: watcher::Config,
+    handle: LoopHandle,
+    shutdown: CancellationToken,
+    mut on_change: F,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K::DynamicType: Default,
+    F: FnMut(&Snapshot<K>),
+{
+    let what = format!(
+        "{} ({})",
+        K::plural(&K::DynamicType::default()),
+        handle.name()
+    );
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut objects: Snapshot<K> = BTreeMap::new();
+    let mut listing: Option<Snapshot<K>> = None;
+    let mut failing = false;
+    loop {
+        let event = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            e = stream.next() => e,
+        };
+        let Some(event) = event else {
+            tracing::error!(watch = %what, "watch stream ended unexpectedly");
+            return;
+        };
+        let event = match event {
+            Ok(e) => e,
+            Err(err) => {
+                log_watch_error(&what, &err, failing);
+                failing = true;
+                continue;
+            }
+        };
+        if failing {
+            tracing::info!(watch = %what, "watch recovered");
+            failing = false;
+        }
+        match event {
+            watcher::Event::Init => listing = Some(BTreeMap::new()),
+            watcher::Event::InitApply(obj) => {
+                handle.queued();
+                listing
+                    .get_or_insert_default()
+                    .insert(obj.name_any(), Arc::new(obj));
+            }
+            watcher::Event::InitDone => {
+                objects = listing.take().unwrap_or_default();
+                on_change(&objects);
+                handle.updated();
+                tracing::debug!(watch = %what, count = objects.len(), "listed");
+            }
+            watcher::Event::Apply(obj) => {
+                handle.queued();
+                objects.insert(obj.name_any(), Arc::new(obj));
+                on_change(&objects);
+                handle.updated();
+            }
+            watcher::Event::Delete(obj) => {
+                handle.queued();
+                objects.remove(&obj.name_any());
+                on_change(&objects);
+                handle.updated();
+            }
+        }
+    }
+}
+
+/// HTTP status of a watcher error, when it came from the API server.
+fn status_code(err: &watcher::Error) -> Option<u16> {
+    match err {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(s) => Some(s.code),
+            _ => None,
+        },
+        watcher::Error::WatchError(s) => Some(s.code),
+        watcher::Error::NoResourceVersion => None,
+    }
+}
+
+fn log_watch_error(what: &str, err: &watcher::Error, repeated: bool) {
+    let hint = match status_code(err) {
+        Some(401) => "the agent's credentials were rejected",
+        Some(403) => "RBAC forbids this watch: check the agent's ClusterRole",
+        Some(404) => {
+            "the resource is not served: is the NodeGuardPolicy CRD installed (kubectl apply -f crds/)?"
+        }
+        Some(410) => "the watch expired; relisting",
+        _ => "the API server may be unreachable; retrying with backoff",
+    };
+    if repeated {
+        tracing::debug!(watch = %what, error = %err, hint, "watch still failing");
+    } else {
+        tracing::warn!(watch = %what, error = %err, hint, "watch failed; retrying with backoff");
+    }
+}

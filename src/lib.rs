@@ -1,0 +1,18 @@
+//! nodeguard: a Kubernetes node agent. See ARCHITECTURE.md for the module map.
+
+pub mod agent;
+pub mod cli;
+pub mod clock;
+pub mod k8s;
+pub mod policy;
+pub mod server;
+
+/// `version (commit, rustc)` as printed by `nodeguard version`.
+pub fn version_string() -> String {
+    format!(
+        "nodeguard {} (commit {}, {})",
+        env!("CARGO_PKG_VERSION"),
+        env!("NODEGUARD_GIT_COMMIT"),
+        env!("NODEGUARD_RUSTC_VERSION")
+    )
+}

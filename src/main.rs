@@ -1,0 +1,130 @@
+use std::io::Read;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use nodeguard::agent::{self, AgentConfig};
+use nodeguard::cli::{Cli, Command, LogFormat, RunArgs};
+use nodeguard::policy::{self, NodeGuardPolicy};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::Crd => {
+            print!("{}", NodeGuardPolicy::crd_yaml());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Check { files } => check(&files),
+        Command::Version => {
+            println!("{}", nodeguard::version_string());
+            Ok(ExitCode::SUCCESS)
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    init_logging(args.log.log_format);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        tracing::info!(version = %nodeguard::version_string(), node = %args.node_name, "starting");
+        let client = nodeguard::k8s::client(args.kubeconfig.as_deref()).await?;
+        let config = AgentConfig {
+            node_name: args.node_name,
+            listen: args.listen,
+            state_dir: args.state_dir,
+        };
+        let agent = agent::start(config, client).await?;
+        let signal = wait_for_signal().await?;
+        tracing::info!(signal, "stopping");
+        agent.stop().await;
+        tracing::info!("stopped");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+async fn wait_for_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}
+
+fn check(files: &[std::path::PathBuf]) -> anyhow::Result<ExitCode> {
+    let mut problems = 0usize;
+    let mut policies = 0usize;
+    for file in files {
+        let origin = file.display().to_string();
+        let text = if origin == "-" {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("cannot read stdin")?;
+            s
+        } else {
+            std::fs::read_to_string(file).map_err(|source| policy::PolicyError::Read {
+                path: origin.clone(),
+                source,
+            })?
+        };
+        let docs = match policy::load_policies(&origin, &text) {
+            Ok(docs) => docs,
+            Err(err) => {
+                println!("{err}");
+                problems += 1;
+                continue;
+            }
+        };
+        for doc in docs {
+            policies += 1;
+            let name = doc.name.as_deref().unwrap_or("<unnamed>");
+            if doc.problems.is_empty() {
+                println!("{origin}: NodeGuardPolicy {name}: valid");
+            }
+            for p in &doc.problems {
+                println!(
+                    "{origin}: NodeGuardPolicy {name} (document {}): {p}",
+                    doc.index + 1
+                );
+                problems += 1;
+            }
+        }
+    }
+    if problems > 0 {
+        println!(
+            "{problems} problem(s) in {policies} polic{}",
+            if policies == 1 { "y" } else { "ies" }
+        );
+        Ok(ExitCode::from(1))
+    } else {
+        Ok(ExitCode::SUCCESS)
+    }
+}

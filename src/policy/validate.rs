@@ -1,0 +1,107 @@
+//! Semantic validation of a policy: what the CRD schema cannot express.
+//! `nodeguard check` and the agent call the same [`validate`].
+
+use std::fmt;
+
+use super::NodeGuardPolicy;
+use super::selector::{Selector, is_dns_subdomain};
+
+/// One thing wrong with a policy, located by its field path
+/// (`spec.nodeSelector.matchExpressions[0].operator`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub path: String,
+    pub message: String,
+}
+
+impl Problem {
+    pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Problem {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Every problem of `policy`; empty when the policy can be put in force.
+pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    match policy.metadata.name.as_deref() {
+        None | Some("") => problems.push(Problem::new("metadata.name", "a policy needs a name")),
+        Some(name) if !is_dns_subdomain(name) => problems.push(Problem::new(
+            "metadata.name",
+            format!("{name:?} is not a valid name: use lowercase letters, digits, '-' and '.'"),
+        )),
+        Some(_) => {}
+    }
+    if policy.metadata.namespace.is_some() {
+        problems.push(Problem::new(
+            "metadata.namespace",
+            "NodeGuardPolicy is cluster-scoped; remove the namespace",
+        ));
+    }
+    if let Some(sel) = &policy.spec.node_selector {
+        Selector::parse(sel, "spec.nodeSelector", &mut problems);
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::NodeGuardPolicySpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+
+    fn policy(name: &str, spec: NodeGuardPolicySpec) -> NodeGuardPolicy {
+        NodeGuardPolicy::new(name, spec)
+    }
+
+    #[test]
+    fn a_minimal_policy_is_valid() {
+        assert_eq!(
+            validate(&policy("default", NodeGuardPolicySpec::default())),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn names_and_namespaces_are_checked() {
+        let p = validate(&policy("Bad Name", NodeGuardPolicySpec::default()));
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].path, "metadata.name");
+
+        let mut namespaced = policy("ok", NodeGuardPolicySpec::default());
+        namespaced.metadata.namespace = Some("default".into());
+        assert_eq!(validate(&namespaced)[0].path, "metadata.namespace");
+
+        let mut unnamed = policy("x", NodeGuardPolicySpec::default());
+        unnamed.metadata.name = None;
+        assert_eq!(validate(&unnamed)[0].path, "metadata.name");
+    }
+
+    #[test]
+    fn selector_problems_carry_the_spec_path() {
+        let spec = NodeGuardPolicySpec {
+            node_selector: Some(LabelSelector {
+                match_expressions: Some(vec![LabelSelectorRequirement {
+                    key: "zone".into(),
+                    operator: "Like".into(),
+                    values: Some(vec!["a".into()]),
+                }]),
+                ..Default::default()
+            }),
+        };
+        let p = validate(&policy("p", spec));
+        assert_eq!(p.len(), 1);
+        assert_eq!(
+            p[0].to_string().split(':').next().unwrap(),
+            "spec.nodeSelector.matchExpressions[0].operator"
+        );
+    }
+}

@@ -1,0 +1,20 @@
+# The two commands of the README, plus helpers. Scripts live in e2e/.
+.PHONY: demo demo-stop test cluster-up cluster-down crd
+
+demo:         ## control plane up, agent running against it, results shown
+	e2e/demo
+
+demo-stop:    ## stop the demo agent and the control plane
+	e2e/demo stop
+
+test:         ## everything CI runs: setup, fmt, clippy, all tests against the real control plane
+	e2e/test-all
+
+cluster-up:
+	e2e/setup && e2e/cluster/up
+
+cluster-down:
+	e2e/cluster/down
+
+crd:          ## regenerate crds/ from the Rust types
+	cargo run --quiet -- crd > crds/nodeguard.io_nodeguardpolicies.yaml

@@ -1,0 +1,246 @@
+//! Test support for integration tests against the real control plane
+//! started by `e2e/cluster/up`. Tests that need it fail (never skip) with a
+//! message saying how to start it.
+#![allow(dead_code)] // each test binary uses a different part of this module
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::OnceCell;
+
+/// Namespace the tests create their namespaced objects in.
+pub const TEST_NAMESPACE: &str = "nodeguard-test";
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The admin kubeconfig written by `e2e/cluster/up`.
+pub fn kubeconfig_path() -> PathBuf {
+    if let Ok(p) = std::env::var("NODEGUARD_TEST_KUBECONFIG") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var("NODEGUARD_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").expect("HOME is set")).join(".cache/nodeguard"));
+    let state = std::env::var("NODEGUARD_CLUSTER_STATE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| cache.join("cluster"));
+    state.join("admin.kubeconfig")
+}
+
+pub async fn admin_config() -> Config {
+    let path = kubeconfig_path();
+    let kc = Kubeconfig::read_from(&path).unwrap_or_else(|e| {
+        panic!(
+            "the test control plane is not up ({}: {e}).\n\
+             Start it with `e2e/cluster/up` (after `e2e/cluster/build`), or run everything with `make test`.",
+            path.display()
+        )
+    });
+    Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .expect("admin kubeconfig is usable")
+}
+
+static SETUP: OnceCell<()> = OnceCell::const_new();
+
+/// An admin client; on first use per test binary also checks the API server
+/// answers, installs the CRD from `crds/` and creates the test namespace.
+pub async fn admin_client() -> Client {
+    let client = Client::try_from(admin_config().await).expect("client");
+    SETUP
+        .get_or_init(|| async {
+            client.apiserver_version().await.unwrap_or_else(|e| {
+                panic!(
+                    "the test control plane at {} does not answer: {e}\nStart it with `e2e/cluster/up`.",
+                    kubeconfig_path().display()
+                )
+            });
+            install_crd(&client).await;
+            let ns: Api<Namespace> = Api::all(client.clone());
+            let ns_obj: Namespace = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TEST_NAMESPACE}
+            }))
+            .unwrap();
+            ns.patch(TEST_NAMESPACE, &PatchParams::apply("nodeguard-tests").force(), &Patch::Apply(&ns_obj))
+                .await
+                .expect("create test namespace");
+            // The ServiceAccount admission plugin rejects pods until the
+            // controller manager has created the namespace's default account.
+            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), TEST_NAMESPACE);
+            eventually(Duration::from_secs(30), "default service account", || async {
+                sas.get_opt("default").await.ok().flatten().is_some()
+            })
+            .await;
+        })
+        .await;
+    client
+}
+
+/// Applies the committed CRD file and waits until it is established.
+pub async fn install_crd(client: &Client) {
+    let text = std::fs::read_to_string(repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml")).unwrap();
+    let crd: CustomResourceDefinition = serde_saphyr::from_str(&text).unwrap();
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    api.patch(
+        "nodeguardpolicies.nodeguard.io",
+        &PatchParams::apply("nodeguard-tests").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("the committed CRD applies to the real API server");
+    eventually(Duration::from_secs(30), "CRD established", || async {
+        api.get("nodeguardpolicies.nodeguard.io")
+            .await
+            .ok()
+            .and_then(|c| c.status)
+            .and_then(|s| s.conditions)
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Established" && c.status == "True"))
+    })
+    .await;
+}
+
+/// Polls `check` every 50 ms until it is true; panics after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A name unique across tests and runs: `prefix-<pid>-<n>-<nanos>`.
+pub fn unique_name(prefix: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{prefix}-{}-{n}-{:x}", std::process::id(), nanos & 0xffff)
+}
+
+/// A Node object created for one test and deleted when dropped.
+pub struct TestNode {
+    pub name: String,
+}
+
+impl TestNode {
+    pub async fn create(client: &Client, prefix: &str, labels: &[(&str, &str)]) -> TestNode {
+        let name = unique_name(prefix);
+        let labels: serde_json::Map<String, serde_json::Value> =
+            labels.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect();
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": labels},
+        }))
+        .unwrap();
+        Api::<Node>::all(client.clone())
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("create test node");
+        TestNode { name }
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // A fresh runtime on its own thread: the test's runtime may be gone.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let client = Client::try_from(admin_config().await).unwrap();
+                let _ = Api::<Node>::all(client).delete(&name, &DeleteParams::default()).await;
+            });
+        })
+        .join();
+    }
+}
+
+/// A plain HTTP/1.0 GET against the agent: (status, body).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect to agent");
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    stream.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+/// Runs kubectl against the test cluster and returns stdout; panics with
+/// stderr on failure.
+pub fn kubectl(args: &[&str]) -> String {
+    let out = std::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("kubectl is installed");
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A client that authenticates as a fresh ServiceAccount in the test
+/// namespace (token from the TokenRequest API), with no permissions until
+/// the test grants them.
+pub async fn service_account_client(admin: &Client, name: &str) -> Client {
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let sa: ServiceAccount = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}
+    }))
+    .unwrap();
+    sas.create(&PostParams::default(), &sa).await.expect("create service account");
+    let req = k8s_openapi::api::authentication::v1::TokenRequest {
+        spec: k8s_openapi::api::authentication::v1::TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let token = sas
+        .create_token_request(name, &PostParams::default(), &req)
+        .await
+        .expect("TokenRequest works against the test API server")
+        .status
+        .expect("token status")
+        .token;
+    let mut config = admin_config().await;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..Default::default()
+    };
+    Client::try_from(config).unwrap()
+}

@@ -5,7 +5,10 @@ mod support;
 use std::process::Command;
 
 fn nodeguard(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nodeguard")).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(args)
+        .output()
+        .unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -17,8 +20,10 @@ fn nodeguard(args: &[&str]) -> (i32, String, String) {
 fn crd_prints_the_committed_file() {
     let (code, out, _) = nodeguard(&["crd"]);
     assert_eq!(code, 0);
-    let committed =
-        std::fs::read_to_string(support::repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml")).unwrap();
+    let committed = std::fs::read_to_string(
+        support::repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml"),
+    )
+    .unwrap();
     assert_eq!(out, committed);
 }
 
@@ -39,7 +44,10 @@ fn check_reports_a_bad_selector_with_field_paths_and_exit_1() {
         out.contains("spec.nodeSelector.matchExpressions[0].operator: unknown operator \"Equals\""),
         "{out}"
     );
-    assert!(out.contains("spec.nodeSelector.matchExpressions[1].values"), "{out}");
+    assert!(
+        out.contains("spec.nodeSelector.matchExpressions[1].values"),
+        "{out}"
+    );
     assert!(out.contains("2 problem(s) in 1 policy"), "{out}");
 }
 
@@ -47,7 +55,10 @@ fn check_reports_a_bad_selector_with_field_paths_and_exit_1() {
 fn check_reports_unreadable_and_foreign_files() {
     let (code, _, err) = nodeguard(&["check", "-f", "/nonexistent/policy.yaml"]);
     assert_eq!(code, 2);
-    assert!(err.contains("cannot read /nonexistent/policy.yaml"), "{err}");
+    assert!(
+        err.contains("cannot read /nonexistent/policy.yaml"),
+        "{err}"
+    );
 
     let dir = std::env::temp_dir().join(support::unique_name("check"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -66,7 +77,13 @@ fn version_and_help() {
     assert!(out.starts_with("nodeguard 0."), "{out}");
     let (code, out, _) = nodeguard(&["run", "--help"]);
     assert_eq!(code, 0);
-    for flag in ["--node-name", "--kubeconfig", "--listen", "--state-dir", "--log-format"] {
+    for flag in [
+        "--node-name",
+        "--kubeconfig",
+        "--listen",
+        "--state-dir",
+        "--log-format",
+    ] {
         assert!(out.contains(flag), "run --help lacks {flag}:\n{out}");
     }
 }

@@ -48,7 +48,9 @@ mod tempdir {
 
 #[test]
 fn committed_crd_matches_the_types() {
-    let committed = std::fs::read_to_string(repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml")).unwrap();
+    let committed =
+        std::fs::read_to_string(repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml"))
+            .unwrap();
     assert!(
         committed == NodeGuardPolicy::crd_yaml(),
         "crds/nodeguard.io_nodeguardpolicies.yaml is out of date: regenerate it with\n  \
@@ -101,7 +103,11 @@ async fn readyz_turns_200_only_after_the_first_sync() {
     for _ in 0..20 {
         let (code, body) = http_get(agent.addr, "/readyz").await;
         assert_eq!(code, 503, "ready before any watch synced: {body}");
-        assert_eq!(http_get(agent.addr, "/livez").await.0, 200, "an unsynced watch is not stuck");
+        assert_eq!(
+            http_get(agent.addr, "/livez").await.0,
+            200,
+            "an unsynced watch is not stuck"
+        );
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
     let (_, body) = http_get(agent.addr, "/readyz").await;
@@ -130,11 +136,16 @@ async fn readyz_turns_200_only_after_the_first_sync() {
     let roles: Api<ClusterRole> = Api::all(admin.clone());
     let bindings: Api<ClusterRoleBinding> = Api::all(admin.clone());
     roles.create(&PostParams::default(), &role).await.unwrap();
-    bindings.create(&PostParams::default(), &binding).await.unwrap();
+    bindings
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
 
-    eventually(Duration::from_secs(45), "/readyz 200 after RBAC is granted", || async {
-        http_get(agent.addr, "/readyz").await.0 == 200
-    })
+    eventually(
+        Duration::from_secs(45),
+        "/readyz 200 after RBAC is granted",
+        || async { http_get(agent.addr, "/readyz").await.0 == 200 },
+    )
     .await;
     let (_, body) = http_get(agent.addr, "/readyz").await;
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -159,10 +170,16 @@ async fn a_stuck_loop_fails_livez_and_recovers() {
     let work = agent.health.register("test-loop", Duration::from_secs(1));
     work.updated();
     work.queued();
-    assert_eq!(http_get(agent.addr, "/livez").await.0, 200, "not stuck before its timeout");
-    eventually(Duration::from_secs(3), "/livez 503 for the stuck loop", || async {
-        http_get(agent.addr, "/livez").await.0 == 503
-    })
+    assert_eq!(
+        http_get(agent.addr, "/livez").await.0,
+        200,
+        "not stuck before its timeout"
+    );
+    eventually(
+        Duration::from_secs(3),
+        "/livez 503 for the stuck loop",
+        || async { http_get(agent.addr, "/livez").await.0 == 503 },
+    )
     .await;
     let (code, body) = http_get(agent.addr, "/healthz").await;
     assert_eq!(code, 503);
@@ -170,7 +187,10 @@ async fn a_stuck_loop_fails_livez_and_recovers() {
     assert_eq!(v["loops"]["test-loop"]["stuck"], true, "{body}");
     assert_eq!(v["nodeEligible"], true);
     let (_, metrics) = http_get(agent.addr, "/metrics").await;
-    assert!(metrics.contains("nodeguard_loop_stuck{loop=\"test-loop\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("nodeguard_loop_stuck{loop=\"test-loop\"} 1"),
+        "{metrics}"
+    );
 
     work.updated();
     assert_eq!(http_get(agent.addr, "/livez").await.0, 200);
@@ -207,19 +227,27 @@ async fn eligibility_turns_healthz_503_while_livez_stays_200() {
         .await
         .unwrap();
     let started = std::time::Instant::now();
-    eventually(Duration::from_secs(1), "/healthz 503 within 1 s of the taint", || async {
-        http_get(agent.addr, "/healthz").await.0 == 503
-    })
+    eventually(
+        Duration::from_secs(1),
+        "/healthz 503 within 1 s of the taint",
+        || async { http_get(agent.addr, "/healthz").await.0 == 503 },
+    )
     .await;
     eprintln!("healthz turned 503 {:?} after the taint", started.elapsed());
     assert_eq!(http_get(agent.addr, "/livez").await.0, 200);
     nodes
-        .patch(&node.name, &PatchParams::default(), &Patch::Merge(&serde_json::json!({"spec": {"taints": null}})))
+        .patch(
+            &node.name,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"spec": {"taints": null}})),
+        )
         .await
         .unwrap();
-    eventually(Duration::from_secs(1), "/healthz 200 within 1 s of removing the taint", || async {
-        http_get(agent.addr, "/healthz").await.0 == 200
-    })
+    eventually(
+        Duration::from_secs(1),
+        "/healthz 200 within 1 s of removing the taint",
+        || async { http_get(agent.addr, "/healthz").await.0 == 200 },
+    )
     .await;
     agent.stop().await;
 }

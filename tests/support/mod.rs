@@ -29,7 +29,9 @@ pub fn kubeconfig_path() -> PathBuf {
     }
     let cache = std::env::var("NODEGUARD_CACHE")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").expect("HOME is set")).join(".cache/nodeguard"));
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").expect("HOME is set")).join(".cache/nodeguard")
+        });
     let state = std::env::var("NODEGUARD_CLUSTER_STATE")
         .map(PathBuf::from)
         .unwrap_or_else(|_| cache.join("cluster"));
@@ -87,7 +89,9 @@ pub async fn admin_client() -> Client {
 
 /// Applies the committed CRD file and waits until it is established.
 pub async fn install_crd(client: &Client) {
-    let text = std::fs::read_to_string(repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml")).unwrap();
+    let text =
+        std::fs::read_to_string(repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml"))
+            .unwrap();
     let crd: CustomResourceDefinition = serde_saphyr::from_str(&text).unwrap();
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     api.patch(
@@ -103,7 +107,10 @@ pub async fn install_crd(client: &Client) {
             .ok()
             .and_then(|c| c.status)
             .and_then(|s| s.conditions)
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Established" && c.status == "True"))
+            .is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+            })
     })
     .await;
 }
@@ -146,8 +153,10 @@ pub struct TestNode {
 impl TestNode {
     pub async fn create(client: &Client, prefix: &str, labels: &[(&str, &str)]) -> TestNode {
         let name = unique_name(prefix);
-        let labels: serde_json::Map<String, serde_json::Value> =
-            labels.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect();
+        let labels: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+            .collect();
         let node: Node = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": labels},
@@ -166,10 +175,15 @@ impl Drop for TestNode {
         let name = self.name.clone();
         // A fresh runtime on its own thread: the test's runtime may be gone.
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(async {
                 let client = Client::try_from(admin_config().await).unwrap();
-                let _ = Api::<Node>::all(client).delete(&name, &DeleteParams::default()).await;
+                let _ = Api::<Node>::all(client)
+                    .delete(&name, &DeleteParams::default())
+                    .await;
             });
         })
         .join();
@@ -178,7 +192,9 @@ impl Drop for TestNode {
 
 /// A plain HTTP/1.0 GET against the agent: (status, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect to agent");
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to agent");
     stream
         .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
         .await
@@ -191,7 +207,10 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -221,7 +240,9 @@ pub async fn service_account_client(admin: &Client, name: &str) -> Client {
         "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}
     }))
     .unwrap();
-    sas.create(&PostParams::default(), &sa).await.expect("create service account");
+    sas.create(&PostParams::default(), &sa)
+        .await
+        .expect("create service account");
     let req = k8s_openapi::api::authentication::v1::TokenRequest {
         spec: k8s_openapi::api::authentication::v1::TokenRequestSpec {
             audiences: vec![],

@@ -1,12 +1,19 @@
-//! Wiring: builds the health registry, metrics, HTTP server and the
-//! long-running loops, and stops them together.
+//! Wiring: builds the health registry, metrics, reporter, HTTP server and
+//! the long-running loops, and stops them together.
+//!
+//! ```text
+//! watch Node ──┐
+//! watch Policy ┼─► node-state loop ─► eligibility (/healthz), policy condition, Events
+//! watch Pods   │                    └► observation ─► condition writer ─► nodes/status (SSA)
+//!              └─► (probes, shutdown: later issues)   Reporter events ─► event publisher ─► events.k8s.io
+//! ```
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::sync::watch;
@@ -14,27 +21,44 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
-use crate::k8s::watch::{Snapshot, watch_objects};
-use crate::policy::{NodeGuardPolicy, validate};
-use crate::server::{Health, Server, ServerError, metrics};
+use crate::k8s::status::{KubeEvents, KubeStatus, observe};
+use crate::k8s::watch::{Snapshot, publish_objects};
+use crate::policy::{NodeGuardPolicy, Selection, select};
+use crate::report::{
+    Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer, run_event_publisher,
+};
+use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
 
-/// How long a watch loop may hold unapplied changes before `/livez` fails.
-pub const WATCH_LOOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a loop may hold unapplied changes before `/livez` fails.
+pub const LOOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The condition nodeguard sets about its own policies on each node.
+pub const POLICY_CONDITION: &str = "NodeGuardPolicyInvalid";
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     pub node_name: String,
     pub listen: SocketAddr,
     pub state_dir: PathBuf,
+    pub report: ReportConfig,
+}
+
+impl AgentConfig {
+    pub fn new(node_name: impl Into<String>, listen: SocketAddr, state_dir: impl Into<PathBuf>) -> Self {
+        AgentConfig {
+            node_name: node_name.into(),
+            listen,
+            state_dir: state_dir.into(),
+            report: ReportConfig::default(),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error(transparent)]
     Server(#[from] ServerError),
-    #[error(
-        "state directory {path} is not usable: {source} (set --state-dir to a writable directory)"
-    )]
+    #[error("state directory {path} is not usable: {source} (set --state-dir to a writable directory)")]
     StateDir {
         path: String,
         #[source]
@@ -45,12 +69,15 @@ pub enum AgentError {
 /// A started agent. Dropping it does not stop it; call [`RunningAgent::stop`].
 pub struct RunningAgent {
     pub health: Health,
+    pub reporter: Reporter,
     /// The address the HTTP server listens on (useful with port 0).
     pub addr: SocketAddr,
-    /// The Node as last seen by the node watch (`None`: not found).
-    pub node: watch::Receiver<Option<Arc<Node>>>,
-    /// The policies as last seen by the policy watch.
-    pub policies: watch::Receiver<Snapshot<NodeGuardPolicy>>,
+    /// This node as last seen (`None` before the first list).
+    pub node: watch::Receiver<Option<Snapshot<Node>>>,
+    /// Pods bound to this node, by `namespace/name`.
+    pub pods: watch::Receiver<Option<Snapshot<Pod>>>,
+    /// All policies as last seen.
+    pub policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
 }
@@ -84,21 +111,19 @@ fn ensure_state_dir(path: &std::path::Path) -> Result<(), AgentError> {
 pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, AgentError> {
     ensure_state_dir(&config.state_dir)?;
     let health = Health::new();
-    let (registry, server_metrics) = metrics::new_registry(&health);
+    let (mut registry, server_metrics) = metrics::new_registry(&health);
+    let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
 
     // Register every loop before serving, so /readyz cannot pass early.
-    let node_loop = health.register("node-watch", WATCH_LOOP_TIMEOUT);
-    let policy_loop = health.register("policy-watch", WATCH_LOOP_TIMEOUT);
+    let node_loop = health.register("node-watch", LOOP_TIMEOUT);
+    let pod_loop = health.register("pod-watch", LOOP_TIMEOUT);
+    let policy_loop = health.register("policy-watch", LOOP_TIMEOUT);
+    let state_loop = health.register("node-state", LOOP_TIMEOUT);
+    let writer_loop = health.register("condition-writer", LOOP_TIMEOUT);
 
-    let server = Server::bind(
-        config.listen,
-        health.clone(),
-        Arc::new(registry),
-        server_metrics,
-    )
-    .await?;
+    let server = Server::bind(config.listen, health.clone(), Arc::new(registry), server_metrics).await?;
     let addr = server.local_addr();
     tracing::info!(%addr, node = %config.node_name, "serving /healthz /livez /readyz /metrics");
     let token = shutdown.clone();
@@ -109,71 +134,204 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     });
 
     let (node_tx, node_rx) = watch::channel(None);
-    {
-        let api: Api<Node> = Api::all(client.clone());
-        let cfg = watcher::Config::default().fields(&format!("metadata.name={}", config.node_name));
-        let health = health.clone();
-        let node_name = config.node_name.clone();
-        let token = shutdown.clone();
-        tasks.spawn(async move {
-            watch_objects(api, cfg, node_loop, token, move |nodes: &Snapshot<Node>| {
-                let node = nodes.get(&node_name).cloned();
-                let facts = node.as_deref().map(NodeFacts::from_node).unwrap_or_default();
-                let (eligible, reason) = match eligibility(&facts, &[]) {
-                    Eligibility::Eligible => (true, None),
-                    Eligibility::Ineligible(r) => (false, Some(r)),
-                };
-                if health.set_node_eligible(eligible, reason.clone()) {
-                    match &reason {
-                        None => tracing::info!(node = %node_name, "node is eligible again"),
-                        Some(r) => tracing::warn!(node = %node_name, reason = %r, "node is no longer eligible; /healthz answers 503"),
-                    }
-                }
-                node_tx.send_replace(node);
-            })
-            .await;
-        });
-    }
+    tasks.spawn(publish_objects(
+        Api::<Node>::all(client.clone()),
+        watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
+        node_loop,
+        shutdown.clone(),
+        node_tx,
+    ));
+    let (pod_tx, pod_rx) = watch::channel(None);
+    tasks.spawn(publish_objects(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().fields(&format!("spec.nodeName={}", config.node_name)),
+        pod_loop,
+        shutdown.clone(),
+        pod_tx,
+    ));
+    let (policy_tx, policy_rx) = watch::channel(None);
+    tasks.spawn(publish_objects(
+        Api::<NodeGuardPolicy>::all(client.clone()),
+        watcher::Config::default(),
+        policy_loop,
+        shutdown.clone(),
+        policy_tx,
+    ));
 
-    let (policy_tx, policy_rx) = watch::channel(Snapshot::new());
+    let (obs_tx, obs_rx) = watch::channel(None);
+    tasks.spawn(node_state_loop(NodeStateLoop {
+        node_name: config.node_name.clone(),
+        node: node_rx.clone(),
+        policies: policy_rx.clone(),
+        observation: obs_tx,
+        health: health.clone(),
+        reporter: reporter.clone(),
+        handle: state_loop,
+        shutdown: shutdown.clone(),
+    }));
+    tasks.spawn(run_condition_writer(
+        reporter.clone(),
+        KubeStatus::new(client.clone(), &config.node_name),
+        obs_rx,
+        writer_loop,
+        config.report.clone(),
+        shutdown.clone(),
+    ));
+    let (node_obj_tx, node_obj_rx) = watch::channel(None);
     {
-        let api: Api<NodeGuardPolicy> = Api::all(client.clone());
+        let mut node_rx = node_rx.clone();
+        let name = config.node_name.clone();
         let token = shutdown.clone();
         tasks.spawn(async move {
-            let mut seen: std::collections::BTreeMap<String, Option<i64>> = Default::default();
-            watch_objects(
-                api,
-                watcher::Config::default(),
-                policy_loop,
-                token,
-                move |policies: &Snapshot<NodeGuardPolicy>| {
-                    seen.retain(|name, _| policies.contains_key(name));
-                    for (name, p) in policies {
-                        let generation = p.metadata.generation;
-                        if seen.insert(name.clone(), generation) == Some(generation) {
-                            continue;
-                        }
-                        let problems = validate(p);
-                        if problems.is_empty() {
-                            tracing::info!(policy = %name, ?generation, "policy loaded");
-                        } else {
-                            let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
-                            tracing::warn!(policy = %name, ?generation, problems = ?list, "policy is invalid");
-                        }
-                    }
-                    policy_tx.send_replace(policies.clone());
-                },
-            )
-            .await;
+            loop {
+                let node = node_rx.borrow_and_update().as_ref().and_then(|s| s.get(&name).cloned());
+                node_obj_tx.send_replace(node);
+                tokio::select! {
+                    _ = token.cancelled() => return,
+                    r = node_rx.changed() => if r.is_err() { return },
+                }
+            }
         });
     }
+    tasks.spawn(run_event_publisher(
+        reporter.clone(),
+        event_queue,
+        KubeEvents::new(client.clone(), &config.node_name, node_obj_rx),
+        config.report.clone(),
+        shutdown.clone(),
+    ));
 
     Ok(RunningAgent {
         health,
+        reporter,
         addr,
         node: node_rx,
+        pods: pod_rx,
         policies: policy_rx,
         shutdown,
         tasks,
     })
+}
+
+struct NodeStateLoop {
+    node_name: String,
+    node: watch::Receiver<Option<Snapshot<Node>>>,
+    policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
+    observation: watch::Sender<Option<Observation>>,
+    health: Health,
+    reporter: Reporter,
+    handle: LoopHandle,
+    shutdown: CancellationToken,
+}
+
+/// Reacts to the Node and the policies: eligibility, the policy condition,
+/// and what the condition writer observes of the Node.
+async fn node_state_loop(mut s: NodeStateLoop) {
+    let mut last_selection: Option<Selection> = None;
+    loop {
+        let node_snapshot = s.node.borrow_and_update().clone();
+        let policy_snapshot = s.policies.borrow_and_update().clone();
+        if let (Some(nodes), Some(policies)) = (node_snapshot, policy_snapshot) {
+            s.handle.queued();
+            let node = nodes.get(&s.node_name).cloned();
+            s.observation.send_replace(node.as_deref().map(observe));
+            let labels = node
+                .as_ref()
+                .and_then(|n| n.metadata.labels.clone())
+                .unwrap_or_default();
+            let selection = select(policies.values().map(|p| p.as_ref()), &labels);
+            if last_selection.as_ref() != Some(&selection) {
+                report_selection(&s.reporter, &s.node_name, &selection);
+                if !s.reporter.is_initialized() {
+                    // Every condition source has now declared its types.
+                    s.reporter.mark_initialized();
+                }
+            }
+            let facts = node.as_deref().map(NodeFacts::from_node).unwrap_or_default();
+            update_eligibility(&s, &facts, &selection.ineligible_taints);
+            last_selection = Some(selection);
+            s.handle.updated();
+        }
+        tokio::select! {
+            _ = s.shutdown.cancelled() => return,
+            r = s.node.changed() => if r.is_err() { return },
+            r = s.policies.changed() => if r.is_err() { return },
+        }
+    }
+}
+
+fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[String]) {
+    let (eligible, reason) = match eligibility(facts, extra_taints) {
+        Eligibility::Eligible => (true, None),
+        Eligibility::Ineligible(r) => (false, Some(r)),
+    };
+    if !s.health.set_node_eligible(eligible, reason.clone()) {
+        return;
+    }
+    match reason {
+        None => {
+            tracing::info!(node = %s.node_name, "node is eligible again; /healthz answers 200");
+            s.reporter.event(
+                EventKind::Normal,
+                "NodeEligible",
+                "UpdateHealthz",
+                "The node is eligible again: nodeguard's /healthz answers 200 so load balancers may send traffic.",
+            );
+        }
+        Some(r) => {
+            tracing::warn!(node = %s.node_name, reason = %r, "node is no longer eligible; /healthz answers 503");
+            s.reporter.event(
+                EventKind::Warning,
+                "NodeIneligible",
+                "UpdateHealthz",
+                format!("The node is no longer eligible ({r}): nodeguard's /healthz answers 503 so load balancers drain it."),
+            );
+        }
+    }
+}
+
+fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
+    if let Some((name, problems)) = selection.invalid.first() {
+        let first = problems.first().map(ToString::to_string).unwrap_or_default();
+        let more = match problems.len() {
+            0 | 1 => String::new(),
+            n => format!(" (and {} more problem{})", n - 1, if n == 2 { "" } else { "s" }),
+        };
+        let others = match selection.invalid.len() {
+            1 => String::new(),
+            n => format!(" {} other invalid policies are ignored too.", n - 1),
+        };
+        let message = format!(
+            "NodeGuardPolicy {name} is invalid and ignored on this node: {first}{more}. Fix it and check with `nodeguard check -f`.{others}"
+        );
+        tracing::warn!(%node, policy = %name, problems = ?problems.iter().map(ToString::to_string).collect::<Vec<_>>(), "invalid policy ignored");
+        reporter.event(EventKind::Warning, "PolicyInvalid", "LoadPolicy", message.clone());
+        reporter.set(
+            POLICY_CONDITION,
+            Desired {
+                status: Status::True,
+                reason: "PolicyInvalid".into(),
+                message,
+            },
+        );
+    } else {
+        let message = match selection.applied.as_slice() {
+            [] => "No NodeGuardPolicy selects this node; nodeguard runs with defaults.".to_string(),
+            names => format!(
+                "{} NodeGuardPolic{} in force on this node: {}.",
+                names.len(),
+                if names.len() == 1 { "y is" } else { "ies are" },
+                names.join(", ")
+            ),
+        };
+        tracing::info!(%node, applied = ?selection.applied, "policies selected");
+        reporter.set(
+            POLICY_CONDITION,
+            Desired {
+                status: Status::False,
+                reason: "PoliciesValid".into(),
+                message,
+            },
+        );
+    }
 }

@@ -58,6 +58,12 @@ pub struct RunArgs {
     )]
     pub state_dir: PathBuf,
 
+    /// Re-write nodeguard's NodeConditions at least this often (their
+    /// lastHeartbeatTime), so a stale agent is visible on the Node.
+    #[arg(long, env = "NODEGUARD_CONDITION_HEARTBEAT_SECONDS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(10..=86400))]
+    pub condition_heartbeat_seconds: u64,
+
     #[command(flatten)]
     pub log: LogArgs,
 }

@@ -5,6 +5,7 @@ pub mod cli;
 pub mod clock;
 pub mod k8s;
 pub mod policy;
+pub mod report;
 pub mod server;
 
 /// `version (commit, rustc)` as printed by `nodeguard version`.

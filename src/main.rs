@@ -54,11 +54,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     runtime.block_on(async {
         tracing::info!(version = %nodeguard::version_string(), node = %args.node_name, "starting");
         let client = nodeguard::k8s::client(args.kubeconfig.as_deref()).await?;
-        let config = AgentConfig {
-            node_name: args.node_name,
-            listen: args.listen,
-            state_dir: args.state_dir,
-        };
+        let mut config = AgentConfig::new(args.node_name, args.listen, args.state_dir);
+        config.report.heartbeat = std::time::Duration::from_secs(args.condition_heartbeat_seconds);
         let agent = agent::start(config, client).await?;
         let signal = wait_for_signal().await?;
         tracing::info!(signal, "stopping");

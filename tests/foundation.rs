@@ -17,11 +17,7 @@ use support::*;
 async fn start_agent(client: kube::Client, node: &str) -> (RunningAgent, tempdir::Dir) {
     let state = tempdir::Dir::new();
     let agent = agent::start(
-        AgentConfig {
-            node_name: node.to_string(),
-            listen: "127.0.0.1:0".parse().unwrap(),
-            state_dir: state.path.clone(),
-        },
+        AgentConfig::new(node, "127.0.0.1:0".parse().unwrap(), state.path.clone()),
         client,
     )
     .await
@@ -121,7 +117,7 @@ async fn readyz_turns_200_only_after_the_first_sync() {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
         "metadata": {"name": role_name},
         "rules": [
-            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["nodeguard.io"], "resources": ["nodeguardpolicies"], "verbs": ["get", "list", "watch"]},
         ],
     }))

@@ -3,6 +3,7 @@
 //! `kube` crate inside this crate.)
 
 pub mod node;
+pub mod status;
 pub mod watch;
 
 use std::path::Path;

@@ -20,8 +20,34 @@ use tokio_util::sync::CancellationToken;
 
 use crate::server::LoopHandle;
 
-/// Objects by name.
+/// Objects by `namespace/name` (by `name` when cluster-scoped).
 pub type Snapshot<K> = BTreeMap<String, Arc<K>>;
+
+/// The key of an object in a [`Snapshot`].
+pub fn key<K: Resource>(obj: &K) -> String {
+    match obj.meta().namespace.as_deref() {
+        Some(ns) => format!("{ns}/{}", obj.name_any()),
+        None => obj.name_any(),
+    }
+}
+
+/// Runs [`watch_objects`] publishing each snapshot on a channel; `None`
+/// until the first list has completed.
+pub async fn publish_objects<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    handle: LoopHandle,
+    shutdown: CancellationToken,
+    tx: tokio::sync::watch::Sender<Option<Snapshot<K>>>,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default,
+{
+    watch_objects(api, config, handle, shutdown, move |objects: &Snapshot<K>| {
+        tx.send_replace(Some(objects.clone()));
+    })
+    .await
+}
 
 /// Runs until `shutdown` is cancelled. `on_change` sees the whole snapshot.
 pub async fn watch_objects<K, F>(
@@ -81,13 +107,13 @@ pub async fn watch_objects<K, F>(
             }
             watcher::Event::Apply(obj) => {
                 handle.queued();
-                objects.insert(obj.name_any(), Arc::new(obj));
+                objects.insert(key(&obj), Arc::new(obj));
                 on_change(&objects);
                 handle.updated();
             }
             watcher::Event::Delete(obj) => {
                 handle.queued();
-                objects.remove(&obj.name_any());
+                objects.remove(&key(&obj));
                 on_change(&objects);
                 handle.updated();
             }

@@ -7,6 +7,7 @@
 //! Capability issues add their own sections to [`NodeGuardPolicySpec`].
 
 mod load;
+mod select;
 pub mod selector;
 mod validate;
 
@@ -16,6 +17,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use load::{PolicyDocument, load_policies};
+pub use select::{Selection, select};
 pub use selector::Selector;
 pub use validate::{Problem, validate};
 
@@ -68,6 +70,22 @@ pub struct NodeGuardPolicySpec {
     /// An absent or empty selector selects every node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<LabelSelector>,
+
+    /// How `/healthz` judges whether the node should keep receiving traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub healthz: Option<HealthzSpec>,
+}
+
+/// `/healthz` settings. The node is always ineligible while it is being
+/// deleted or tainted `ToBeDeletedByClusterAutoscaler`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthzSpec {
+    /// Further taint keys that make the node ineligible (for example a
+    /// drain taint of your own tooling). Policies that select the node add up.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub ineligible_taints: Vec<String>,
 }
 
 /// What the agents observed of this policy.

@@ -127,7 +127,8 @@ fn is_qualified_name_part(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
-fn check_label_key(key: &str, path: &str, problems: &mut Vec<Problem>) {
+/// Taint keys have the shape of label keys.
+pub(crate) fn check_label_key(key: &str, path: &str, problems: &mut Vec<Problem>) {
     let (prefix, name) = match key.rsplit_once('/') {
         Some((p, n)) => (Some(p), n),
         None => (None, key),

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use super::NodeGuardPolicy;
-use super::selector::{Selector, is_dns_subdomain};
+use super::selector::{Selector, check_label_key, is_dns_subdomain};
 
 /// One thing wrong with a policy, located by its field path
 /// (`spec.nodeSelector.matchExpressions[0].operator`).
@@ -48,6 +48,11 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
     }
     if let Some(sel) = &policy.spec.node_selector {
         Selector::parse(sel, "spec.nodeSelector", &mut problems);
+    }
+    if let Some(h) = &policy.spec.healthz {
+        for (i, key) in h.ineligible_taints.iter().enumerate() {
+            check_label_key(key, &format!("spec.healthz.ineligibleTaints[{i}]"), &mut problems);
+        }
     }
     problems
 }
@@ -96,6 +101,7 @@ mod tests {
                 }]),
                 ..Default::default()
             }),
+            ..Default::default()
         };
         let p = validate(&policy("p", spec));
         assert_eq!(p.len(), 1);

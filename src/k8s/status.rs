@@ -1,0 +1,220 @@
+//! Adapters of the report ports onto the API: server-side apply of
+//! nodeguard's conditions on `nodes/status`, and Events through kube's
+//! recorder (events.k8s.io/v1, with series aggregation).
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter as KubeReporter};
+use kube::{Api, Client, Resource};
+use tokio::sync::watch;
+
+use crate::report::conditions::owned_types;
+use crate::report::{
+    EventKind, EventPort, EventRequest, NodeState, Observation, Observed, ReportError, StatusPort, Written,
+};
+
+/// Field manager of every nodeguard write.
+pub const FIELD_MANAGER: &str = "nodeguard";
+/// `reportingController` of nodeguard's Events.
+pub const REPORTING_CONTROLLER: &str = "nodeguard.io/agent";
+
+/// What the condition writer needs to know of a Node.
+pub fn observe(node: &Node) -> Observation {
+    let conditions = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .map(|cs| {
+            cs.iter()
+                .map(|c| Observed {
+                    type_: c.type_.clone(),
+                    status: c.status.clone(),
+                    reason: c.reason.clone().unwrap_or_default(),
+                    message: c.message.clone().unwrap_or_default(),
+                    last_transition: c.last_transition_time.as_ref().map(|t| t.0),
+                    last_heartbeat: c.last_heartbeat_time.as_ref().map(|t| t.0),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let owned = node
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| {
+            m.manager.as_deref() == Some(FIELD_MANAGER)
+                && m.subresource.as_deref() == Some("status")
+                && m.operation.as_deref() == Some("Apply")
+        })
+        .filter_map(|m| m.fields_v1.as_ref())
+        .flat_map(|f| owned_types(&f.0))
+        .collect();
+    Observation {
+        state: NodeState { conditions, owned },
+        resource_version: node.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()),
+    }
+}
+
+/// The apply body: exactly nodeguard's conditions, nothing else.
+pub fn apply_body(node_name: &str, conditions: &[Written]) -> serde_json::Value {
+    let time = |t: &Option<jiff::Timestamp>| t.map(|t| serde_json::to_value(Time(t)).expect("a time serializes"));
+    let conditions: Vec<serde_json::Value> = conditions
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "type": c.type_,
+                "status": c.status,
+                "reason": c.reason,
+                "message": c.message,
+                "lastTransitionTime": time(&c.last_transition),
+                "lastHeartbeatTime": time(&c.last_heartbeat),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node_name},
+        "status": {"conditions": conditions},
+    })
+}
+
+/// Writes conditions with server-side apply on `nodes/status`.
+#[derive(Clone)]
+pub struct KubeStatus {
+    api: Api<Node>,
+    node_name: String,
+}
+
+impl KubeStatus {
+    pub fn new(client: Client, node_name: &str) -> Self {
+        KubeStatus {
+            api: Api::all(client),
+            node_name: node_name.to_string(),
+        }
+    }
+}
+
+impl StatusPort for KubeStatus {
+    async fn apply(&self, conditions: &[Written]) -> Result<Observation, ReportError> {
+        let body = apply_body(&self.node_name, conditions);
+        let node = self
+            .api
+            .patch_status(
+                &self.node_name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await?;
+        Ok(observe(&node))
+    }
+}
+
+/// Publishes Events regarding the Node (apiVersion, kind, name and uid set,
+/// so `kubectl describe node` and `kubectl events --for node/X` find them).
+pub struct KubeEvents {
+    recorder: Recorder,
+    node_name: String,
+    node: watch::Receiver<Option<Arc<Node>>>,
+}
+
+impl KubeEvents {
+    pub fn new(client: Client, node_name: &str, node: watch::Receiver<Option<Arc<Node>>>) -> Self {
+        let reporter = KubeReporter {
+            controller: REPORTING_CONTROLLER.into(),
+            instance: Some(format!("nodeguard-{node_name}")),
+        };
+        KubeEvents {
+            recorder: Recorder::new(client, reporter),
+            node_name: node_name.to_string(),
+            node,
+        }
+    }
+}
+
+impl EventPort for KubeEvents {
+    async fn publish(&self, ev: &EventRequest) -> Result<(), ReportError> {
+        let node = self.node.borrow().clone();
+        let Some(node) = node else {
+            return Err(ReportError::NodeUnknown(self.node_name.clone()));
+        };
+        let reference = node.object_ref(&());
+        let event = Event {
+            type_: match ev.kind {
+                EventKind::Normal => EventType::Normal,
+                EventKind::Warning => EventType::Warning,
+            },
+            reason: ev.reason.clone(),
+            note: Some(ev.note.clone()),
+            action: ev.action.clone(),
+            secondary: None,
+        };
+        self.recorder.publish(&event, &reference).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn observe_reads_conditions_times_and_only_our_applied_status_fields() {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "n", "resourceVersion": "42",
+                "managedFields": [
+                    {"manager": "nodeguard", "operation": "Apply", "subresource": "status",
+                     "fieldsType": "FieldsV1",
+                     "fieldsV1": {"f:status": {"f:conditions": {"k:{\"type\":\"Mine\"}": {}}}}},
+                    {"manager": "kubelet", "operation": "Update", "subresource": "status",
+                     "fieldsType": "FieldsV1",
+                     "fieldsV1": {"f:status": {"f:conditions": {"k:{\"type\":\"Ready\"}": {}}}}},
+                    {"manager": "nodeguard", "operation": "Apply",
+                     "fieldsType": "FieldsV1",
+                     "fieldsV1": {"f:status": {"f:conditions": {"k:{\"type\":\"NotStatus\"}": {}}}}},
+                ],
+            },
+            "status": {"conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ok",
+                 "lastTransitionTime": "2026-01-01T00:00:00Z", "lastHeartbeatTime": "2026-01-01T00:01:00Z"},
+                {"type": "Mine", "status": "False"},
+            ]},
+        }))
+        .unwrap();
+        let o = observe(&node);
+        assert_eq!(o.resource_version, Some(42));
+        assert_eq!(o.state.owned.iter().collect::<Vec<_>>(), ["Mine"]);
+        assert_eq!(o.state.conditions.len(), 2);
+        assert_eq!(
+            o.state.conditions[0].last_heartbeat,
+            Some("2026-01-01T00:01:00Z".parse().unwrap())
+        );
+        assert_eq!(o.state.conditions[1].reason, "");
+    }
+
+    #[test]
+    fn apply_body_has_only_our_conditions_and_rfc3339_times() {
+        let body = apply_body(
+            "n",
+            &[Written {
+                type_: "KernelDeadlock".into(),
+                status: "False".into(),
+                reason: "KernelHasNoDeadlock".into(),
+                message: "Kernel has no deadlock.".into(),
+                last_transition: Some("2026-01-01T00:00:00Z".parse().unwrap()),
+                last_heartbeat: Some("2026-01-01T00:05:00Z".parse().unwrap()),
+            }],
+        );
+        assert_eq!(body["metadata"], serde_json::json!({"name": "n"}));
+        assert!(body.get("spec").is_none());
+        let c = &body["status"]["conditions"][0];
+        assert_eq!(c["lastTransitionTime"], "2026-01-01T00:00:00Z");
+        assert_eq!(c["lastHeartbeatTime"], "2026-01-01T00:05:00Z");
+        assert_eq!(body["status"]["conditions"].as_array().unwrap().len(), 1);
+    }
+}

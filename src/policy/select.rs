@@ -1,0 +1,112 @@
+//! Which policies apply to a node, and what they add up to.
+
+use std::collections::BTreeMap;
+
+use super::{NodeGuardPolicy, Problem, Selector, validate};
+
+/// The outcome of selecting policies for one node's labels.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Valid policies whose selector matches, by name.
+    pub applied: Vec<String>,
+    /// Invalid policies that match the node, or whose selector cannot be
+    /// read (they might), with their problems. They are not applied.
+    pub invalid: Vec<(String, Vec<Problem>)>,
+    /// Taint keys that make the node ineligible, besides the autoscaler's.
+    pub ineligible_taints: Vec<String>,
+}
+
+/// Selects the policies for a node with `labels`. Applied policies combine
+/// by union (sorted, without duplicates); issue-specific sections add their
+/// own merge rules.
+pub fn select<'a>(
+    policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
+    labels: &BTreeMap<String, String>,
+) -> Selection {
+    let mut out = Selection::default();
+    let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
+    policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    for p in policies {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let mut sel_problems = Vec::new();
+        let matches = match &p.spec.node_selector {
+            None => Some(true),
+            Some(s) => Selector::parse(s, "spec.nodeSelector", &mut sel_problems).map(|s| s.matches(labels)),
+        };
+        let problems = validate(p);
+        match (problems.is_empty(), matches) {
+            (true, Some(true)) => {
+                out.applied.push(name);
+                if let Some(h) = &p.spec.healthz {
+                    out.ineligible_taints.extend(h.ineligible_taints.iter().cloned());
+                }
+            }
+            (false, Some(true) | None) => out.invalid.push((name, problems)),
+            _ => {}
+        }
+    }
+    out.ineligible_taints.sort();
+    out.ineligible_taints.dedup();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{HealthzSpec, NodeGuardPolicySpec};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+
+    fn policy(name: &str, labels: &[(&str, &str)], taints: &[&str]) -> NodeGuardPolicy {
+        NodeGuardPolicy::new(
+            name,
+            NodeGuardPolicySpec {
+                node_selector: (!labels.is_empty()).then(|| LabelSelector {
+                    match_labels: Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                    ..Default::default()
+                }),
+                healthz: (!taints.is_empty()).then(|| HealthzSpec {
+                    ineligible_taints: taints.iter().map(|s| s.to_string()).collect(),
+                }),
+            },
+        )
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn selection_by_labels_and_union_of_taints() {
+        let ps = [
+            policy("all", &[], &["b.io/drain"]),
+            policy("gpu", &[("pool", "gpu")], &["a.io/drain", "b.io/drain"]),
+            policy("cpu", &[("pool", "cpu")], &["c.io/drain"]),
+        ];
+        let s = select(&ps, &labels(&[("pool", "gpu")]));
+        assert_eq!(s.applied, ["all", "gpu"]);
+        assert_eq!(s.ineligible_taints, ["a.io/drain", "b.io/drain"]);
+        assert!(s.invalid.is_empty());
+    }
+
+    #[test]
+    fn invalid_policies_are_reported_when_they_may_apply_and_never_applied() {
+        let mut bad_selector = policy("bad-selector", &[], &["x.io/t"]);
+        bad_selector.spec.node_selector = Some(LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "pool".into(),
+                operator: "Equals".into(),
+                values: Some(vec!["gpu".into()]),
+            }]),
+            ..Default::default()
+        });
+        let mut bad_elsewhere = policy("bad-elsewhere", &[("pool", "cpu")], &[]);
+        bad_elsewhere.metadata.namespace = Some("oops".into());
+        let mut bad_here = policy("bad-here", &[("pool", "gpu")], &[]);
+        bad_here.metadata.namespace = Some("oops".into());
+        let s = select(&[bad_selector, bad_elsewhere, bad_here], &labels(&[("pool", "gpu")]));
+        assert!(s.applied.is_empty());
+        let names: Vec<&str> = s.invalid.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["bad-here", "bad-selector"]);
+        assert!(s.ineligible_taints.is_empty(), "nothing from invalid policies");
+    }
+}

@@ -1,0 +1,343 @@
+//! Decision core of the condition manager: given what nodeguard wants on
+//! the Node and what is there now, decide whether to write and exactly what.
+//!
+//! nodeguard writes its conditions with server-side apply (field manager
+//! `nodeguard`, subresource `status`). Every apply carries the *whole* set of
+//! conditions nodeguard owns, so a type left out of an apply is removed by
+//! the API server, and only if nodeguard owned it: conditions of the kubelet
+//! and of other agents are never touched. The types nodeguard owned before
+//! are read back from the Node's managedFields.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::Duration;
+
+use jiff::Timestamp;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    True,
+    False,
+    Unknown,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::True => "True",
+            Status::False => "False",
+            Status::Unknown => "Unknown",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a source wants a condition to say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Desired {
+    pub status: Status,
+    /// CamelCase, e.g. `KernelHasNoDeadlock`.
+    pub reason: String,
+    /// One human sentence with the key facts.
+    pub message: String,
+}
+
+/// A condition as it stands on the Node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Observed {
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+    pub last_transition: Option<Timestamp>,
+    pub last_heartbeat: Option<Timestamp>,
+}
+
+/// The Node's conditions and the types nodeguard owns there.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeState {
+    pub conditions: Vec<Observed>,
+    /// Condition types in nodeguard's managedFields on the status.
+    pub owned: BTreeSet<String>,
+}
+
+impl NodeState {
+    fn get(&self, type_: &str) -> Option<&Observed> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+}
+
+/// A condition to write, with its times decided.
+pub type Written = Observed;
+
+/// Why a write is needed (for logs and tests).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reasons {
+    pub changed: Vec<String>,
+    pub removed: Vec<String>,
+    pub heartbeat: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The whole set nodeguard will own after the write, sorted by type.
+    pub conditions: Vec<Written>,
+    pub why: Reasons,
+}
+
+/// The desired set: `Some` is an evaluated condition; `None` is a type a
+/// source has declared but not evaluated yet (right after a restart), whose
+/// current value on the Node is carried over unchanged rather than dropped.
+pub type DesiredSet = BTreeMap<String, Option<Desired>>;
+
+/// Decides the next write, or `None` when the Node already says what we want
+/// and no heartbeat is due.
+pub fn plan(desired: &DesiredSet, node: &NodeState, now: Timestamp, heartbeat: Duration) -> Option<Plan> {
+    let mut why = Reasons::default();
+    let mut conditions = Vec::new();
+    for (type_, want) in desired {
+        let observed = node.get(type_);
+        match (want, observed) {
+            (Some(want), observed) => {
+                let status_changed = observed.is_none_or(|o| o.status != want.status.as_str());
+                let changed =
+                    status_changed || observed.is_some_and(|o| o.reason != want.reason || o.message != want.message);
+                let heartbeat_due = observed
+                    .and_then(|o| o.last_heartbeat)
+                    .is_none_or(|h| now.duration_since(h).unsigned_abs() >= heartbeat);
+                if changed {
+                    why.changed.push(type_.clone());
+                } else if heartbeat_due {
+                    why.heartbeat = true;
+                }
+                let last_transition = match observed {
+                    Some(o) if !status_changed => o.last_transition.or(Some(now)),
+                    _ => Some(now),
+                };
+                conditions.push(Written {
+                    type_: type_.clone(),
+                    status: want.status.as_str().to_string(),
+                    reason: want.reason.clone(),
+                    message: want.message.clone(),
+                    last_transition,
+                    last_heartbeat: Some(now),
+                });
+            }
+            // Declared, not evaluated: keep what the Node says, times
+            // included, if it is ours. Another writer's condition of the
+            // same type is left alone until we have a value of our own.
+            (None, Some(o)) if node.owned.contains(type_) => conditions.push(o.clone()),
+            (None, _) => {}
+        }
+    }
+    why.removed = node
+        .owned
+        .iter()
+        .filter(|t| !desired.contains_key(*t))
+        .cloned()
+        .collect();
+    if why.changed.is_empty() && why.removed.is_empty() && !why.heartbeat {
+        return None;
+    }
+    Some(Plan { conditions, why })
+}
+
+/// Condition types owned by `manager` on the status subresource, from a
+/// managedFields `fieldsV1` object (`{"f:status":{"f:conditions":{"k:{\"type\":\"X\"}":…}}}`).
+pub fn owned_types(fields_v1: &serde_json::Value) -> BTreeSet<String> {
+    let Some(conditions) = fields_v1.pointer("/f:status/f:conditions").and_then(|v| v.as_object()) else {
+        return BTreeSet::new();
+    };
+    conditions
+        .keys()
+        .filter_map(|k| k.strip_prefix("k:"))
+        .filter_map(|k| serde_json::from_str::<serde_json::Value>(k).ok())
+        .filter_map(|k| k.get("type")?.as_str().map(str::to_string))
+        .collect()
+}
+
+/// Whether `s` is CamelCase as Kubernetes expects of reasons: starts with an
+/// uppercase ASCII letter, then letters and digits only.
+pub fn is_camel_case(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_uppercase()) && chars.all(|c| c.is_ascii_alphanumeric())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HB: Duration = Duration::from_secs(300);
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn want(status: Status, reason: &str) -> Option<Desired> {
+        Some(Desired {
+            status,
+            reason: reason.into(),
+            message: format!("{reason} message."),
+        })
+    }
+
+    fn obs(type_: &str, status: &str, reason: &str, transition: i64, heartbeat: i64) -> Observed {
+        Observed {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: format!("{reason} message."),
+            last_transition: Some(t(transition)),
+            last_heartbeat: Some(t(heartbeat)),
+        }
+    }
+
+    fn node(conditions: Vec<Observed>, owned: &[&str]) -> NodeState {
+        NodeState {
+            conditions,
+            owned: owned.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn set(items: Vec<(&str, Option<Desired>)>) -> DesiredSet {
+        items.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+
+    #[test]
+    fn a_new_condition_is_written_with_both_times_now() {
+        let p = plan(&set(vec![("A", want(Status::True, "Bad"))]), &NodeState::default(), t(10), HB).unwrap();
+        assert_eq!(p.why.changed, ["A"]);
+        assert_eq!(p.conditions[0].last_transition, Some(t(10)));
+        assert_eq!(p.conditions[0].last_heartbeat, Some(t(10)));
+        assert_eq!(p.conditions[0].status, "True");
+    }
+
+    #[test]
+    fn nothing_to_do_when_the_node_agrees_and_no_heartbeat_is_due() {
+        let d = set(vec![("A", want(Status::False, "Fine"))]);
+        let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
+        assert_eq!(plan(&d, &n, t(399), HB), None);
+    }
+
+    #[test]
+    fn heartbeat_refreshes_times_but_keeps_transition() {
+        let d = set(vec![("A", want(Status::False, "Fine"))]);
+        let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
+        let p = plan(&d, &n, t(400), HB).unwrap();
+        assert!(p.why.heartbeat && p.why.changed.is_empty());
+        assert_eq!(p.conditions[0].last_transition, Some(t(0)));
+        assert_eq!(p.conditions[0].last_heartbeat, Some(t(400)));
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_changes() {
+        let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
+        // Reason/message change, same status: transition kept.
+        let p = plan(&set(vec![("A", want(Status::False, "StillFine"))]), &n, t(150), HB).unwrap();
+        assert_eq!(p.why.changed, ["A"]);
+        assert_eq!(p.conditions[0].last_transition, Some(t(0)));
+        // Status change: transition now.
+        let p = plan(&set(vec![("A", want(Status::True, "Broken"))]), &n, t(150), HB).unwrap();
+        assert_eq!(p.conditions[0].last_transition, Some(t(150)));
+        // Unknown counts as a status change too.
+        let p = plan(&set(vec![("A", want(Status::Unknown, "NoData"))]), &n, t(150), HB).unwrap();
+        assert_eq!(p.conditions[0].last_transition, Some(t(150)));
+    }
+
+    #[test]
+    fn owned_types_no_longer_desired_are_removed_and_foreign_ones_ignored() {
+        let n = node(
+            vec![obs("Ready", "True", "KubeletReady", 0, 100), obs("Old", "True", "Bad", 0, 100)],
+            &["Old"],
+        );
+        let p = plan(&DesiredSet::new(), &n, t(200), HB).unwrap();
+        assert_eq!(p.why.removed, ["Old"]);
+        assert!(p.conditions.is_empty(), "an empty apply removes what we owned");
+        // Ready is not ours: never written, never removed.
+        let p = plan(&set(vec![("A", want(Status::False, "Fine"))]), &n, t(200), HB).unwrap();
+        assert!(p.conditions.iter().all(|c| c.type_ != "Ready"));
+    }
+
+    #[test]
+    fn declared_but_unevaluated_types_are_carried_over_unchanged() {
+        let n = node(vec![obs("A", "True", "Bad", 5, 50)], &["A"]);
+        let d = set(vec![("A", None), ("B", want(Status::False, "Fine"))]);
+        let p = plan(&d, &n, t(100), HB).unwrap();
+        assert_eq!(p.why.changed, ["B"]);
+        assert_eq!(p.conditions[0], n.conditions[0], "A carried over verbatim");
+        // Nothing else to do: no write just for a carried-over type.
+        let only_a = set(vec![("A", None)]);
+        assert_eq!(plan(&only_a, &n, t(100_000), HB), None);
+        // A declared type absent from the Node is simply not written.
+        let p = plan(&set(vec![("Z", None)]), &NodeState::default(), t(1), HB);
+        assert_eq!(p, None);
+    }
+
+    #[test]
+    fn another_writers_condition_of_a_declared_type_is_left_alone_until_evaluated() {
+        let n = node(vec![obs("A", "True", "Bad", 5, 50)], &[]);
+        assert_eq!(plan(&set(vec![("A", None)]), &n, t(60), HB), None);
+        let d = set(vec![("A", None), ("B", want(Status::False, "Fine"))]);
+        let p = plan(&d, &n, t(60), HB).unwrap();
+        let types: Vec<&str> = p.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["B"]);
+        // Once evaluated, ours wins (server-side apply with force).
+        let p = plan(&set(vec![("A", want(Status::False, "Fine"))]), &n, t(60), HB).unwrap();
+        assert_eq!(p.why.changed, ["A"]);
+    }
+
+    #[test]
+    fn missing_times_on_the_node_are_filled_in() {
+        let mut o = obs("A", "False", "Fine", 0, 0);
+        o.last_transition = None;
+        o.last_heartbeat = None;
+        let p = plan(&set(vec![("A", want(Status::False, "Fine"))]), &node(vec![o], &["A"]), t(7), HB).unwrap();
+        assert!(p.why.heartbeat);
+        assert_eq!(p.conditions[0].last_transition, Some(t(7)));
+    }
+
+    #[test]
+    fn plan_output_is_sorted_and_complete() {
+        let d = set(vec![
+            ("C", want(Status::False, "Fine")),
+            ("A", want(Status::True, "Bad")),
+            ("B", want(Status::False, "Fine")),
+        ]);
+        let n = node(vec![obs("B", "False", "Fine", 0, 100), obs("C", "False", "Fine", 0, 100)], &["B", "C"]);
+        let p = plan(&d, &n, t(110), HB).unwrap();
+        let types: Vec<&str> = p.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["A", "B", "C"]);
+        assert_eq!(p.why.changed, ["A"]);
+        assert_eq!(p.conditions[1].last_transition, Some(t(0)), "B keeps its times' transition");
+    }
+
+    #[test]
+    fn owned_types_from_managed_fields() {
+        let fields = serde_json::json!({"f:status": {"f:conditions": {
+            ".": {},
+            "k:{\"type\":\"KernelDeadlock\"}": {".": {}, "f:status": {}},
+            "k:{\"type\":\"NodeGuardPolicyInvalid\"}": {},
+        }}});
+        let owned = owned_types(&fields);
+        assert_eq!(
+            owned.into_iter().collect::<Vec<_>>(),
+            ["KernelDeadlock", "NodeGuardPolicyInvalid"]
+        );
+        assert!(owned_types(&serde_json::json!({"f:metadata": {}})).is_empty());
+    }
+
+    #[test]
+    fn camel_case_reasons() {
+        for ok in ["KernelHasNoDeadlock", "OOMKilling", "A1"] {
+            assert!(is_camel_case(ok), "{ok}");
+        }
+        for bad in ["", "kernelDeadlock", "Kernel Deadlock", "Kernel-Deadlock", "Kernel_Deadlock"] {
+            assert!(!is_camel_case(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! The agent's voice in the cluster: the one place that writes nodeguard's
+//! NodeConditions, and the Event recorder.
+//!
+//! Sources (eligibility, policy, probes, monitors, shutdown) call the cheap,
+//! never-blocking [`Reporter`] methods. Two loops do the I/O through small
+//! ports ([`StatusPort`], [`EventPort`]) so they can be tested with paused
+//! time: [`run_condition_writer`] coalesces changes into few server-side
+//! applies, retries with backoff and re-asserts after outages;
+//! [`run_event_publisher`] rate-limits per reason and publishes.
+
+pub mod conditions;
+pub mod events;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::{Instant, sleep, sleep_until};
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::WallClock;
+use crate::server::LoopHandle;
+pub use conditions::{Desired, DesiredSet, NodeState, Observed, Status, Written};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("API request failed: {0}")]
+    Api(#[from] kube::Error),
+    #[error("the Node {0} is not known yet")]
+    NodeUnknown(String),
+}
+
+/// Tunables of the condition writer and event recorder.
+#[derive(Clone, Debug)]
+pub struct ReportConfig {
+    /// Re-write owned conditions at least this often so stale agents show.
+    pub heartbeat: Duration,
+    /// Wait this long after a change for more changes before writing.
+    pub coalesce: Duration,
+    /// At most one write per this interval (urgent changes excepted).
+    pub min_write_interval: Duration,
+    /// Retry backoff bounds for failed writes.
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// Events per reason: a burst, then one per refill interval.
+    pub event_burst: u32,
+    pub event_refill: Duration,
+    /// Events waiting to be published; beyond this they are dropped and counted.
+    pub event_queue: usize,
+}
+
+impl Default for ReportConfig {
+    fn default() -> Self {
+        ReportConfig {
+            heartbeat: Duration::from_secs(300),
+            coalesce: Duration::from_millis(50),
+            min_write_interval: Duration::from_millis(250),
+            backoff_initial: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(3),
+            event_burst: 10,
+            event_refill: Duration::from_secs(30),
+            event_queue: 1024,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    Normal,
+    Warning,
+}
+
+/// An Event about this node, as a source asks for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventRequest {
+    pub kind: EventKind,
+    /// CamelCase reason, e.g. `NodeIneligible`.
+    pub reason: String,
+    /// What nodeguard did or noticed, CamelCase, e.g. `Detect`.
+    pub action: String,
+    /// One human sentence.
+    pub note: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConditionLabels {
+    r#type: String,
+    status: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DroppedLabels {
+    reason: String,
+    cause: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ReportMetrics {
+    condition: Family<ConditionLabels, Gauge>,
+    condition_writes: Counter,
+    events: Family<ReasonLabels, Counter>,
+    events_dropped: Family<DroppedLabels, Counter>,
+    api_write_errors: Family<ResourceLabels, Counter>,
+}
+
+impl ReportMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "nodeguard_condition",
+            "1 for each condition nodeguard owns, labelled with its current status and reason",
+            self.condition.clone(),
+        );
+        registry.register(
+            "nodeguard_condition_writes",
+            "Server-side applies of nodeguard's NodeConditions that succeeded",
+            self.condition_writes.clone(),
+        );
+        registry.register("nodeguard_events", "Events published, by reason", self.events.clone());
+        registry.register(
+            "nodeguard_events_dropped",
+            "Events not published, by reason and cause (rate_limited, queue_full, api_error)",
+            self.events_dropped.clone(),
+        );
+        registry.register(
+            "nodeguard_api_write_errors",
+            "Failed API writes, by resource",
+            self.api_write_errors.clone(),
+        );
+    }
+
+    fn dropped(&self, reason: &str, cause: &str) {
+        self.events_dropped
+            .get_or_create(&DroppedLabels {
+                reason: reason.to_string(),
+                cause: cause.to_string(),
+            })
+            .inc();
+    }
+
+    fn write_error(&self, resource: &str) {
+        self.api_write_errors
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_string(),
+            })
+            .inc();
+    }
+}
+
+struct Shared {
+    desired: Mutex<DesiredSet>,
+    initialized: AtomicBool,
+    urgent: AtomicBool,
+    changed: Notify,
+    events: mpsc::Sender<EventRequest>,
+    metrics: ReportMetrics,
+    clock: WallClock,
+}
+
+/// Cheap handle that every source uses. Clone freely.
+#[derive(Clone)]
+pub struct Reporter {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Reporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reporter").field("desired", &*self.lock()).finish()
+    }
+}
+
+/// The receiving end of the event queue, for [`run_event_publisher`].
+pub struct EventQueue(mpsc::Receiver<EventRequest>);
+
+impl Reporter {
+    /// A reporter with its metrics registered; the event queue goes to
+    /// [`run_event_publisher`].
+    pub fn new(config: &ReportConfig, registry: &mut Registry) -> (Reporter, EventQueue) {
+        let (tx, rx) = mpsc::channel(config.event_queue.max(1));
+        let metrics = ReportMetrics::default();
+        metrics.register(registry);
+        let reporter = Reporter {
+            shared: Arc::new(Shared {
+                desired: Mutex::new(DesiredSet::new()),
+                initialized: AtomicBool::new(false),
+                urgent: AtomicBool::new(false),
+                changed: Notify::new(),
+                events: tx,
+                metrics,
+                clock: WallClock::new(),
+            }),
+        };
+        (reporter, EventQueue(rx))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, DesiredSet> {
+        self.shared.desired.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn update_gauge(&self, type_: &str, old: Option<&Desired>, new: Option<&Desired>) {
+        let labels = |d: &Desired| ConditionLabels {
+            r#type: type_.to_string(),
+            status: d.status.as_str().to_string(),
+            reason: d.reason.clone(),
+        };
+        if let Some(old) = old {
+            self.shared.metrics.condition.remove(&labels(old));
+        }
+        if let Some(new) = new {
+            self.shared.metrics.condition.get_or_create(&labels(new)).set(1);
+        }
+    }
+
+    /// Claims a condition type whose value is not known yet: whatever the
+    /// Node says for it (from before a restart) is kept until [`Reporter::set`].
+    pub fn declare(&self, type_: &str) {
+        let mut d = self.lock();
+        if !d.contains_key(type_) {
+            d.insert(type_.to_string(), None);
+        }
+    }
+
+    /// Sets a condition. Writes are coalesced; this never blocks.
+    pub fn set(&self, type_: &str, desired: Desired) {
+        debug_assert!(conditions::is_camel_case(&desired.reason), "reason {:?}", desired.reason);
+        let old = self.lock().insert(type_.to_string(), Some(desired.clone()));
+        if old.as_ref() == Some(&Some(desired.clone())) {
+            return;
+        }
+        self.update_gauge(type_, old.flatten().as_ref(), Some(&desired));
+        self.shared.changed.notify_one();
+    }
+
+    /// Like [`Reporter::set`] but written without waiting for the write
+    /// interval (for shutdown, where every 100 ms counts).
+    pub fn set_urgent(&self, type_: &str, desired: Desired) {
+        self.shared.urgent.store(true, Ordering::SeqCst);
+        self.set(type_, desired);
+    }
+
+    /// Stops owning a condition type: it is deleted from the Node.
+    pub fn remove(&self, type_: &str) {
+        let old = self.lock().remove(type_);
+        if let Some(old) = old {
+            self.update_gauge(type_, old.as_ref(), None);
+            self.shared.changed.notify_one();
+        }
+    }
+
+    /// Every source has declared its types: the writer may now write (and
+    /// so delete owned types nobody declared).
+    pub fn mark_initialized(&self) {
+        self.shared.initialized.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_one();
+    }
+
+    pub fn is_initialized(&self) -> bool {
+        self.shared.initialized.load(Ordering::SeqCst)
+    }
+
+    /// The desired set now.
+    pub fn desired(&self) -> DesiredSet {
+        self.lock().clone()
+    }
+
+    /// Queues an Event about the node. Never blocks; a full queue drops
+    /// the event and counts it.
+    pub fn event(&self, kind: EventKind, reason: &str, action: &str, note: impl Into<String>) {
+        debug_assert!(conditions::is_camel_case(reason), "reason {reason:?}");
+        let req = EventRequest {
+            kind,
+            reason: reason.to_string(),
+            action: action.to_string(),
+            note: note.into(),
+        };
+        if self.shared.events.try_send(req).is_err() {
+            self.shared.metrics.dropped(reason, "queue_full");
+        }
+    }
+}
+
+/// What the writer knows of the Node: its conditions and ownership, and
+/// the resourceVersion they were read at (to tell newer from older).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    pub state: NodeState,
+    pub resource_version: Option<u64>,
+}
+
+/// Port: writes nodeguard's whole condition set to the Node's status and
+/// returns the Node as it is after the write.
+pub trait StatusPort: Send + Sync + 'static {
+    fn apply(&self, conditions: &[Written]) -> impl Future<Output = Result<Observation, ReportError>> + Send;
+}
+
+/// Port: publishes one Event about the node.
+pub trait EventPort: Send + Sync + 'static {
+    fn publish(&self, event: &EventRequest) -> impl Future<Output = Result<(), ReportError>> + Send;
+}
+
+fn newest(watched: Option<Observation>, applied: Option<Observation>) -> Option<Observation> {
+    match (watched, applied) {
+        (Some(w), Some(a)) => match (w.resource_version, a.resource_version) {
+            (Some(wv), Some(av)) if av > wv => Some(a),
+            _ => Some(w),
+        },
+        (w, a) => w.or(a),
+    }
+}
+
+/// The condition writer loop. Runs until `shutdown`.
+///
+/// Wakes on a desired change, a change of the Node (someone removed or
+/// rewrote our condition: re-assert), or a heartbeat; waits `coalesce` and
+/// the write interval so bursts become one apply; retries failures with
+/// capped exponential backoff, re-planning from the latest desired state
+/// each time, so nothing is lost and the newest state wins.
+pub async fn run_condition_writer<P: StatusPort>(
+    reporter: Reporter,
+    port: P,
+    mut observed: watch::Receiver<Option<Observation>>,
+    health: LoopHandle,
+    config: ReportConfig,
+    shutdown: CancellationToken,
+) {
+    let shared = &reporter.shared;
+    let mut applied: Option<Observation> = None;
+    let mut last_write: Option<Instant> = None;
+    let mut failing = false;
+    health.updated();
+    loop {
+        let heartbeat_at = last_write.map(|t| t + config.heartbeat);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = shared.changed.notified() => {}
+            r = observed.changed() => if r.is_err() { return },
+            _ = async { sleep_until(heartbeat_at.unwrap()).await }, if heartbeat_at.is_some() => {}
+        }
+        if !reporter.is_initialized() {
+            continue;
+        }
+        health.queued();
+        let urgent = shared.urgent.swap(false, Ordering::SeqCst);
+        if !urgent {
+            sleep(config.coalesce).await;
+            if let Some(t) = last_write {
+                sleep_until(t + config.min_write_interval).await;
+            }
+        }
+        let mut backoff = config.backoff_initial;
+        loop {
+            let Some(obs) = newest(observed.borrow_and_update().clone(), applied.clone()) else {
+                tracing::debug!("the Node is not known yet; conditions are written once it is");
+                break;
+            };
+            let desired = reporter.desired();
+            let now = shared.clock.now();
+            let Some(plan) = conditions::plan(&desired, &obs.state, now, config.heartbeat) else {
+                break;
+            };
+            match port.apply(&plan.conditions).await {
+                Ok(after) => {
+                    shared.metrics.condition_writes.inc();
+                    if failing {
+                        tracing::info!("node conditions written again after failures");
+                        failing = false;
+                    }
+                    tracing::debug!(changed = ?plan.why.changed, removed = ?plan.why.removed, heartbeat = plan.why.heartbeat, "node conditions written");
+                    applied = Some(after);
+                    last_write = Some(Instant::now());
+                    break;
+                }
+                Err(err) => {
+                    shared.metrics.write_error("nodes/status");
+                    if failing {
+                        tracing::debug!(error = %err, retry_in = ?backoff, "node conditions still not written");
+                    } else {
+                        tracing::warn!(error = %err, retry_in = ?backoff, "cannot write node conditions; retrying (nothing is lost)");
+                    }
+                    failing = true;
+                    // Waiting on the API is not being stuck.
+                    health.updated();
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = sleep(backoff) => {}
+                    }
+                    health.queued();
+                    backoff = (backoff * 2).min(config.backoff_max);
+                }
+            }
+        }
+        health.updated();
+    }
+}
+
+/// The event publisher loop: rate limit per reason, publish, retry briefly.
+pub async fn run_event_publisher<P: EventPort>(
+    reporter: Reporter,
+    EventQueue(mut queue): EventQueue,
+    port: P,
+    config: ReportConfig,
+    shutdown: CancellationToken,
+) {
+    let metrics = &reporter.shared.metrics;
+    let mut limiter = events::RateLimiter::new(config.event_burst, config.event_refill);
+    loop {
+        let ev = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            ev = queue.recv() => match ev { Some(ev) => ev, None => return },
+        };
+        if !limiter.allow(&ev.reason, Instant::now()) {
+            metrics.dropped(&ev.reason, "rate_limited");
+            tracing::debug!(reason = %ev.reason, "event rate-limited");
+            continue;
+        }
+        let mut backoff = config.backoff_initial;
+        let mut published = false;
+        for attempt in 1..=4 {
+            match port.publish(&ev).await {
+                Ok(()) => {
+                    published = true;
+                    break;
+                }
+                Err(err) => {
+                    metrics.write_error("events");
+                    tracing::warn!(reason = %ev.reason, attempt, error = %err, "cannot publish event");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(config.backoff_max);
+                }
+            }
+        }
+        if published {
+            metrics
+                .events
+                .get_or_create(&ReasonLabels {
+                    reason: ev.reason.clone(),
+                })
+                .inc();
+        } else {
+            metrics.dropped(&ev.reason, "api_error");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,318 @@
+//! The writer and publisher loops against in-memory ports, with paused time.
+
+use super::*;
+use crate::server::Health;
+use std::collections::BTreeSet;
+use std::sync::atomic::AtomicUsize;
+
+/// A Node status that behaves like server-side apply for one manager.
+#[derive(Default)]
+struct FakeNode {
+    state: NodeState,
+    rv: u64,
+    applies: usize,
+    down: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeStatus(Arc<Mutex<FakeNode>>);
+
+impl FakeStatus {
+    fn with<R>(&self, f: impl FnOnce(&mut FakeNode) -> R) -> R {
+        f(&mut self.0.lock().unwrap())
+    }
+    fn observation(&self) -> Observation {
+        self.with(|n| Observation {
+            state: n.state.clone(),
+            resource_version: Some(n.rv),
+        })
+    }
+    fn get(&self, type_: &str) -> Option<Observed> {
+        self.with(|n| n.state.conditions.iter().find(|c| c.type_ == type_).cloned())
+    }
+}
+
+impl StatusPort for FakeStatus {
+    async fn apply(&self, conditions: &[Written]) -> Result<Observation, ReportError> {
+        self.with(|n| {
+            if n.down {
+                return Err(ReportError::NodeUnknown("apiserver down".into()));
+            }
+            n.applies += 1;
+            let owned = n.state.owned.clone();
+            n.state
+                .conditions
+                .retain(|c| !owned.contains(&c.type_) && !conditions.iter().any(|w| w.type_ == c.type_));
+            n.state.conditions.extend(conditions.iter().cloned());
+            n.state.owned = conditions.iter().map(|c| c.type_.clone()).collect::<BTreeSet<_>>();
+            n.rv += 1;
+            Ok(Observation {
+                state: n.state.clone(),
+                resource_version: Some(n.rv),
+            })
+        })
+    }
+}
+
+fn desired(status: Status, reason: &str) -> Desired {
+    Desired {
+        status,
+        reason: reason.into(),
+        message: format!("{reason}."),
+    }
+}
+
+struct Harness {
+    reporter: Reporter,
+    port: FakeStatus,
+    observed: watch::Sender<Option<Observation>>,
+    health: Health,
+    shutdown: CancellationToken,
+    _queue: EventQueue,
+}
+
+fn start(config: ReportConfig) -> Harness {
+    let mut registry = Registry::default();
+    let (reporter, queue) = Reporter::new(&config, &mut registry);
+    let port = FakeStatus::default();
+    let (tx, rx) = watch::channel(Some(port.observation()));
+    let health = Health::new();
+    let handle = health.register("conditions", Duration::from_secs(60));
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_condition_writer(
+        reporter.clone(),
+        port.clone(),
+        rx,
+        handle,
+        config,
+        shutdown.clone(),
+    ));
+    Harness {
+        reporter,
+        port,
+        observed: tx,
+        health,
+        shutdown,
+        _queue: queue,
+    }
+}
+
+async fn settle() {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn nothing_is_written_before_initialization() {
+    let h = start(ReportConfig::default());
+    h.reporter.set("A", desired(Status::True, "Bad"));
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 0);
+    h.reporter.mark_initialized();
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 1);
+    assert_eq!(h.port.get("A").unwrap().status, "True");
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_thousand_changes_in_one_second_become_a_handful_of_writes() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    for i in 0..1000 {
+        let status = if i % 2 == 0 { Status::True } else { Status::False };
+        h.reporter.set("Flappy", desired(status, &format!("Step{i}")));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    settle().await;
+    let applies = h.port.with(|n| n.applies);
+    assert!((1..=6).contains(&applies), "{applies} writes for 1000 changes");
+    let last = h.port.get("Flappy").unwrap();
+    assert_eq!((last.status.as_str(), last.reason.as_str()), ("False", "Step999"));
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_loses_nothing_and_converges_within_five_seconds_of_recovery() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    h.port.with(|n| n.down = true);
+    h.reporter.set("A", desired(Status::True, "First"));
+    for i in 0..30 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        h.reporter.set("A", desired(Status::True, &format!("During{i}")));
+        assert!(h.health.report().live, "waiting on the API must not fail /livez");
+    }
+    h.reporter.set("B", desired(Status::False, "Fine"));
+    h.port.with(|n| n.down = false);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(h.port.get("A").unwrap().reason, "During29");
+    assert_eq!(h.port.get("B").unwrap().status, "False");
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn urgent_changes_skip_the_write_interval() {
+    let config = ReportConfig {
+        min_write_interval: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let h = start(config);
+    h.reporter.mark_initialized();
+    h.reporter.set("A", desired(Status::False, "Fine"));
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 1);
+    h.reporter.set_urgent("GracefulShutdown", desired(Status::True, "ShutdownInProgress"));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2, "urgent write went out at once");
+    h.reporter.set("A", desired(Status::True, "Bad"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2, "normal writes wait for the interval");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(h.port.with(|n| n.applies), 3);
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn heartbeats_refresh_and_keep_transition_times() {
+    let config = ReportConfig {
+        heartbeat: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let h = start(config);
+    h.reporter.mark_initialized();
+    h.reporter.set("A", desired(Status::False, "Fine"));
+    settle().await;
+    let first = h.port.get("A").unwrap();
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    let second = h.port.get("A").unwrap();
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    assert_eq!(first.last_transition, second.last_transition);
+    assert!(second.last_heartbeat > first.last_heartbeat);
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_condition_removed_by_someone_else_is_reasserted() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    h.reporter.set("A", desired(Status::True, "Bad"));
+    settle().await;
+    // Someone deletes it; the watch tells the writer.
+    h.port.with(|n| {
+        n.state.conditions.clear();
+        n.rv += 1;
+    });
+    h.observed.send_replace(Some(h.port.observation()));
+    settle().await;
+    assert_eq!(h.port.get("A").unwrap().reason, "Bad");
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn removed_types_are_deleted_and_declared_ones_survive_a_restart() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    h.reporter.set("Keep", desired(Status::True, "Bad"));
+    h.reporter.set("Drop", desired(Status::True, "Bad"));
+    settle().await;
+    let keep_before = h.port.get("Keep").unwrap();
+    h.shutdown.cancel();
+
+    // A new agent: declares Keep (not evaluated yet), not Drop.
+    let mut registry = Registry::default();
+    let (reporter, _queue) = Reporter::new(&ReportConfig::default(), &mut registry);
+    let (tx, rx) = watch::channel(Some(h.port.observation()));
+    let health = Health::new();
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_condition_writer(
+        reporter.clone(),
+        h.port.clone(),
+        rx,
+        health.register("c", Duration::from_secs(60)),
+        ReportConfig::default(),
+        shutdown.clone(),
+    ));
+    reporter.declare("Keep");
+    reporter.mark_initialized();
+    settle().await;
+    assert_eq!(h.port.get("Drop"), None, "an undeclared owned type is deleted");
+    assert_eq!(h.port.get("Keep"), Some(keep_before), "a declared type is carried over verbatim");
+    reporter.remove("Keep");
+    settle().await;
+    assert_eq!(h.port.get("Keep"), None);
+    drop(tx);
+    shutdown.cancel();
+}
+
+#[derive(Clone, Default)]
+struct FakeEvents {
+    published: Arc<Mutex<Vec<EventRequest>>>,
+    failures_left: Arc<AtomicUsize>,
+}
+
+impl EventPort for FakeEvents {
+    async fn publish(&self, event: &EventRequest) -> Result<(), ReportError> {
+        if self
+            .failures_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(ReportError::NodeUnknown("flaky".into()));
+        }
+        self.published.lock().unwrap().push(event.clone());
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn events_are_rate_limited_per_reason_and_retried() {
+    let config = ReportConfig {
+        event_burst: 3,
+        event_refill: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let mut registry = Registry::default();
+    let (reporter, queue) = Reporter::new(&config, &mut registry);
+    let port = FakeEvents::default();
+    port.failures_left.store(2, Ordering::SeqCst);
+    let shutdown = CancellationToken::new();
+    tokio::spawn(run_event_publisher(
+        reporter.clone(),
+        queue,
+        port.clone(),
+        config,
+        shutdown.clone(),
+    ));
+    for i in 0..20 {
+        reporter.event(EventKind::Warning, "Flapping", "Detect", format!("flap {i}"));
+    }
+    reporter.event(EventKind::Normal, "Other", "Detect", "other");
+    settle().await;
+    let published = port.published.lock().unwrap().clone();
+    let notes: Vec<&str> = published.iter().map(|e| e.note.as_str()).collect();
+    assert_eq!(notes, ["flap 0", "flap 1", "flap 2", "other"]);
+    let text = crate::server::metrics::encode(&registry).unwrap();
+    assert!(
+        text.contains("nodeguard_events_dropped_total{reason=\"Flapping\",cause=\"rate_limited\"} 17"),
+        "{text}"
+    );
+    assert!(text.contains("nodeguard_api_write_errors_total{resource=\"events\"} 2"), "{text}");
+    shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_condition_gauge_follows_the_desired_state() {
+    let mut registry = Registry::default();
+    let (reporter, _q) = Reporter::new(&ReportConfig::default(), &mut registry);
+    reporter.set("KernelDeadlock", desired(Status::True, "DockerHung"));
+    reporter.set("KernelDeadlock", desired(Status::False, "KernelHasNoDeadlock"));
+    let text = crate::server::metrics::encode(&registry).unwrap();
+    assert!(text.contains(
+        "nodeguard_condition{type=\"KernelDeadlock\",status=\"False\",reason=\"KernelHasNoDeadlock\"} 1"
+    ));
+    assert!(!text.contains("DockerHung"), "the previous reason's series is removed:\n{text}");
+    reporter.remove("KernelDeadlock");
+    let text = crate::server::metrics::encode(&registry).unwrap();
+    assert!(!text.contains("type=\"KernelDeadlock\""), "{text}");
+}

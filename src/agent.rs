@@ -25,7 +25,8 @@ use crate::k8s::status::{KubeEvents, KubeStatus, observe};
 use crate::k8s::watch::{Snapshot, publish_objects};
 use crate::policy::{NodeGuardPolicy, Selection, select};
 use crate::report::{
-    Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer, run_event_publisher,
+    Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer,
+    run_event_publisher,
 };
 use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
 
@@ -41,15 +42,23 @@ pub struct AgentConfig {
     pub listen: SocketAddr,
     pub state_dir: PathBuf,
     pub report: ReportConfig,
+    /// Condition types owned by in-process sources outside the policy,
+    /// declared at start so that a restart carries their values over.
+    pub declared_conditions: Vec<String>,
 }
 
 impl AgentConfig {
-    pub fn new(node_name: impl Into<String>, listen: SocketAddr, state_dir: impl Into<PathBuf>) -> Self {
+    pub fn new(
+        node_name: impl Into<String>,
+        listen: SocketAddr,
+        state_dir: impl Into<PathBuf>,
+    ) -> Self {
         AgentConfig {
             node_name: node_name.into(),
             listen,
             state_dir: state_dir.into(),
             report: ReportConfig::default(),
+            declared_conditions: Vec::new(),
         }
     }
 }
@@ -58,7 +67,9 @@ impl AgentConfig {
 pub enum AgentError {
     #[error(transparent)]
     Server(#[from] ServerError),
-    #[error("state directory {path} is not usable: {source} (set --state-dir to a writable directory)")]
+    #[error(
+        "state directory {path} is not usable: {source} (set --state-dir to a writable directory)"
+    )]
     StateDir {
         path: String,
         #[source]
@@ -113,6 +124,10 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let health = Health::new();
     let (mut registry, server_metrics) = metrics::new_registry(&health);
     let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);
+    reporter.declare(POLICY_CONDITION);
+    for type_ in &config.declared_conditions {
+        reporter.declare(type_);
+    }
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
 
@@ -123,7 +138,13 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let state_loop = health.register("node-state", LOOP_TIMEOUT);
     let writer_loop = health.register("condition-writer", LOOP_TIMEOUT);
 
-    let server = Server::bind(config.listen, health.clone(), Arc::new(registry), server_metrics).await?;
+    let server = Server::bind(
+        config.listen,
+        health.clone(),
+        Arc::new(registry),
+        server_metrics,
+    )
+    .await?;
     let addr = server.local_addr();
     tracing::info!(%addr, node = %config.node_name, "serving /healthz /livez /readyz /metrics");
     let token = shutdown.clone();
@@ -184,7 +205,10 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         let token = shutdown.clone();
         tasks.spawn(async move {
             loop {
-                let node = node_rx.borrow_and_update().as_ref().and_then(|s| s.get(&name).cloned());
+                let node = node_rx
+                    .borrow_and_update()
+                    .as_ref()
+                    .and_then(|s| s.get(&name).cloned());
                 node_obj_tx.send_replace(node);
                 tokio::select! {
                     _ = token.cancelled() => return,
@@ -247,7 +271,10 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                     s.reporter.mark_initialized();
                 }
             }
-            let facts = node.as_deref().map(NodeFacts::from_node).unwrap_or_default();
+            let facts = node
+                .as_deref()
+                .map(NodeFacts::from_node)
+                .unwrap_or_default();
             update_eligibility(&s, &facts, &selection.ineligible_taints);
             last_selection = Some(selection);
             s.handle.updated();
@@ -292,10 +319,17 @@ fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[Stri
 
 fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
     if let Some((name, problems)) = selection.invalid.first() {
-        let first = problems.first().map(ToString::to_string).unwrap_or_default();
+        let first = problems
+            .first()
+            .map(ToString::to_string)
+            .unwrap_or_default();
         let more = match problems.len() {
             0 | 1 => String::new(),
-            n => format!(" (and {} more problem{})", n - 1, if n == 2 { "" } else { "s" }),
+            n => format!(
+                " (and {} more problem{})",
+                n - 1,
+                if n == 2 { "" } else { "s" }
+            ),
         };
         let others = match selection.invalid.len() {
             1 => String::new(),
@@ -305,7 +339,12 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
             "NodeGuardPolicy {name} is invalid and ignored on this node: {first}{more}. Fix it and check with `nodeguard check -f`.{others}"
         );
         tracing::warn!(%node, policy = %name, problems = ?problems.iter().map(ToString::to_string).collect::<Vec<_>>(), "invalid policy ignored");
-        reporter.event(EventKind::Warning, "PolicyInvalid", "LoadPolicy", message.clone());
+        reporter.event(
+            EventKind::Warning,
+            "PolicyInvalid",
+            "LoadPolicy",
+            message.clone(),
+        );
         reporter.set(
             POLICY_CONDITION,
             Desired {

@@ -10,37 +10,8 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use nodeguard::agent::{self, AgentConfig, RunningAgent};
 use nodeguard::policy::NodeGuardPolicy;
 use support::*;
-
-async fn start_agent(client: kube::Client, node: &str) -> (RunningAgent, tempdir::Dir) {
-    let state = tempdir::Dir::new();
-    let agent = agent::start(
-        AgentConfig::new(node, "127.0.0.1:0".parse().unwrap(), state.path.clone()),
-        client,
-    )
-    .await
-    .expect("agent starts");
-    (agent, state)
-}
-
-mod tempdir {
-    pub struct Dir {
-        pub path: std::path::PathBuf,
-    }
-    impl Dir {
-        pub fn new() -> Self {
-            let path = std::env::temp_dir().join(super::unique_name("nodeguard-state"));
-            Dir { path }
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
-}
 
 #[test]
 fn committed_crd_matches_the_types() {

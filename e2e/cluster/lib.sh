@@ -19,3 +19,12 @@ bin_dir() {
   key=$(cat "$CLUSTER_DIR/versions.env" "$CLUSTER_DIR"/go/*/go.mod "$CLUSTER_DIR"/go/*/go.sum "$CLUSTER_DIR"/go/kube/cmd/*/main.go "$CLUSTER_DIR"/go/etcd/main.go | sha256sum | cut -c1-12)
   echo "$NODEGUARD_CACHE/bin/$KUBE_VERSION-$key"
 }
+
+# True while a process exists and is not a zombie (this sandbox's PID 1 may
+# not reap orphans, so `kill -0` alone would report dead servers as alive).
+alive() {
+  local pid=$1 state
+  [ -r "/proc/$pid/stat" ] || return 1
+  state=$(sed -E 's/^[0-9]+ \(.*\) ([A-Za-z]).*/\1/' "/proc/$pid/stat" 2>/dev/null) || return 1
+  [ "$state" != Z ] && [ "$state" != X ]
+}

@@ -13,7 +13,8 @@ use tokio::sync::watch;
 
 use crate::report::conditions::owned_types;
 use crate::report::{
-    EventKind, EventPort, EventRequest, NodeState, Observation, Observed, ReportError, StatusPort, Written,
+    EventKind, EventPort, EventRequest, NodeState, Observation, Observed, ReportError, StatusPort,
+    Written,
 };
 
 /// Field manager of every nodeguard write.
@@ -55,13 +56,19 @@ pub fn observe(node: &Node) -> Observation {
         .collect();
     Observation {
         state: NodeState { conditions, owned },
-        resource_version: node.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()),
+        resource_version: node
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse().ok()),
     }
 }
 
 /// The apply body: exactly nodeguard's conditions, nothing else.
 pub fn apply_body(node_name: &str, conditions: &[Written]) -> serde_json::Value {
-    let time = |t: &Option<jiff::Timestamp>| t.map(|t| serde_json::to_value(Time(t)).expect("a time serializes"));
+    let time = |t: &Option<jiff::Timestamp>| {
+        t.map(|t| serde_json::to_value(Time(t)).expect("a time serializes"))
+    };
     let conditions: Vec<serde_json::Value> = conditions
         .iter()
         .map(|c| {

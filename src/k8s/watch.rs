@@ -43,9 +43,15 @@ pub async fn publish_objects<K>(
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default,
 {
-    watch_objects(api, config, handle, shutdown, move |objects: &Snapshot<K>| {
-        tx.send_replace(Some(objects.clone()));
-    })
+    watch_objects(
+        api,
+        config,
+        handle,
+        shutdown,
+        move |objects: &Snapshot<K>| {
+            tx.send_replace(Some(objects.clone()));
+        },
+    )
     .await
 }
 
@@ -97,7 +103,7 @@ pub async fn watch_objects<K, F>(
                 handle.queued();
                 listing
                     .get_or_insert_default()
-                    .insert(obj.name_any(), Arc::new(obj));
+                    .insert(key(&obj), Arc::new(obj));
             }
             watcher::Event::InitDone => {
                 objects = listing.take().unwrap_or_default();

@@ -31,14 +31,16 @@ pub fn select<'a>(
         let mut sel_problems = Vec::new();
         let matches = match &p.spec.node_selector {
             None => Some(true),
-            Some(s) => Selector::parse(s, "spec.nodeSelector", &mut sel_problems).map(|s| s.matches(labels)),
+            Some(s) => Selector::parse(s, "spec.nodeSelector", &mut sel_problems)
+                .map(|s| s.matches(labels)),
         };
         let problems = validate(p);
         match (problems.is_empty(), matches) {
             (true, Some(true)) => {
                 out.applied.push(name);
                 if let Some(h) = &p.spec.healthz {
-                    out.ineligible_taints.extend(h.ineligible_taints.iter().cloned());
+                    out.ineligible_taints
+                        .extend(h.ineligible_taints.iter().cloned());
                 }
             }
             (false, Some(true) | None) => out.invalid.push((name, problems)),
@@ -61,7 +63,12 @@ mod tests {
             name,
             NodeGuardPolicySpec {
                 node_selector: (!labels.is_empty()).then(|| LabelSelector {
-                    match_labels: Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+                    match_labels: Some(
+                        labels
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), v.to_string()))
+                            .collect(),
+                    ),
                     ..Default::default()
                 }),
                 healthz: (!taints.is_empty()).then(|| HealthzSpec {
@@ -72,7 +79,10 @@ mod tests {
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -103,10 +113,16 @@ mod tests {
         bad_elsewhere.metadata.namespace = Some("oops".into());
         let mut bad_here = policy("bad-here", &[("pool", "gpu")], &[]);
         bad_here.metadata.namespace = Some("oops".into());
-        let s = select(&[bad_selector, bad_elsewhere, bad_here], &labels(&[("pool", "gpu")]));
+        let s = select(
+            &[bad_selector, bad_elsewhere, bad_here],
+            &labels(&[("pool", "gpu")]),
+        );
         assert!(s.applied.is_empty());
         let names: Vec<&str> = s.invalid.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["bad-here", "bad-selector"]);
-        assert!(s.ineligible_taints.is_empty(), "nothing from invalid policies");
+        assert!(
+            s.ineligible_taints.is_empty(),
+            "nothing from invalid policies"
+        );
     }
 }

@@ -51,7 +51,11 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
     }
     if let Some(h) = &policy.spec.healthz {
         for (i, key) in h.ineligible_taints.iter().enumerate() {
-            check_label_key(key, &format!("spec.healthz.ineligibleTaints[{i}]"), &mut problems);
+            check_label_key(
+                key,
+                &format!("spec.healthz.ineligibleTaints[{i}]"),
+                &mut problems,
+            );
         }
     }
     problems

@@ -97,7 +97,12 @@ pub type DesiredSet = BTreeMap<String, Option<Desired>>;
 
 /// Decides the next write, or `None` when the Node already says what we want
 /// and no heartbeat is due.
-pub fn plan(desired: &DesiredSet, node: &NodeState, now: Timestamp, heartbeat: Duration) -> Option<Plan> {
+pub fn plan(
+    desired: &DesiredSet,
+    node: &NodeState,
+    now: Timestamp,
+    heartbeat: Duration,
+) -> Option<Plan> {
     let mut why = Reasons::default();
     let mut conditions = Vec::new();
     for (type_, want) in desired {
@@ -105,8 +110,9 @@ pub fn plan(desired: &DesiredSet, node: &NodeState, now: Timestamp, heartbeat: D
         match (want, observed) {
             (Some(want), observed) => {
                 let status_changed = observed.is_none_or(|o| o.status != want.status.as_str());
-                let changed =
-                    status_changed || observed.is_some_and(|o| o.reason != want.reason || o.message != want.message);
+                let changed = status_changed
+                    || observed
+                        .is_some_and(|o| o.reason != want.reason || o.message != want.message);
                 let heartbeat_due = observed
                     .and_then(|o| o.last_heartbeat)
                     .is_none_or(|h| now.duration_since(h).unsigned_abs() >= heartbeat);
@@ -150,7 +156,10 @@ pub fn plan(desired: &DesiredSet, node: &NodeState, now: Timestamp, heartbeat: D
 /// Condition types owned by `manager` on the status subresource, from a
 /// managedFields `fieldsV1` object (`{"f:status":{"f:conditions":{"k:{\"type\":\"X\"}":…}}}`).
 pub fn owned_types(fields_v1: &serde_json::Value) -> BTreeSet<String> {
-    let Some(conditions) = fields_v1.pointer("/f:status/f:conditions").and_then(|v| v.as_object()) else {
+    let Some(conditions) = fields_v1
+        .pointer("/f:status/f:conditions")
+        .and_then(|v| v.as_object())
+    else {
         return BTreeSet::new();
     };
     conditions
@@ -210,7 +219,13 @@ mod tests {
 
     #[test]
     fn a_new_condition_is_written_with_both_times_now() {
-        let p = plan(&set(vec![("A", want(Status::True, "Bad"))]), &NodeState::default(), t(10), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::True, "Bad"))]),
+            &NodeState::default(),
+            t(10),
+            HB,
+        )
+        .unwrap();
         assert_eq!(p.why.changed, ["A"]);
         assert_eq!(p.conditions[0].last_transition, Some(t(10)));
         assert_eq!(p.conditions[0].last_heartbeat, Some(t(10)));
@@ -238,28 +253,58 @@ mod tests {
     fn transition_time_moves_only_when_status_changes() {
         let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
         // Reason/message change, same status: transition kept.
-        let p = plan(&set(vec![("A", want(Status::False, "StillFine"))]), &n, t(150), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::False, "StillFine"))]),
+            &n,
+            t(150),
+            HB,
+        )
+        .unwrap();
         assert_eq!(p.why.changed, ["A"]);
         assert_eq!(p.conditions[0].last_transition, Some(t(0)));
         // Status change: transition now.
-        let p = plan(&set(vec![("A", want(Status::True, "Broken"))]), &n, t(150), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::True, "Broken"))]),
+            &n,
+            t(150),
+            HB,
+        )
+        .unwrap();
         assert_eq!(p.conditions[0].last_transition, Some(t(150)));
         // Unknown counts as a status change too.
-        let p = plan(&set(vec![("A", want(Status::Unknown, "NoData"))]), &n, t(150), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::Unknown, "NoData"))]),
+            &n,
+            t(150),
+            HB,
+        )
+        .unwrap();
         assert_eq!(p.conditions[0].last_transition, Some(t(150)));
     }
 
     #[test]
     fn owned_types_no_longer_desired_are_removed_and_foreign_ones_ignored() {
         let n = node(
-            vec![obs("Ready", "True", "KubeletReady", 0, 100), obs("Old", "True", "Bad", 0, 100)],
+            vec![
+                obs("Ready", "True", "KubeletReady", 0, 100),
+                obs("Old", "True", "Bad", 0, 100),
+            ],
             &["Old"],
         );
         let p = plan(&DesiredSet::new(), &n, t(200), HB).unwrap();
         assert_eq!(p.why.removed, ["Old"]);
-        assert!(p.conditions.is_empty(), "an empty apply removes what we owned");
+        assert!(
+            p.conditions.is_empty(),
+            "an empty apply removes what we owned"
+        );
         // Ready is not ours: never written, never removed.
-        let p = plan(&set(vec![("A", want(Status::False, "Fine"))]), &n, t(200), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::False, "Fine"))]),
+            &n,
+            t(200),
+            HB,
+        )
+        .unwrap();
         assert!(p.conditions.iter().all(|c| c.type_ != "Ready"));
     }
 
@@ -287,7 +332,13 @@ mod tests {
         let types: Vec<&str> = p.conditions.iter().map(|c| c.type_.as_str()).collect();
         assert_eq!(types, ["B"]);
         // Once evaluated, ours wins (server-side apply with force).
-        let p = plan(&set(vec![("A", want(Status::False, "Fine"))]), &n, t(60), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::False, "Fine"))]),
+            &n,
+            t(60),
+            HB,
+        )
+        .unwrap();
         assert_eq!(p.why.changed, ["A"]);
     }
 
@@ -296,7 +347,13 @@ mod tests {
         let mut o = obs("A", "False", "Fine", 0, 0);
         o.last_transition = None;
         o.last_heartbeat = None;
-        let p = plan(&set(vec![("A", want(Status::False, "Fine"))]), &node(vec![o], &["A"]), t(7), HB).unwrap();
+        let p = plan(
+            &set(vec![("A", want(Status::False, "Fine"))]),
+            &node(vec![o], &["A"]),
+            t(7),
+            HB,
+        )
+        .unwrap();
         assert!(p.why.heartbeat);
         assert_eq!(p.conditions[0].last_transition, Some(t(7)));
     }
@@ -308,12 +365,22 @@ mod tests {
             ("A", want(Status::True, "Bad")),
             ("B", want(Status::False, "Fine")),
         ]);
-        let n = node(vec![obs("B", "False", "Fine", 0, 100), obs("C", "False", "Fine", 0, 100)], &["B", "C"]);
+        let n = node(
+            vec![
+                obs("B", "False", "Fine", 0, 100),
+                obs("C", "False", "Fine", 0, 100),
+            ],
+            &["B", "C"],
+        );
         let p = plan(&d, &n, t(110), HB).unwrap();
         let types: Vec<&str> = p.conditions.iter().map(|c| c.type_.as_str()).collect();
         assert_eq!(types, ["A", "B", "C"]);
         assert_eq!(p.why.changed, ["A"]);
-        assert_eq!(p.conditions[1].last_transition, Some(t(0)), "B keeps its times' transition");
+        assert_eq!(
+            p.conditions[1].last_transition,
+            Some(t(0)),
+            "B keeps its times' transition"
+        );
     }
 
     #[test]
@@ -336,7 +403,13 @@ mod tests {
         for ok in ["KernelHasNoDeadlock", "OOMKilling", "A1"] {
             assert!(is_camel_case(ok), "{ok}");
         }
-        for bad in ["", "kernelDeadlock", "Kernel Deadlock", "Kernel-Deadlock", "Kernel_Deadlock"] {
+        for bad in [
+            "",
+            "kernelDeadlock",
+            "Kernel Deadlock",
+            "Kernel-Deadlock",
+            "Kernel_Deadlock",
+        ] {
             assert!(!is_camel_case(bad), "{bad}");
         }
     }

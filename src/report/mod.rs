@@ -133,7 +133,11 @@ impl ReportMetrics {
             "Server-side applies of nodeguard's NodeConditions that succeeded",
             self.condition_writes.clone(),
         );
-        registry.register("nodeguard_events", "Events published, by reason", self.events.clone());
+        registry.register(
+            "nodeguard_events",
+            "Events published, by reason",
+            self.events.clone(),
+        );
         registry.register(
             "nodeguard_events_dropped",
             "Events not published, by reason and cause (rate_limited, queue_full, api_error)",
@@ -182,7 +186,9 @@ pub struct Reporter {
 
 impl std::fmt::Debug for Reporter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reporter").field("desired", &*self.lock()).finish()
+        f.debug_struct("Reporter")
+            .field("desired", &*self.lock())
+            .finish()
     }
 }
 
@@ -211,7 +217,10 @@ impl Reporter {
     }
 
     fn lock(&self) -> MutexGuard<'_, DesiredSet> {
-        self.shared.desired.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared
+            .desired
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     fn update_gauge(&self, type_: &str, old: Option<&Desired>, new: Option<&Desired>) {
@@ -224,7 +233,11 @@ impl Reporter {
             self.shared.metrics.condition.remove(&labels(old));
         }
         if let Some(new) = new {
-            self.shared.metrics.condition.get_or_create(&labels(new)).set(1);
+            self.shared
+                .metrics
+                .condition
+                .get_or_create(&labels(new))
+                .set(1);
         }
     }
 
@@ -239,7 +252,11 @@ impl Reporter {
 
     /// Sets a condition. Writes are coalesced; this never blocks.
     pub fn set(&self, type_: &str, desired: Desired) {
-        debug_assert!(conditions::is_camel_case(&desired.reason), "reason {:?}", desired.reason);
+        debug_assert!(
+            conditions::is_camel_case(&desired.reason),
+            "reason {:?}",
+            desired.reason
+        );
         let old = self.lock().insert(type_.to_string(), Some(desired.clone()));
         if old.as_ref() == Some(&Some(desired.clone())) {
             return;
@@ -307,12 +324,16 @@ pub struct Observation {
 /// Port: writes nodeguard's whole condition set to the Node's status and
 /// returns the Node as it is after the write.
 pub trait StatusPort: Send + Sync + 'static {
-    fn apply(&self, conditions: &[Written]) -> impl Future<Output = Result<Observation, ReportError>> + Send;
+    fn apply(
+        &self,
+        conditions: &[Written],
+    ) -> impl Future<Output = Result<Observation, ReportError>> + Send;
 }
 
 /// Port: publishes one Event about the node.
 pub trait EventPort: Send + Sync + 'static {
-    fn publish(&self, event: &EventRequest) -> impl Future<Output = Result<(), ReportError>> + Send;
+    fn publish(&self, event: &EventRequest)
+    -> impl Future<Output = Result<(), ReportError>> + Send;
 }
 
 fn newest(watched: Option<Observation>, applied: Option<Observation>) -> Option<Observation> {

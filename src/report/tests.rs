@@ -28,7 +28,13 @@ impl FakeStatus {
         })
     }
     fn get(&self, type_: &str) -> Option<Observed> {
-        self.with(|n| n.state.conditions.iter().find(|c| c.type_ == type_).cloned())
+        self.with(|n| {
+            n.state
+                .conditions
+                .iter()
+                .find(|c| c.type_ == type_)
+                .cloned()
+        })
     }
 }
 
@@ -40,11 +46,14 @@ impl StatusPort for FakeStatus {
             }
             n.applies += 1;
             let owned = n.state.owned.clone();
-            n.state
-                .conditions
-                .retain(|c| !owned.contains(&c.type_) && !conditions.iter().any(|w| w.type_ == c.type_));
+            n.state.conditions.retain(|c| {
+                !owned.contains(&c.type_) && !conditions.iter().any(|w| w.type_ == c.type_)
+            });
             n.state.conditions.extend(conditions.iter().cloned());
-            n.state.owned = conditions.iter().map(|c| c.type_.clone()).collect::<BTreeSet<_>>();
+            n.state.owned = conditions
+                .iter()
+                .map(|c| c.type_.clone())
+                .collect::<BTreeSet<_>>();
             n.rv += 1;
             Ok(Observation {
                 state: n.state.clone(),
@@ -119,15 +128,26 @@ async fn a_thousand_changes_in_one_second_become_a_handful_of_writes() {
     let h = start(ReportConfig::default());
     h.reporter.mark_initialized();
     for i in 0..1000 {
-        let status = if i % 2 == 0 { Status::True } else { Status::False };
-        h.reporter.set("Flappy", desired(status, &format!("Step{i}")));
+        let status = if i % 2 == 0 {
+            Status::True
+        } else {
+            Status::False
+        };
+        h.reporter
+            .set("Flappy", desired(status, &format!("Step{i}")));
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     settle().await;
     let applies = h.port.with(|n| n.applies);
-    assert!((1..=6).contains(&applies), "{applies} writes for 1000 changes");
+    assert!(
+        (1..=6).contains(&applies),
+        "{applies} writes for 1000 changes"
+    );
     let last = h.port.get("Flappy").unwrap();
-    assert_eq!((last.status.as_str(), last.reason.as_str()), ("False", "Step999"));
+    assert_eq!(
+        (last.status.as_str(), last.reason.as_str()),
+        ("False", "Step999")
+    );
     h.shutdown.cancel();
 }
 
@@ -139,8 +159,12 @@ async fn an_outage_loses_nothing_and_converges_within_five_seconds_of_recovery()
     h.reporter.set("A", desired(Status::True, "First"));
     for i in 0..30 {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        h.reporter.set("A", desired(Status::True, &format!("During{i}")));
-        assert!(h.health.report().live, "waiting on the API must not fail /livez");
+        h.reporter
+            .set("A", desired(Status::True, &format!("During{i}")));
+        assert!(
+            h.health.report().live,
+            "waiting on the API must not fail /livez"
+        );
     }
     h.reporter.set("B", desired(Status::False, "Fine"));
     h.port.with(|n| n.down = false);
@@ -161,12 +185,23 @@ async fn urgent_changes_skip_the_write_interval() {
     h.reporter.set("A", desired(Status::False, "Fine"));
     settle().await;
     assert_eq!(h.port.with(|n| n.applies), 1);
-    h.reporter.set_urgent("GracefulShutdown", desired(Status::True, "ShutdownInProgress"));
+    h.reporter.set_urgent(
+        "GracefulShutdown",
+        desired(Status::True, "ShutdownInProgress"),
+    );
     tokio::time::sleep(Duration::from_millis(5)).await;
-    assert_eq!(h.port.with(|n| n.applies), 2, "urgent write went out at once");
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        2,
+        "urgent write went out at once"
+    );
     h.reporter.set("A", desired(Status::True, "Bad"));
     tokio::time::sleep(Duration::from_secs(5)).await;
-    assert_eq!(h.port.with(|n| n.applies), 2, "normal writes wait for the interval");
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        2,
+        "normal writes wait for the interval"
+    );
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(h.port.with(|n| n.applies), 3);
     h.shutdown.cancel();
@@ -236,8 +271,16 @@ async fn removed_types_are_deleted_and_declared_ones_survive_a_restart() {
     reporter.declare("Keep");
     reporter.mark_initialized();
     settle().await;
-    assert_eq!(h.port.get("Drop"), None, "an undeclared owned type is deleted");
-    assert_eq!(h.port.get("Keep"), Some(keep_before), "a declared type is carried over verbatim");
+    assert_eq!(
+        h.port.get("Drop"),
+        None,
+        "an undeclared owned type is deleted"
+    );
+    assert_eq!(
+        h.port.get("Keep"),
+        Some(keep_before),
+        "a declared type is carried over verbatim"
+    );
     reporter.remove("Keep");
     settle().await;
     assert_eq!(h.port.get("Keep"), None);
@@ -285,7 +328,12 @@ async fn events_are_rate_limited_per_reason_and_retried() {
         shutdown.clone(),
     ));
     for i in 0..20 {
-        reporter.event(EventKind::Warning, "Flapping", "Detect", format!("flap {i}"));
+        reporter.event(
+            EventKind::Warning,
+            "Flapping",
+            "Detect",
+            format!("flap {i}"),
+        );
     }
     reporter.event(EventKind::Normal, "Other", "Detect", "other");
     settle().await;
@@ -294,10 +342,15 @@ async fn events_are_rate_limited_per_reason_and_retried() {
     assert_eq!(notes, ["flap 0", "flap 1", "flap 2", "other"]);
     let text = crate::server::metrics::encode(&registry).unwrap();
     assert!(
-        text.contains("nodeguard_events_dropped_total{reason=\"Flapping\",cause=\"rate_limited\"} 17"),
+        text.contains(
+            "nodeguard_events_dropped_total{reason=\"Flapping\",cause=\"rate_limited\"} 17"
+        ),
         "{text}"
     );
-    assert!(text.contains("nodeguard_api_write_errors_total{resource=\"events\"} 2"), "{text}");
+    assert!(
+        text.contains("nodeguard_api_write_errors_total{resource=\"events\"} 2"),
+        "{text}"
+    );
     shutdown.cancel();
 }
 
@@ -306,12 +359,18 @@ async fn the_condition_gauge_follows_the_desired_state() {
     let mut registry = Registry::default();
     let (reporter, _q) = Reporter::new(&ReportConfig::default(), &mut registry);
     reporter.set("KernelDeadlock", desired(Status::True, "DockerHung"));
-    reporter.set("KernelDeadlock", desired(Status::False, "KernelHasNoDeadlock"));
+    reporter.set(
+        "KernelDeadlock",
+        desired(Status::False, "KernelHasNoDeadlock"),
+    );
     let text = crate::server::metrics::encode(&registry).unwrap();
     assert!(text.contains(
         "nodeguard_condition{type=\"KernelDeadlock\",status=\"False\",reason=\"KernelHasNoDeadlock\"} 1"
     ));
-    assert!(!text.contains("DockerHung"), "the previous reason's series is removed:\n{text}");
+    assert!(
+        !text.contains("DockerHung"),
+        "the previous reason's series is removed:\n{text}"
+    );
     reporter.remove("KernelDeadlock");
     let text = crate::server::metrics::encode(&registry).unwrap();
     assert!(!text.contains("type=\"KernelDeadlock\""), "{text}");

@@ -265,3 +265,86 @@ pub async fn service_account_client(admin: &Client, name: &str) -> Client {
     };
     Client::try_from(config).unwrap()
 }
+
+/// A temporary directory removed on drop.
+pub struct TempDir {
+    pub path: PathBuf,
+}
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Self {
+        let path = std::env::temp_dir().join(unique_name(prefix));
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir { path }
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Starts the real agent in-process for `node`, listening on a free port.
+pub async fn start_agent(client: Client, node: &str) -> (nodeguard::agent::RunningAgent, TempDir) {
+    start_agent_with(client, node, |_| {}).await
+}
+
+pub async fn start_agent_with(
+    client: Client,
+    node: &str,
+    adjust: impl FnOnce(&mut nodeguard::agent::AgentConfig),
+) -> (nodeguard::agent::RunningAgent, TempDir) {
+    let state = TempDir::new("nodeguard-state");
+    let mut config = nodeguard::agent::AgentConfig::new(
+        node,
+        "127.0.0.1:0".parse().unwrap(),
+        state.path.clone(),
+    );
+    adjust(&mut config);
+    let agent = nodeguard::agent::start(config, client)
+        .await
+        .expect("agent starts");
+    (agent, state)
+}
+
+/// The Node's conditions of `type_` (a list, to catch duplicates).
+pub async fn node_conditions(
+    client: &Client,
+    node: &str,
+    type_: &str,
+) -> Vec<k8s_openapi::api::core::v1::NodeCondition> {
+    Api::<Node>::all(client.clone())
+        .get_status(node)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|c| c.type_ == type_)
+        .collect()
+}
+
+/// Runs `e2e/cluster/ctl ACTION COMPONENT` (stop/start a control-plane
+/// component of the running test cluster).
+pub fn cluster_ctl(action: &str, component: &str) {
+    let status = std::process::Command::new(repo_root().join("e2e/cluster/ctl"))
+        .args([action, component])
+        .status()
+        .expect("e2e/cluster/ctl runs");
+    assert!(
+        status.success(),
+        "e2e/cluster/ctl {action} {component} failed"
+    );
+}
+
+/// Restarts the API server when dropped, so a failing outage test does not
+/// leave it down for the tests after it.
+pub struct RestartOnDrop(pub &'static str);
+
+impl Drop for RestartOnDrop {
+    fn drop(&mut self) {
+        cluster_ctl("start", self.0);
+    }
+}

@@ -1,0 +1,449 @@
+//! The condition manager and event recorder against the real control plane:
+//! what `kubectl describe node` shows, concurrent writers, removal and
+//! restarts, coalescing, and eligibility Events.
+
+mod support;
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use nodeguard::report::{Desired, EventKind, Status};
+use support::*;
+
+fn desired(status: Status, reason: &str, message: &str) -> Desired {
+    Desired {
+        status,
+        reason: reason.into(),
+        message: message.into(),
+    }
+}
+
+#[tokio::test]
+async fn describe_node_shows_the_condition_row_and_the_event() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "describe", &[]).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    agent.reporter.set(
+        "FrobnicatorProblem",
+        desired(
+            Status::True,
+            "FrobnicatorStuck",
+            "The frobnicator on /dev/frob0 has been stuck since 10:00 UTC; restart frob.service to clear it.",
+        ),
+    );
+    agent.reporter.event(
+        EventKind::Warning,
+        "FrobnicatorStuck",
+        "Detect",
+        "The frobnicator on /dev/frob0 is stuck.",
+    );
+    let mut out = String::new();
+    eventually(
+        Duration::from_secs(15),
+        "condition and event in kubectl describe node",
+        || {
+            out = kubectl(&["describe", "node", &node.name]);
+            let ok = out.contains("FrobnicatorStuck    The frobnicator on /dev/frob0 is stuck.")
+                || out.lines().any(|l| {
+                    l.contains("Warning")
+                        && l.contains("FrobnicatorStuck")
+                        && l.contains("is stuck.")
+                });
+            let row = out.lines().any(|l| {
+                l.trim_start().starts_with("FrobnicatorProblem")
+                    && l.contains("True")
+                    && l.contains("FrobnicatorStuck")
+                    && l.contains("restart frob.service to clear it.")
+            });
+            std::future::ready(ok && row)
+        },
+    )
+    .await;
+    // The agent's own policy condition is there too.
+    assert!(
+        out.lines()
+            .any(|l| l.trim_start().starts_with("NodeGuardPolicyInvalid") && l.contains("False")),
+        "{out}"
+    );
+    eprintln!("{out}");
+    // `kubectl events --for node/X` finds it as well.
+    let events = kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)]);
+    assert!(events.contains("FrobnicatorStuck"), "{events}");
+    agent.stop().await;
+}
+
+/// Writes Ready and a foreign condition the way the kubelet does (strategic
+/// merge patch on nodes/status), `rounds` times.
+async fn kubelet_like_writer(client: kube::Client, node: String, rounds: usize) {
+    let nodes: Api<Node> = Api::all(client);
+    for i in 0..rounds {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let status = if i % 2 == 0 { "True" } else { "False" };
+        let patch = serde_json::json!({"status": {"conditions": [
+            {"type": "Ready", "status": status, "reason": "KubeletReady", "message": format!("round {i}"),
+             "lastHeartbeatTime": now, "lastTransitionTime": now},
+            {"type": "OtherAgentProblem", "status": "False", "reason": "AllGood", "message": format!("round {i}"),
+             "lastHeartbeatTime": now, "lastTransitionTime": now},
+        ]}});
+        nodes
+            .patch_status(&node, &PatchParams::default(), &Patch::Strategic(&patch))
+            .await
+            .expect("kubelet-like status patch");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn concurrent_writers_keep_each_others_conditions() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "concurrent", &[]).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+
+    kubelet_like_writer(admin.clone(), node.name.clone(), 1).await;
+    let writer = tokio::spawn(kubelet_like_writer(admin.clone(), node.name.clone(), 60));
+    for i in 0..60 {
+        let status = if i % 3 == 0 {
+            Status::True
+        } else {
+            Status::False
+        };
+        agent.reporter.set(
+            "NodeGuardFlap",
+            desired(status, "Flap", &format!("nodeguard round {i}.")),
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    writer.await.unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "final nodeguard state written",
+        || async {
+            node_conditions(&admin, &node.name, "NodeGuardFlap")
+                .await
+                .first()
+                .is_some_and(|c| c.message.as_deref() == Some("nodeguard round 59."))
+        },
+    )
+    .await;
+    let ready = node_conditions(&admin, &node.name, "Ready").await;
+    assert_eq!(ready.len(), 1);
+    assert_eq!(
+        ready[0].message.as_deref(),
+        Some("round 59"),
+        "the kubelet's last write stands"
+    );
+    assert_eq!(
+        node_conditions(&admin, &node.name, "OtherAgentProblem")
+            .await
+            .len(),
+        1
+    );
+    let ours = node_conditions(&admin, &node.name, "NodeGuardFlap").await;
+    assert_eq!(ours.len(), 1);
+    assert_eq!(ours[0].status, "False");
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn every_version_of_the_node_keeps_foreign_conditions() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "versions", &[]).await;
+    kubelet_like_writer(admin.clone(), node.name.clone(), 1).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+
+    let api: Api<Node> = Api::all(admin.clone());
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={}", node.name));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let watch_task = tokio::spawn(async move {
+        let mut stream = watcher(api, cfg).applied_objects().boxed();
+        while let Some(Ok(n)) = stream.next().await {
+            let _ = tx.send(n);
+        }
+    });
+    let writer = tokio::spawn(kubelet_like_writer(admin.clone(), node.name.clone(), 40));
+    for i in 0..40 {
+        agent.reporter.set(
+            "NodeGuardFlap",
+            desired(Status::True, "Flap", &format!("round {i}.")),
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    writer.await.unwrap();
+    eventually(Duration::from_secs(10), "last nodeguard write", || async {
+        node_conditions(&admin, &node.name, "NodeGuardFlap")
+            .await
+            .first()
+            .is_some_and(|c| c.message.as_deref() == Some("round 39."))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    watch_task.abort();
+    let mut versions = 0;
+    let mut with_ours = 0;
+    while let Ok(n) = rx.try_recv() {
+        versions += 1;
+        let types: Vec<String> = n
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.type_)
+            .collect();
+        assert!(
+            types.contains(&"Ready".to_string())
+                && types.contains(&"OtherAgentProblem".to_string()),
+            "a Node version lost a foreign condition: {types:?}"
+        );
+        with_ours += usize::from(types.contains(&"NodeGuardFlap".to_string()));
+        assert!(
+            types.iter().filter(|t| *t == "Ready").count() == 1,
+            "duplicate Ready: {types:?}"
+        );
+    }
+    eprintln!("{versions} versions observed, {with_ours} with nodeguard's condition");
+    assert!(
+        versions >= 40 && with_ours >= 2,
+        "{versions} versions, {with_ours} with ours"
+    );
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn removed_sources_are_deleted_and_restarts_neither_duplicate_nor_drop() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "restart", &[]).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    agent.reporter.set(
+        "KeepProblem",
+        desired(Status::True, "Broken", "Keep is broken."),
+    );
+    agent.reporter.set(
+        "DropProblem",
+        desired(Status::True, "Broken", "Drop is broken."),
+    );
+    eventually(
+        Duration::from_secs(10),
+        "both conditions on the node",
+        || async {
+            node_conditions(&admin, &node.name, "KeepProblem")
+                .await
+                .len()
+                == 1
+                && node_conditions(&admin, &node.name, "DropProblem")
+                    .await
+                    .len()
+                    == 1
+        },
+    )
+    .await;
+    let keep_before = node_conditions(&admin, &node.name, "KeepProblem")
+        .await
+        .remove(0);
+    agent.stop().await;
+
+    // A new agent whose sources still include KeepProblem but not DropProblem.
+    tokio::time::sleep(Duration::from_millis(1100)).await; // a new second, so a rewrite would show
+    let (agent, _state2) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.declared_conditions = vec!["KeepProblem".into()];
+    })
+    .await;
+    eventually(Duration::from_secs(10), "DropProblem removed", || async {
+        node_conditions(&admin, &node.name, "DropProblem")
+            .await
+            .is_empty()
+    })
+    .await;
+    let keep = node_conditions(&admin, &node.name, "KeepProblem").await;
+    assert_eq!(keep.len(), 1, "no duplicate after restart");
+    assert_eq!(keep[0].status, "True");
+    assert_eq!(
+        keep[0].last_transition_time,
+        keep_before.last_transition_time
+    );
+    assert_eq!(
+        node_conditions(&admin, &node.name, "NodeGuardPolicyInvalid")
+            .await
+            .len(),
+        1
+    );
+
+    // Its source evaluates again: status changes, transition time moves.
+    agent.reporter.set(
+        "KeepProblem",
+        desired(Status::False, "Fixed", "Keep is fine again."),
+    );
+    eventually(Duration::from_secs(10), "KeepProblem False", || async {
+        node_conditions(&admin, &node.name, "KeepProblem")
+            .await
+            .first()
+            .is_some_and(|c| c.status == "False")
+    })
+    .await;
+    let keep = node_conditions(&admin, &node.name, "KeepProblem").await;
+    assert!(keep[0].last_transition_time > keep_before.last_transition_time);
+    // The source goes away: the condition goes too.
+    agent.reporter.remove("KeepProblem");
+    eventually(Duration::from_secs(10), "KeepProblem removed", || async {
+        node_conditions(&admin, &node.name, "KeepProblem")
+            .await
+            .is_empty()
+    })
+    .await;
+    agent.stop().await;
+}
+
+/// PATCHes of `nodes/<node>/status` in the API server's audit log.
+fn audit_status_patches(node: &str) -> usize {
+    let log = kubeconfig_path().parent().unwrap().join("logs/audit.log");
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| {
+            e["stage"] == "ResponseComplete"
+                && e["verb"] == "patch"
+                && e["objectRef"]["resource"] == "nodes"
+                && e["objectRef"]["name"] == node
+                && e["objectRef"]["subresource"] == "status"
+        })
+        .count()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_thousand_changes_in_one_second_make_a_handful_of_patches() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "coalesce", &[]).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(Duration::from_secs(10), "initial write", || async {
+        node_conditions(&admin, &node.name, "NodeGuardPolicyInvalid")
+            .await
+            .len()
+            == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let audit_before = audit_status_patches(&node.name);
+    let writes_before = metric(
+        &http_get(agent.addr, "/metrics").await.1,
+        "nodeguard_condition_writes_total",
+    );
+
+    let start = std::time::Instant::now();
+    for i in 0..1000u32 {
+        let status = if i % 2 == 0 {
+            Status::True
+        } else {
+            Status::False
+        };
+        agent.reporter.set(
+            "Flood",
+            desired(status, "Flooding", &format!("change {i}.")),
+        );
+        if i % 10 == 9 {
+            tokio::time::sleep(Duration::from_millis(9)).await;
+        }
+    }
+    eprintln!("1000 changes in {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_millis(1100),
+        "the changes took {:?}",
+        start.elapsed()
+    );
+    eventually(Duration::from_secs(10), "last change written", || async {
+        node_conditions(&admin, &node.name, "Flood")
+            .await
+            .first()
+            .is_some_and(|c| c.message.as_deref() == Some("change 999."))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await; // the audit log is written after the response
+    let patches = audit_status_patches(&node.name) - audit_before;
+    let writes = metric(
+        &http_get(agent.addr, "/metrics").await.1,
+        "nodeguard_condition_writes_total",
+    ) - writes_before;
+    eprintln!(
+        "1000 changes -> {patches} PATCH nodes/status in the audit log, {writes} writes in metrics"
+    );
+    assert!((1..=8).contains(&patches), "{patches} patches");
+    assert_eq!(patches as f64, writes, "audit log and metrics agree");
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn eligibility_changes_are_events_on_the_node() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "eligible-event", &[]).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(Duration::from_secs(10), "agent ready", || async {
+        http_get(agent.addr, "/readyz").await.0 == 200
+    })
+    .await;
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let taint = serde_json::json!({"spec": {"taints": [
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1", "effect": "NoSchedule"}]}});
+    nodes
+        .patch(&node.name, &PatchParams::default(), &Patch::Merge(&taint))
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(10), "NodeIneligible event", || async {
+        kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)])
+            .contains("NodeIneligible")
+    })
+    .await;
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn the_pod_watch_sees_only_this_nodes_pods() {
+    let admin = admin_client().await;
+    let here = TestNode::create(&admin, "pods-here", &[]).await;
+    let there = TestNode::create(&admin, "pods-there", &[]).await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let mut names = Vec::new();
+    for (i, node) in [&here.name, &there.name, &here.name].iter().enumerate() {
+        let name = unique_name(&format!("p{i}"));
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "example.invalid/none"}]},
+        }))
+        .unwrap();
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        names.push(name);
+    }
+    let (agent, _state) = start_agent(admin.clone(), &here.name).await;
+    let mut rx = agent.pods.clone();
+    let want: Vec<String> = vec![
+        format!("{TEST_NAMESPACE}/{}", names[0]),
+        format!("{TEST_NAMESPACE}/{}", names[2]),
+    ];
+    let mut got = Vec::new();
+    eventually(Duration::from_secs(10), "pods of this node", || {
+        got = rx
+            .borrow_and_update()
+            .as_ref()
+            .map(|s| s.keys().cloned().collect())
+            .unwrap_or_default();
+        std::future::ready(got.len() == 2)
+    })
+    .await;
+    let mut want_sorted = want.clone();
+    want_sorted.sort();
+    assert_eq!(got, want_sorted);
+    for n in names {
+        let _ = pods.delete(&n, &Default::default()).await;
+    }
+    agent.stop().await;
+}

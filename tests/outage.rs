@@ -1,0 +1,92 @@
+//! An API server outage while conditions change: the agent keeps running,
+//! stays live, loses nothing, and converges soon after the API returns.
+//! (Its own test binary: it stops the shared API server for 30 s.)
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nodeguard::report::{Desired, Status};
+use support::*;
+
+fn desired(status: Status, reason: &str, message: String) -> Desired {
+    Desired {
+        status,
+        reason: reason.into(),
+        message,
+    }
+}
+
+#[tokio::test]
+async fn conditions_converge_within_5s_after_a_30s_api_outage() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "outage", &[]).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    agent.reporter.set(
+        "OutageProbe",
+        desired(Status::False, "Before", "before the outage.".into()),
+    );
+    eventually(Duration::from_secs(10), "first write", || async {
+        node_conditions(&admin, &node.name, "OutageProbe")
+            .await
+            .len()
+            == 1
+    })
+    .await;
+
+    cluster_ctl("stop", "kube-apiserver");
+    let guard = RestartOnDrop("kube-apiserver");
+    for i in 0..30 {
+        let status = if i % 2 == 0 {
+            Status::True
+        } else {
+            Status::False
+        };
+        agent.reporter.set(
+            "OutageProbe",
+            desired(status, "During", format!("change {i} during the outage.")),
+        );
+        assert_eq!(
+            http_get(agent.addr, "/livez").await.0,
+            200,
+            "an API outage must not fail /livez"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    agent.reporter.set(
+        "OutageSecond",
+        desired(
+            Status::True,
+            "Late",
+            "set just before the API returned.".into(),
+        ),
+    );
+    cluster_ctl("start", "kube-apiserver");
+    std::mem::forget(guard);
+    let back = Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "latest desired state on the Node",
+        || async {
+            let a = node_conditions(&admin, &node.name, "OutageProbe").await;
+            let b = node_conditions(&admin, &node.name, "OutageSecond").await;
+            a.len() == 1
+                && a[0].message.as_deref() == Some("change 29 during the outage.")
+                && a[0].status == "False"
+                && b.len() == 1
+        },
+    )
+    .await;
+    eprintln!(
+        "converged {:?} after the API server was ready again",
+        back.elapsed()
+    );
+    let (code, body) = http_get(agent.addr, "/livez").await;
+    assert_eq!(code, 200, "{body}");
+    let (_, metrics) = http_get(agent.addr, "/metrics").await;
+    assert!(
+        metrics.contains("nodeguard_api_write_errors_total{resource=\"nodes/status\"}"),
+        "write errors are counted:\n{metrics}"
+    );
+    agent.stop().await;
+}

@@ -83,6 +83,25 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     );
     let (code, body) = http_get(agent.addr, "/livez").await;
     assert_eq!(code, 200, "{body}");
+
+    // The Node watch resumed too: a taint added now still drains /healthz.
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(admin.clone());
+    let taint = serde_json::json!({"spec": {"taints": [
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1", "effect": "NoSchedule"}]}});
+    nodes
+        .patch(
+            &node.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&taint),
+        )
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "/healthz 503 after the watch resumed",
+        || async { http_get(agent.addr, "/healthz").await.0 == 503 },
+    )
+    .await;
     let (_, metrics) = http_get(agent.addr, "/metrics").await;
     assert!(
         metrics.contains("nodeguard_api_write_errors_total{resource=\"nodes/status\"}"),

@@ -12,6 +12,8 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use futures::StreamExt;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
@@ -72,7 +74,9 @@ pub async fn watch_objects<K, F>(
         K::plural(&K::DynamicType::default()),
         handle.name()
     );
-    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut stream = watcher(api, config)
+        .backoff(WatchBackoff::default())
+        .boxed();
     let mut objects: Snapshot<K> = BTreeMap::new();
     let mut listing: Option<Snapshot<K>> = None;
     let mut failing = false;
@@ -127,6 +131,58 @@ pub async fn watch_objects<K, F>(
     }
 }
 
+/// Backoff between failed list/watch attempts: exponential from 250 ms,
+/// capped at 8 s, each delay jittered down to half so thousands of agents
+/// do not retry in step. Reset by the watcher after each success.
+///
+/// kube's default (client-go's: 0.8 s up to 30 s, reset after 2 minutes)
+/// could leave a node agent blind for 30 s after an API server restart;
+/// eligibility must follow the Node within seconds, and our watches are
+/// small (one Node, this node's Pods, the policies).
+#[derive(Debug)]
+pub struct WatchBackoff {
+    next: Duration,
+    seed: u64,
+}
+
+const BACKOFF_MIN: Duration = Duration::from_millis(250);
+const BACKOFF_MAX: Duration = Duration::from_secs(8);
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+            | 1;
+        WatchBackoff {
+            next: BACKOFF_MIN,
+            seed,
+        }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        // xorshift64: enough randomness for jitter, no dependency.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let full = self.next;
+        self.next = (self.next * 2).min(BACKOFF_MAX);
+        let fraction = 0.5 + (self.seed % 1000) as f64 / 2000.0;
+        Some(full.mul_f64(fraction))
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = BACKOFF_MIN;
+    }
+}
+
 /// HTTP status of a watcher error, when it came from the API server.
 fn status_code(err: &watcher::Error) -> Option<u16> {
     match err {
@@ -155,5 +211,28 @@ fn log_watch_error(what: &str, err: &watcher::Error, repeated: bool) {
         tracing::debug!(watch = %what, error = %err, hint, "watch still failing");
     } else {
         tracing::warn!(watch = %what, error = %err, hint, "watch failed; retrying with backoff");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::runtime::utils::Backoff;
+
+    #[test]
+    fn backoff_grows_to_its_cap_with_jitter_and_resets() {
+        let mut b = WatchBackoff::default();
+        let delays: Vec<Duration> = (0..10).map(|_| b.next().unwrap()).collect();
+        let caps = [250, 500, 1000, 2000, 4000, 8000, 8000, 8000, 8000, 8000];
+        for (d, cap) in delays.iter().zip(caps) {
+            let cap = Duration::from_millis(cap);
+            assert!(
+                *d <= cap && *d >= cap / 2,
+                "{d:?} not in [{:?}, {cap:?}]",
+                cap / 2
+            );
+        }
+        b.reset();
+        assert!(b.next().unwrap() <= BACKOFF_MIN);
     }
 }

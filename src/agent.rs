@@ -23,12 +23,16 @@ use tokio_util::sync::CancellationToken;
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
 use crate::k8s::status::{KubeEvents, KubeStatus, observe};
 use crate::k8s::watch::{Snapshot, publish_objects};
-use crate::policy::{NodeGuardPolicy, Selection, select};
+use crate::policy::{NodeGuardPolicy, Selection, WatchdogMode, WatchdogSpec, select};
 use crate::report::{
     Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer,
     run_event_publisher,
 };
 use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
+use crate::watchdog::{
+    self, KubeApiProbe, SysDeviceOpener, SystemdNotifier, WatchdogHost, WatchdogMetrics,
+    run_watchdog,
+};
 
 /// How long a loop may hold unapplied changes before `/livez` fails.
 pub const LOOP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -45,6 +49,10 @@ pub struct AgentConfig {
     /// Condition types owned by in-process sources outside the policy,
     /// declared at start so that a restart carries their values over.
     pub declared_conditions: Vec<String>,
+    /// `NOTIFY_SOCKET`, when running as a systemd service.
+    pub notify_socket: Option<String>,
+    /// The systemd watchdog timeout (`WATCHDOG_USEC`), when the unit sets one.
+    pub systemd_watchdog: Option<Duration>,
 }
 
 impl AgentConfig {
@@ -59,6 +67,8 @@ impl AgentConfig {
             state_dir: state_dir.into(),
             report: ReportConfig::default(),
             declared_conditions: Vec::new(),
+            notify_socket: None,
+            systemd_watchdog: None,
         }
     }
 }
@@ -124,6 +134,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let health = Health::new();
     let (mut registry, server_metrics) = metrics::new_registry(&health);
     let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);
+    let watchdog_metrics = WatchdogMetrics::register(&mut registry);
     reporter.declare(POLICY_CONDITION);
     for type_ in &config.declared_conditions {
         reporter.declare(type_);
@@ -180,7 +191,9 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     ));
 
     let (obs_tx, obs_rx) = watch::channel(None);
+    let (watchdog_tx, watchdog_rx) = watch::channel(None);
     tasks.spawn(node_state_loop(NodeStateLoop {
+        watchdog: watchdog_tx,
         node_name: config.node_name.clone(),
         node: node_rx.clone(),
         policies: policy_rx.clone(),
@@ -225,6 +238,20 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
 
+    tasks.spawn(run_watchdog(
+        WatchdogHost {
+            notifier: SystemdNotifier::new(config.notify_socket.clone()),
+            systemd_timeout: config.systemd_watchdog,
+            opener: SysDeviceOpener,
+            api: KubeApiProbe(client.clone()),
+        },
+        watchdog_rx,
+        health.clone(),
+        reporter.clone(),
+        watchdog_metrics,
+        shutdown.clone(),
+    ));
+
     Ok(RunningAgent {
         health,
         reporter,
@@ -238,6 +265,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
 }
 
 struct NodeStateLoop {
+    watchdog: watch::Sender<Option<WatchdogSpec>>,
     node_name: String,
     node: watch::Receiver<Option<Snapshot<Node>>>,
     policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
@@ -266,6 +294,14 @@ async fn node_state_loop(mut s: NodeStateLoop) {
             let selection = select(policies.values().map(|p| p.as_ref()), &labels);
             if last_selection.as_ref() != Some(&selection) {
                 report_selection(&s.reporter, &s.node_name, &selection);
+                if selection
+                    .watchdog
+                    .as_ref()
+                    .is_some_and(|w| w.mode != WatchdogMode::Off)
+                {
+                    s.reporter.declare(watchdog::CONDITION);
+                }
+                s.watchdog.send_replace(selection.watchdog.clone());
                 if !s.reporter.is_initialized() {
                     // Every condition source has now declared its types.
                     s.reporter.mark_initialized();
@@ -318,6 +354,14 @@ fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[Stri
 }
 
 fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
+    for (section, used, ignored) in &selection.conflicts {
+        let message = format!(
+            "Policies {} set {section} differently from {used}; nodeguard uses {used}'s. Keep one policy per section for this node.",
+            ignored.join(", ")
+        );
+        tracing::warn!(%node, %section, %used, ?ignored, "conflicting policies");
+        reporter.event(EventKind::Warning, "PolicyConflict", "LoadPolicy", message);
+    }
     if let Some((name, problems)) = selection.invalid.first() {
         let first = problems
             .first()

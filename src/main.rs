@@ -46,6 +46,14 @@ fn init_logging(format: LogFormat) {
 
 fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     init_logging(args.log.log_format);
+    // Read the service manager's environment once, before any thread starts.
+    let notify_socket = std::env::var("NOTIFY_SOCKET").ok();
+    let systemd_watchdog = nodeguard::watchdog::core::systemd_timeout(
+        std::env::var("WATCHDOG_USEC").ok().as_deref(),
+        std::env::var("WATCHDOG_PID").ok().as_deref(),
+        std::process::id(),
+    )
+    .context("cannot serve the systemd watchdog")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -56,6 +64,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let client = nodeguard::k8s::client(args.kubeconfig.as_deref()).await?;
         let mut config = AgentConfig::new(args.node_name, args.listen, args.state_dir);
         config.report.heartbeat = std::time::Duration::from_secs(args.condition_heartbeat_seconds);
+        config.notify_socket = notify_socket;
+        config.systemd_watchdog = systemd_watchdog;
         let agent = agent::start(config, client).await?;
         let signal = wait_for_signal().await?;
         tracing::info!(signal, "stopping");

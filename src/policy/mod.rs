@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 pub use load::{PolicyDocument, load_policies};
 pub use select::{Selection, select};
 pub use selector::Selector;
+pub use validate::validate_watchdog;
 pub use validate::{Problem, validate};
 
 /// API group of every nodeguard resource.
@@ -74,6 +75,91 @@ pub struct NodeGuardPolicySpec {
     /// How `/healthz` judges whether the node should keep receiving traffic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub healthz: Option<HealthzSpec>,
+
+    /// Petting the host watchdog (systemd `WatchdogSec=` and/or a watchdog
+    /// device). Off unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub watchdog: Option<WatchdogSpec>,
+}
+
+/// Which watchdogs nodeguard pets.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum WatchdogMode {
+    /// Pet no device. (In host mode, systemd's watchdog is still served
+    /// when the unit sets `WatchdogSec=`, or systemd would restart nodeguard.)
+    #[default]
+    Off,
+    /// Require the systemd service watchdog (`WatchdogSec=` in the unit).
+    Systemd,
+    /// Pet the watchdog device.
+    Device,
+    /// Both.
+    Both,
+}
+
+impl WatchdogMode {
+    pub fn device(self) -> bool {
+        matches!(self, WatchdogMode::Device | WatchdogMode::Both)
+    }
+    pub fn systemd(self) -> bool {
+        matches!(self, WatchdogMode::Systemd | WatchdogMode::Both)
+    }
+}
+
+/// `spec.watchdog`: pet only while the agent is really healthy.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WatchdogSpec {
+    /// Off, Systemd, Device or Both.
+    #[serde(default)]
+    pub mode: WatchdogMode,
+    /// Watchdog device to pet (the DaemonSet must mount it).
+    #[serde(default = "default_watchdog_device")]
+    pub device: String,
+    /// Device timeout set with WDIOC_SETTIMEOUT: the host resets this long
+    /// after the last pet.
+    #[serde(default = "default_watchdog_timeout")]
+    #[schemars(range(min = 2, max = 3600))]
+    pub timeout_seconds: u32,
+    /// Pet the device every this percentage of its timeout.
+    #[serde(default = "default_pet_percent")]
+    #[schemars(range(min = 10, max = 50))]
+    pub pet_interval_percent: u8,
+    /// Also require that the API server answers before petting. Off by
+    /// default: an API outage must never reset a fleet.
+    #[serde(default)]
+    pub require_api_server: bool,
+    /// On a clean stop, write the magic close character so the device is
+    /// disarmed (a rollout or `kubectl delete pod` does not reset the node).
+    /// Set false for fencing: any stop of nodeguard then resets the node.
+    #[serde(default = "default_true")]
+    pub magic_close: bool,
+}
+
+fn default_watchdog_device() -> String {
+    "/dev/watchdog".into()
+}
+fn default_watchdog_timeout() -> u32 {
+    60
+}
+fn default_pet_percent() -> u8 {
+    33
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for WatchdogSpec {
+    fn default() -> Self {
+        WatchdogSpec {
+            mode: WatchdogMode::Off,
+            device: default_watchdog_device(),
+            timeout_seconds: default_watchdog_timeout(),
+            pet_interval_percent: default_pet_percent(),
+            require_api_server: false,
+            magic_close: true,
+        }
+    }
 }
 
 /// `/healthz` settings. The node is always ineligible while it is being

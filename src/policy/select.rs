@@ -14,6 +14,12 @@ pub struct Selection {
     pub invalid: Vec<(String, Vec<Problem>)>,
     /// Taint keys that make the node ineligible, besides the autoscaler's.
     pub ineligible_taints: Vec<String>,
+    /// The watchdog section in force: from the first applied policy (by
+    /// name) that has one. Others that differ are listed in `conflicts`.
+    pub watchdog: Option<super::WatchdogSpec>,
+    /// Sections set differently by several applied policies: (section,
+    /// policy whose value is used, policies ignored for it).
+    pub conflicts: Vec<(String, String, Vec<String>)>,
 }
 
 /// Selects the policies for a node with `labels`. Applied policies combine
@@ -24,6 +30,8 @@ pub fn select<'a>(
     labels: &BTreeMap<String, String>,
 ) -> Selection {
     let mut out = Selection::default();
+    let mut watchdog_from = String::new();
+    let mut watchdog_ignored = Vec::new();
     let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
     policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     for p in policies {
@@ -37,11 +45,21 @@ pub fn select<'a>(
         let problems = validate(p);
         match (problems.is_empty(), matches) {
             (true, Some(true)) => {
-                out.applied.push(name);
                 if let Some(h) = &p.spec.healthz {
                     out.ineligible_taints
                         .extend(h.ineligible_taints.iter().cloned());
                 }
+                if let Some(w) = &p.spec.watchdog {
+                    match &out.watchdog {
+                        None => {
+                            out.watchdog = Some(w.clone());
+                            watchdog_from = name.clone();
+                        }
+                        Some(used) if used != w => watchdog_ignored.push(name.clone()),
+                        Some(_) => {}
+                    }
+                }
+                out.applied.push(name);
             }
             (false, Some(true) | None) => out.invalid.push((name, problems)),
             _ => {}
@@ -49,6 +67,10 @@ pub fn select<'a>(
     }
     out.ineligible_taints.sort();
     out.ineligible_taints.dedup();
+    if !watchdog_ignored.is_empty() {
+        out.conflicts
+            .push(("spec.watchdog".into(), watchdog_from, watchdog_ignored));
+    }
     out
 }
 
@@ -74,6 +96,7 @@ mod tests {
                 healthz: (!taints.is_empty()).then(|| HealthzSpec {
                     ineligible_taints: taints.iter().map(|s| s.to_string()).collect(),
                 }),
+                ..Default::default()
             },
         )
     }

@@ -58,6 +58,39 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
             );
         }
     }
+    if let Some(w) = &policy.spec.watchdog {
+        problems.extend(validate_watchdog(w, "spec.watchdog"));
+    }
+    problems
+}
+
+/// Bounds the schema also states, checked again for files and old CRDs.
+pub fn validate_watchdog(w: &super::WatchdogSpec, path: &str) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    if !(2..=3600).contains(&w.timeout_seconds) {
+        problems.push(Problem::new(
+            format!("{path}.timeoutSeconds"),
+            format!(
+                "{} is out of range: use 2 to 3600 seconds",
+                w.timeout_seconds
+            ),
+        ));
+    }
+    if !(10..=50).contains(&w.pet_interval_percent) {
+        problems.push(Problem::new(
+            format!("{path}.petIntervalPercent"),
+            format!(
+                "{} is out of range: pet every 10 to 50 percent of the timeout",
+                w.pet_interval_percent
+            ),
+        ));
+    }
+    if !w.device.starts_with('/') {
+        problems.push(Problem::new(
+            format!("{path}.device"),
+            format!("{:?} is not an absolute path", w.device),
+        ));
+    }
     problems
 }
 

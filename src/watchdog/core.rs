@@ -1,0 +1,194 @@
+//! Decision core of the watchdog: intervals and whether to pet.
+
+use std::time::Duration;
+
+use super::WatchdogError;
+use crate::server::HealthReport;
+
+/// systemd's watchdog timeout must exceed this, as for the kubelet: a
+/// shorter one cannot be served reliably.
+pub const MIN_SYSTEMD_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The systemd watchdog timeout from `WATCHDOG_USEC` / `WATCHDOG_PID`, as
+/// sd_watchdog_enabled(3) reads them: `None` when the watchdog is off or
+/// meant for another process.
+pub fn systemd_timeout(
+    watchdog_usec: Option<&str>,
+    watchdog_pid: Option<&str>,
+    my_pid: u32,
+) -> Result<Option<Duration>, WatchdogError> {
+    let Some(usec) = watchdog_usec else {
+        return Ok(None);
+    };
+    if let Some(pid) = watchdog_pid {
+        let pid: u32 = pid.trim().parse().map_err(|_| {
+            WatchdogError::BadEnvironment(format!("WATCHDOG_PID={pid:?} is not a process id"))
+        })?;
+        if pid != my_pid {
+            return Ok(None);
+        }
+    }
+    let usec: u64 = usec.trim().parse().map_err(|_| {
+        WatchdogError::BadEnvironment(format!(
+            "WATCHDOG_USEC={usec:?} is not a number of microseconds"
+        ))
+    })?;
+    if usec == 0 {
+        return Ok(None);
+    }
+    let timeout = Duration::from_micros(usec);
+    if timeout <= MIN_SYSTEMD_TIMEOUT {
+        return Err(WatchdogError::TimeoutTooShort(timeout));
+    }
+    Ok(Some(timeout))
+}
+
+/// systemd is sent `WATCHDOG=1` every half of its timeout.
+pub fn systemd_pet_interval(timeout: Duration) -> Duration {
+    timeout / 2
+}
+
+/// The device is petted every `percent` of its timeout (at least 1 s).
+pub fn device_pet_interval(timeout_seconds: u32, percent: u8) -> Duration {
+    let ms = u64::from(timeout_seconds) * 1000 * u64::from(percent.clamp(1, 100)) / 100;
+    Duration::from_millis(ms.max(1000))
+}
+
+/// Why a pet was skipped; the label of `nodeguard_watchdog_skipped_pets_total`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// Loops stuck past their timeout (the `/livez` rule).
+    StuckLoops(Vec<String>),
+    /// `requireApiServer` is on and the API server did not answer.
+    ApiServerUnreachable,
+}
+
+impl Skip {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Skip::StuckLoops(_) => "stuck_loop",
+            Skip::ApiServerUnreachable => "api_server_unreachable",
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Skip::StuckLoops(loops) => {
+                format!("loops stuck past their timeout: {}", loops.join(", "))
+            }
+            Skip::ApiServerUnreachable => {
+                "the API server does not answer and requireApiServer is on".into()
+            }
+        }
+    }
+}
+
+/// Pet only when every check passes: the health registry is live and,
+/// when required, the API server answered (`api_ok` is `None` when not
+/// required). Node eligibility does not gate petting: a node being drained
+/// is still a healthy node.
+pub fn gate(report: &HealthReport, api_ok: Option<bool>) -> Result<(), Skip> {
+    if !report.live {
+        return Err(Skip::StuckLoops(
+            report
+                .stuck_loops()
+                .into_iter()
+                .map(str::to_string)
+                .collect(),
+        ));
+    }
+    if api_ok == Some(false) {
+        return Err(Skip::ApiServerUnreachable);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::Health;
+
+    #[test]
+    fn systemd_timeout_from_the_environment() {
+        let me = 4242;
+        assert_eq!(systemd_timeout(None, None, me).unwrap(), None);
+        assert_eq!(
+            systemd_timeout(Some("30000000"), None, me).unwrap(),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            systemd_timeout(Some("30000000"), Some("4242"), me).unwrap(),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            systemd_timeout(Some("30000000"), Some("1"), me).unwrap(),
+            None,
+            "another process's"
+        );
+        assert_eq!(systemd_timeout(Some("0"), None, me).unwrap(), None);
+        assert!(matches!(
+            systemd_timeout(Some("1000000"), None, me),
+            Err(WatchdogError::TimeoutTooShort(_))
+        ));
+        assert!(matches!(
+            systemd_timeout(Some("500000"), None, me),
+            Err(WatchdogError::TimeoutTooShort(_))
+        ));
+        assert!(
+            systemd_timeout(Some("1000001"), None, me)
+                .unwrap()
+                .is_some()
+        );
+        assert!(matches!(
+            systemd_timeout(Some("ten"), None, me),
+            Err(WatchdogError::BadEnvironment(_))
+        ));
+        assert!(matches!(
+            systemd_timeout(Some("10"), Some("x"), me),
+            Err(WatchdogError::BadEnvironment(_))
+        ));
+    }
+
+    #[test]
+    fn intervals() {
+        assert_eq!(
+            systemd_pet_interval(Duration::from_secs(30)),
+            Duration::from_secs(15)
+        );
+        assert_eq!(
+            systemd_pet_interval(Duration::from_millis(2500)),
+            Duration::from_millis(1250)
+        );
+        assert_eq!(device_pet_interval(60, 33), Duration::from_millis(19_800));
+        assert_eq!(device_pet_interval(60, 50), Duration::from_secs(30));
+        assert_eq!(
+            device_pet_interval(2, 10),
+            Duration::from_secs(1),
+            "never below 1 s"
+        );
+        assert_eq!(device_pet_interval(3600, 10), Duration::from_secs(360));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gating_on_a_stuck_loop_and_the_api_server() {
+        let h = Health::new();
+        let l = h.register("probe-manager", Duration::from_secs(5));
+        assert_eq!(gate(&h.report(), None), Ok(()));
+        assert_eq!(gate(&h.report(), Some(true)), Ok(()));
+        assert_eq!(
+            gate(&h.report(), Some(false)),
+            Err(Skip::ApiServerUnreachable)
+        );
+        l.queued();
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let skip = gate(&h.report(), Some(true)).unwrap_err();
+        assert_eq!(skip, Skip::StuckLoops(vec!["probe-manager".into()]));
+        assert_eq!(skip.label(), "stuck_loop");
+        assert!(skip.describe().contains("probe-manager"));
+        l.updated();
+        assert_eq!(gate(&h.report(), None), Ok(()));
+        // Ineligibility does not stop petting.
+        h.set_node_eligible(false, None);
+        assert_eq!(gate(&h.report(), None), Ok(()));
+    }
+}

@@ -1,0 +1,472 @@
+//! The watchdog loop with stand-ins and paused time: a recording notifier,
+//! a regular file plus a recording ioctl port as the device.
+
+use super::*;
+use crate::policy::WatchdogMode;
+use crate::report::ReportConfig;
+use std::os::fd::RawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+#[derive(Clone, Default)]
+struct Notes {
+    sent: Arc<Mutex<Vec<(Instant, String)>>>,
+    failures_left: Arc<AtomicUsize>,
+}
+
+impl Notes {
+    fn count(&self, what: &str) -> usize {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, m)| m == what)
+            .count()
+    }
+    fn times(&self, what: &str) -> Vec<Instant> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, m)| m == what)
+            .map(|(t, _)| *t)
+            .collect()
+    }
+}
+
+impl NotifyPort for Notes {
+    fn notify(&self, states: &[NotifyState<'_>]) -> io::Result<()> {
+        if self
+            .failures_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                "systemd away",
+            ));
+        }
+        let msg = notify::message(states);
+        self.sent
+            .lock()
+            .unwrap()
+            .push((Instant::now(), msg.trim_end().to_string()));
+        Ok(())
+    }
+}
+
+/// Records every ioctl; behaves like a driver that accepts any timeout.
+#[derive(Clone, Default)]
+struct Ioctls {
+    calls: Arc<Mutex<Vec<(u64, i32, Instant)>>>,
+    timeout: Arc<Mutex<i32>>,
+}
+
+impl IoctlPort for Ioctls {
+    fn ioctl_int(&mut self, _fd: RawFd, request: u64, value: i32) -> io::Result<i32> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((request, value, Instant::now()));
+        let mut t = self.timeout.lock().unwrap();
+        match request {
+            device::WDIOC_SETTIMEOUT => {
+                *t = value;
+                Ok(value)
+            }
+            device::WDIOC_GETTIMEOUT => Ok(*t),
+            device::WDIOC_KEEPALIVE => Ok(0),
+            _ => Err(io::Error::from_raw_os_error(libc::ENOTTY)),
+        }
+    }
+}
+
+impl Ioctls {
+    fn count(&self, request: u64) -> usize {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(r, _, _)| *r == request)
+            .count()
+    }
+}
+
+#[derive(Clone)]
+struct StandIn {
+    ioctls: Ioctls,
+    busy: Arc<AtomicBool>,
+    opened: Arc<Mutex<Vec<PathBuf>>>,
+}
+
+impl DeviceOpener for StandIn {
+    fn open(&self, path: &Path, timeout_seconds: u32) -> Result<Device, WatchdogError> {
+        if self.busy.load(Ordering::SeqCst) {
+            return Err(WatchdogError::open(
+                path,
+                io::Error::from_raw_os_error(libc::EBUSY),
+            ));
+        }
+        self.opened.lock().unwrap().push(path.to_path_buf());
+        Device::open(path, timeout_seconds, Box::new(self.ioctls.clone()))
+    }
+}
+
+#[derive(Clone, Default)]
+struct Api(Arc<AtomicBool>);
+
+impl ApiProbe for Api {
+    async fn reachable(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+struct Rig {
+    notes: Notes,
+    ioctls: Ioctls,
+    busy: Arc<AtomicBool>,
+    api: Api,
+    health: Health,
+    reporter: Reporter,
+    registry: Registry,
+    settings: watch::Sender<Option<WatchdogSpec>>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    dir: PathBuf,
+}
+
+fn device_spec(dir: &Path, timeout: u32, magic: bool) -> WatchdogSpec {
+    WatchdogSpec {
+        mode: WatchdogMode::Device,
+        device: dir.join("watchdog").display().to_string(),
+        timeout_seconds: timeout,
+        pet_interval_percent: 25,
+        require_api_server: false,
+        magic_close: magic,
+    }
+}
+
+fn rig(systemd_timeout: Option<Duration>, spec: Option<WatchdogSpec>, dir: PathBuf) -> Rig {
+    std::fs::create_dir_all(&dir).unwrap();
+    if let Some(s) = &spec {
+        std::fs::write(&s.device, b"").unwrap();
+    }
+    let notes = Notes::default();
+    let ioctls = Ioctls::default();
+    let busy = Arc::new(AtomicBool::new(false));
+    let api = Api(Arc::new(AtomicBool::new(true)));
+    let health = Health::new();
+    let mut registry = Registry::default();
+    let (reporter, _q) = Reporter::new(&ReportConfig::default(), &mut registry);
+    let metrics = WatchdogMetrics::register(&mut registry);
+    let (tx, rx) = watch::channel(spec);
+    let shutdown = CancellationToken::new();
+    let host = WatchdogHost {
+        notifier: Some(notes.clone()),
+        systemd_timeout,
+        opener: StandIn {
+            ioctls: ioctls.clone(),
+            busy: busy.clone(),
+            opened: Default::default(),
+        },
+        api: api.clone(),
+    };
+    let task = tokio::spawn(run_watchdog(
+        host,
+        rx,
+        health.clone(),
+        reporter.clone(),
+        metrics,
+        shutdown.clone(),
+    ));
+    Rig {
+        notes,
+        ioctls,
+        busy,
+        api,
+        health,
+        reporter,
+        registry,
+        settings: tx,
+        shutdown,
+        task,
+        dir,
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nodeguard-wd-{name}-{}", std::process::id()))
+}
+
+async fn secs(n: u64) {
+    tokio::time::sleep(Duration::from_secs(n)).await;
+}
+
+fn metrics_text(r: &Rig) -> String {
+    crate::server::metrics::encode(&r.registry).unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn systemd_ready_cadence_and_stopping() {
+    let r = rig(Some(Duration::from_secs(10)), None, tmp("systemd"));
+    let l = r.health.register("watch", Duration::from_secs(60));
+    secs(1).await;
+    assert_eq!(
+        r.notes.count("READY=1"),
+        0,
+        "not ready before the first sync"
+    );
+    l.updated();
+    secs(1).await;
+    assert_eq!(r.notes.count("READY=1"), 1);
+    secs(28).await;
+    let pets = r.notes.times("WATCHDOG=1");
+    // At 0, 5, 10, 15, 20, 25 and 30 s.
+    assert!((6..=7).contains(&pets.len()), "{} pets", pets.len());
+    for w in pets.windows(2) {
+        assert_eq!(w[1] - w[0], Duration::from_secs(5), "half of WatchdogSec");
+    }
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+    assert_eq!(r.notes.count("STOPPING=1"), 1);
+    assert_eq!(r.notes.count("READY=1"), 1, "READY=1 once");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stuck_loop_stops_every_pet_and_each_skip_is_counted() {
+    let dir = tmp("stuck");
+    let r = rig(
+        Some(Duration::from_secs(10)),
+        Some(device_spec(&dir, 20, true)),
+        dir,
+    );
+    let l = r.health.register("probe-manager", Duration::from_secs(5));
+    l.updated();
+    secs(11).await;
+    let systemd_before = r.notes.count("WATCHDOG=1");
+    let device_before = r.ioctls.count(device::WDIOC_KEEPALIVE);
+    assert!(systemd_before >= 2 && device_before >= 2);
+    l.queued(); // stuck from now, past its 5 s timeout
+    secs(6).await;
+    let systemd_at_stuck = r.notes.count("WATCHDOG=1");
+    let device_at_stuck = r.ioctls.count(device::WDIOC_KEEPALIVE);
+    secs(30).await;
+    assert_eq!(
+        r.notes.count("WATCHDOG=1"),
+        systemd_at_stuck,
+        "no systemd pets while stuck"
+    );
+    assert_eq!(
+        r.ioctls.count(device::WDIOC_KEEPALIVE),
+        device_at_stuck,
+        "no device pets while stuck"
+    );
+    let text = metrics_text(&r);
+    assert!(
+        text.contains(
+            "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"stuck_loop\"} 6"
+        ),
+        "{text}"
+    );
+    assert!(text.contains(
+        "nodeguard_watchdog_skipped_pets_total{target=\"device\",reason=\"stuck_loop\"}"
+    ));
+    l.updated();
+    secs(6).await;
+    assert!(
+        r.notes.count("WATCHDOG=1") > systemd_at_stuck,
+        "pets resume"
+    );
+    assert!(r.ioctls.count(device::WDIOC_KEEPALIVE) > device_at_stuck);
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn device_is_armed_petted_at_its_fraction_and_magic_closed() {
+    let dir = tmp("device");
+    let spec = device_spec(&dir, 20, true);
+    let path = spec.device.clone();
+    let r = rig(None, Some(spec), dir.clone());
+    secs(61).await;
+    let calls = r.ioctls.calls.lock().unwrap().clone();
+    assert_eq!((calls[0].0, calls[0].1), (device::WDIOC_SETTIMEOUT, 20));
+    assert_eq!(calls[1].0, device::WDIOC_GETTIMEOUT);
+    let pets: Vec<Instant> = calls
+        .iter()
+        .filter(|c| c.0 == device::WDIOC_KEEPALIVE)
+        .map(|c| c.2)
+        .collect();
+    assert_eq!(
+        pets.len(),
+        13,
+        "every 5 s (25% of 20 s) over 61 s, from t=0"
+    );
+    for w in pets.windows(2) {
+        assert_eq!(w[1] - w[0], Duration::from_secs(5));
+    }
+    assert!(metrics_text(&r).contains("nodeguard_watchdog_device_timeout_seconds 20"));
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b"",
+        "nothing written while running"
+    );
+    let cond = r.reporter.desired()[CONDITION].clone().unwrap();
+    assert_eq!(
+        (cond.status, cond.reason.as_str()),
+        (Status::False, "WatchdogArmed")
+    );
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b"V",
+        "magic close on a clean stop"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn fencing_mode_closes_without_the_magic_character() {
+    let dir = tmp("fence");
+    let spec = device_spec(&dir, 20, false);
+    let path = spec.device.clone();
+    let r = rig(None, Some(spec), dir.clone());
+    secs(1).await;
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b"",
+        "no V: the host resets after the timeout"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_device_is_a_condition_and_event_then_retried() {
+    let dir = tmp("busy");
+    let spec = device_spec(&dir, 20, true);
+    let r = {
+        // Busy from the first attempt.
+        let r = rig(None, None, dir.clone());
+        r.busy.store(true, Ordering::SeqCst);
+        std::fs::write(&spec.device, b"").unwrap();
+        r.settings.send_replace(Some(spec.clone()));
+        r
+    };
+    secs(1).await;
+    let cond = r.reporter.desired()[CONDITION].clone().unwrap();
+    assert_eq!(
+        (cond.status, cond.reason.as_str()),
+        (Status::True, "DeviceBusy")
+    );
+    assert!(
+        cond.message.contains("RuntimeWatchdogSec"),
+        "{}",
+        cond.message
+    );
+    assert_eq!(r.ioctls.count(device::WDIOC_KEEPALIVE), 0);
+    r.busy.store(false, Ordering::SeqCst);
+    secs(DEVICE_RETRY.as_secs()).await;
+    let cond = r.reporter.desired()[CONDITION].clone().unwrap();
+    assert_eq!(
+        cond.status,
+        Status::False,
+        "armed after the retry: {cond:?}"
+    );
+    assert!(r.ioctls.count(device::WDIOC_KEEPALIVE) >= 1);
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_api_server_gates_petting_only_when_required() {
+    let r = rig(Some(Duration::from_secs(4)), None, tmp("api"));
+    r.api.0.store(false, Ordering::SeqCst);
+    secs(10).await;
+    let pets = r.notes.count("WATCHDOG=1");
+    assert!(
+        pets >= 5,
+        "an API outage does not stop pets by default ({pets})"
+    );
+    let mut spec = WatchdogSpec {
+        mode: WatchdogMode::Systemd,
+        require_api_server: true,
+        ..Default::default()
+    };
+    r.settings.send_replace(Some(spec.clone()));
+    secs(10).await;
+    assert!(r.notes.count("WATCHDOG=1") <= pets + 1);
+    assert!(metrics_text(&r).contains("reason=\"api_server_unreachable\""));
+    r.api.0.store(true, Ordering::SeqCst);
+    secs(3).await;
+    assert!(r.notes.count("WATCHDOG=1") > pets + 1);
+    spec.require_api_server = false;
+    r.settings.send_replace(Some(spec));
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_notifications_are_retried_with_backoff() {
+    let r = rig(Some(Duration::from_secs(20)), None, tmp("retry"));
+    r.notes.failures_left.store(2, Ordering::SeqCst);
+    secs(4).await;
+    let times = r.notes.times("WATCHDOG=1");
+    assert_eq!(times.len(), 1, "first pet delivered after two retries");
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn changing_the_device_disarms_the_old_one_cleanly() {
+    let dir = tmp("switch");
+    let first = device_spec(&dir, 20, false);
+    let r = rig(None, Some(first.clone()), dir.clone());
+    secs(1).await;
+    let mut second = first.clone();
+    second.device = dir.join("watchdog1").display().to_string();
+    std::fs::write(&second.device, b"").unwrap();
+    r.settings.send_replace(Some(second.clone()));
+    secs(1).await;
+    assert_eq!(
+        std::fs::read(&first.device).unwrap(),
+        b"V",
+        "reconfiguration disarms, even in fencing mode"
+    );
+    r.settings.send_replace(None);
+    secs(1).await;
+    assert_eq!(
+        std::fs::read(&second.device).unwrap(),
+        b"V",
+        "turning it off disarms"
+    );
+    assert!(
+        !r.reporter.desired().contains_key(CONDITION),
+        "condition removed when off"
+    );
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn systemd_mode_without_a_unit_watchdog_is_reported() {
+    let r = rig(None, None, tmp("nosd"));
+    r.settings.send_replace(Some(WatchdogSpec {
+        mode: WatchdogMode::Systemd,
+        ..Default::default()
+    }));
+    secs(1).await;
+    let cond = r.reporter.desired()[CONDITION].clone().unwrap();
+    assert_eq!(
+        (cond.status, cond.reason.as_str()),
+        (Status::True, "SystemdWatchdogOff")
+    );
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+    let _ = &r.dir;
+}

@@ -1,0 +1,170 @@
+//! The systemd watchdog protocol end to end on a real notify socket:
+//! the `nodeguard` binary with NOTIFY_SOCKET/WATCHDOG_USEC (READY=1, pets at
+//! half the timeout, STOPPING=1 on SIGTERM), and the in-process agent whose
+//! pets stop while a loop is stuck.
+
+mod support;
+
+use std::os::unix::net::UnixDatagram;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// Collects notifications from a bound datagram socket on a thread.
+struct NotifySocket {
+    path: std::path::PathBuf,
+    received: std::sync::Arc<std::sync::Mutex<Vec<(Instant, String)>>>,
+    _dir: TempDir,
+}
+
+impl NotifySocket {
+    fn bind() -> Self {
+        let dir = TempDir::new("notify");
+        let path = dir.path.join("notify.sock");
+        let sock = UnixDatagram::bind(&path).unwrap();
+        let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = received.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = sock.recv(&mut buf) {
+                let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                for line in text.lines() {
+                    sink.lock()
+                        .unwrap()
+                        .push((Instant::now(), line.to_string()));
+                }
+            }
+        });
+        NotifySocket {
+            path,
+            received,
+            _dir: dir,
+        }
+    }
+
+    fn times(&self, what: &str) -> Vec<Instant> {
+        self.received
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, m)| m == what)
+            .map(|(t, _)| *t)
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn the_binary_speaks_the_systemd_notify_protocol() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "sdnotify", &[]).await;
+    let socket = NotifySocket::bind();
+    let state = TempDir::new("state");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", &node.name])
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .arg("--state-dir")
+        .arg(&state.path)
+        .env("NOTIFY_SOCKET", &socket.path)
+        .env("WATCHDOG_USEC", "2000000")
+        .env_remove("WATCHDOG_PID")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    eventually(Duration::from_secs(20), "READY=1", || {
+        std::future::ready(!socket.times("READY=1").is_empty())
+    })
+    .await;
+    eprintln!("READY=1 after {:?}", started.elapsed());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let pets = socket.times("WATCHDOG=1");
+    assert!(
+        pets.len() >= 5,
+        "only {} pets in {:?}",
+        pets.len(),
+        started.elapsed()
+    );
+    let gaps: Vec<Duration> = pets.windows(2).map(|w| w[1] - w[0]).collect();
+    eprintln!("WATCHDOG=1 gaps: {gaps:?}");
+    for g in &gaps {
+        assert!(
+            *g >= Duration::from_millis(800) && *g <= Duration::from_millis(1300),
+            "WATCHDOG=1 must come every half of WatchdogSec (1 s): {gaps:?}"
+        );
+    }
+    // SIGTERM: STOPPING=1 and a clean exit.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert_eq!(socket.times("STOPPING=1").len(), 1);
+    assert_eq!(socket.times("READY=1").len(), 1);
+}
+
+#[tokio::test]
+async fn a_too_short_watchdog_is_refused_with_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["run", "--node-name", "x", "--listen", "127.0.0.1:0"])
+        .env("WATCHDOG_USEC", "500000")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("too short") && err.contains("WatchdogSec="),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn pets_stop_while_a_loop_is_stuck_and_resume_after() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "sdstuck", &[]).await;
+    let socket = NotifySocket::bind();
+    let path = socket.path.display().to_string();
+    let (agent, _state) = start_agent_with(admin, &node.name, |c| {
+        c.notify_socket = Some(path);
+        c.systemd_watchdog = Some(Duration::from_secs(2));
+    })
+    .await;
+    eventually(Duration::from_secs(20), "READY=1", || {
+        std::future::ready(!socket.times("READY=1").is_empty())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stuck = agent
+        .health
+        .register("test-stuck-loop", Duration::from_millis(500));
+    stuck.updated();
+    stuck.queued();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let at_stuck = socket.times("WATCHDOG=1").len();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        socket.times("WATCHDOG=1").len(),
+        at_stuck,
+        "no WATCHDOG=1 while a loop is stuck"
+    );
+    let (_, metrics) = http_get(agent.addr, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"stuck_loop\"}"
+        ),
+        "{metrics}"
+    );
+    stuck.updated();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(socket.times("WATCHDOG=1").len() > at_stuck, "pets resume");
+    agent.stop().await;
+    assert_eq!(socket.times("STOPPING=1").len(), 1);
+}

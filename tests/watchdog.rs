@@ -60,7 +60,7 @@ async fn the_binary_speaks_the_systemd_notify_protocol() {
     let node = TestNode::create(&admin, "sdnotify", &[]).await;
     let socket = NotifySocket::bind();
     let state = TempDir::new("state");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+    let child = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
         .args(["run", "--listen", "127.0.0.1:0", "--node-name", &node.name])
         .arg("--kubeconfig")
         .arg(kubeconfig_path())

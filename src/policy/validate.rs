@@ -147,4 +147,27 @@ mod tests {
             "spec.nodeSelector.matchExpressions[0].operator"
         );
     }
+
+    #[test]
+    fn watchdog_bounds_are_checked_with_paths() {
+        let w = crate::policy::WatchdogSpec {
+            timeout_seconds: 1,
+            pet_interval_percent: 60,
+            device: "dev/watchdog".into(),
+            ..Default::default()
+        };
+        let paths: Vec<String> = validate_watchdog(&w, "spec.watchdog")
+            .into_iter()
+            .map(|p| p.path)
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                "spec.watchdog.timeoutSeconds",
+                "spec.watchdog.petIntervalPercent",
+                "spec.watchdog.device"
+            ]
+        );
+        assert!(validate_watchdog(&Default::default(), "spec.watchdog").is_empty());
+    }
 }

@@ -265,15 +265,15 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = sleep_until(ready_check), if !ready_sent => {
-                if health.report().ready {
-                    if let Some(n) = &host.notifier {
-                        match n.notify(&[NotifyState::Ready]) {
-                            Ok(()) => {
-                                tracing::info!("notified systemd: READY=1");
-                                ready_sent = true;
-                            }
-                            Err(e) => tracing::warn!(error = %e, "cannot notify systemd READY=1; retrying"),
+                if health.report().ready
+                    && let Some(n) = &host.notifier
+                {
+                    match n.notify(&[NotifyState::Ready]) {
+                        Ok(()) => {
+                            tracing::info!("notified systemd: READY=1");
+                            ready_sent = true;
                         }
+                        Err(e) => tracing::warn!(error = %e, "cannot notify systemd READY=1; retrying"),
                     }
                 }
                 ready_check = Instant::now() + Duration::from_millis(200);

@@ -7,6 +7,7 @@ pub mod k8s;
 pub mod policy;
 pub mod report;
 pub mod server;
+pub mod shutdown;
 pub mod watchdog;
 
 /// `version (commit, rustc)` as printed by `nodeguard version`.

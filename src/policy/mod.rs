@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 pub use load::{PolicyDocument, load_policies};
 pub use select::{Selection, select};
 pub use selector::Selector;
-pub use validate::validate_watchdog;
 pub use validate::{Problem, validate};
+pub use validate::{validate_shutdown, validate_watchdog};
 
 /// API group of every nodeguard resource.
 pub const GROUP: &str = "nodeguard.io";
@@ -80,6 +80,104 @@ pub struct NodeGuardPolicySpec {
     /// device). Off unless set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub watchdog: Option<WatchdogSpec>,
+
+    /// Graceful node shutdown through systemd-logind. Off unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown: Option<ShutdownSpec>,
+}
+
+/// One priority group of `spec.shutdown.gracePeriodByPriority`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PriorityGracePeriod {
+    /// Pods with at least this priority (and below the next group's) are
+    /// in this group.
+    pub priority: i32,
+    /// How long the group's pods get to terminate.
+    #[schemars(range(min = 1, max = 3600))]
+    pub grace_period_seconds: u32,
+}
+
+/// What to do with a pod whose eviction a PodDisruptionBudget keeps refusing.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Escalation {
+    /// Delete it with the rest of the group's window as its grace, so the
+    /// node still shuts down in time (an Event names the PDB).
+    #[default]
+    Delete,
+    /// Leave it running; the node shuts down with it.
+    None,
+}
+
+/// `spec.shutdown`: on PrepareForShutdown, taint the node and terminate its
+/// pods by priority group (lowest first) through the Eviction API.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShutdownSpec {
+    /// Priority groups, like the kubelet's shutdownGracePeriodByPodPriority.
+    /// Their periods add up to the inhibit delay nodeguard asks logind for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub grace_period_by_priority: Vec<PriorityGracePeriod>,
+    /// The kubelet's simple form: the total (shutdownGracePeriod) …
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub grace_period_seconds: Option<u32>,
+    /// … of which critical pods get this much (shutdownGracePeriodCriticalPods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 3600))]
+    pub critical_pods_grace_period_seconds: Option<u32>,
+    /// Delete (default) or None.
+    #[serde(default)]
+    pub escalation: Escalation,
+    /// Escalate a blocked eviction after this percentage of its group's window.
+    #[serde(default = "default_escalate_percent")]
+    #[schemars(range(min = 10, max = 100))]
+    pub escalate_after_percent: u8,
+    /// Release the inhibitor this long before logind's maximum delay runs out.
+    #[serde(default = "default_safety_margin")]
+    #[schemars(range(max = 60))]
+    pub safety_margin_seconds: u32,
+    /// Also terminate DaemonSet pods.
+    #[serde(default)]
+    pub evict_daemon_set_pods: bool,
+    /// Also delete mirror (static) pods.
+    #[serde(default)]
+    pub evict_mirror_pods: bool,
+    /// Also terminate pods that tolerate the shutdown taint.
+    #[serde(default)]
+    pub evict_tolerating_pods: bool,
+    /// Where to write the logind drop-in that raises InhibitDelayMaxSec when
+    /// it is too short (a host mount in the DaemonSet). Empty: never write.
+    #[serde(default = "default_drop_in_dir")]
+    pub logind_drop_in_dir: String,
+}
+
+fn default_escalate_percent() -> u8 {
+    50
+}
+fn default_safety_margin() -> u32 {
+    2
+}
+fn default_drop_in_dir() -> String {
+    "/etc/systemd/logind.conf.d".into()
+}
+
+impl Default for ShutdownSpec {
+    fn default() -> Self {
+        ShutdownSpec {
+            grace_period_by_priority: Vec::new(),
+            grace_period_seconds: None,
+            critical_pods_grace_period_seconds: None,
+            escalation: Escalation::Delete,
+            escalate_after_percent: default_escalate_percent(),
+            safety_margin_seconds: default_safety_margin(),
+            evict_daemon_set_pods: false,
+            evict_mirror_pods: false,
+            evict_tolerating_pods: false,
+            logind_drop_in_dir: default_drop_in_dir(),
+        }
+    }
 }
 
 /// Which watchdogs nodeguard pets.

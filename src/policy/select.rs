@@ -14,12 +14,57 @@ pub struct Selection {
     pub invalid: Vec<(String, Vec<Problem>)>,
     /// Taint keys that make the node ineligible, besides the autoscaler's.
     pub ineligible_taints: Vec<String>,
+    /// The shutdown section in force: first applied policy by name.
+    pub shutdown: Option<super::ShutdownSpec>,
     /// The watchdog section in force: from the first applied policy (by
     /// name) that has one. Others that differ are listed in `conflicts`.
     pub watchdog: Option<super::WatchdogSpec>,
     /// Sections set differently by several applied policies: (section,
     /// policy whose value is used, policies ignored for it).
     pub conflicts: Vec<(String, String, Vec<String>)>,
+}
+
+/// A section that cannot be merged: the first policy (by name) that sets
+/// it wins; policies that set it differently are recorded as a conflict.
+struct FirstWins<T> {
+    value: Option<T>,
+    from: String,
+    ignored: Vec<String>,
+}
+
+impl<T> Default for FirstWins<T> {
+    fn default() -> Self {
+        FirstWins {
+            value: None,
+            from: String::new(),
+            ignored: Vec::new(),
+        }
+    }
+}
+
+impl<T: Clone + PartialEq> FirstWins<T> {
+    fn offer(&mut self, policy: &str, value: Option<&T>) {
+        let Some(v) = value else { return };
+        match &self.value {
+            None => {
+                self.value = Some(v.clone());
+                self.from = policy.to_string();
+            }
+            Some(used) if used != v => self.ignored.push(policy.to_string()),
+            Some(_) => {}
+        }
+    }
+
+    fn finish(
+        self,
+        section: &str,
+        conflicts: &mut Vec<(String, String, Vec<String>)>,
+    ) -> Option<T> {
+        if !self.ignored.is_empty() {
+            conflicts.push((section.to_string(), self.from, self.ignored));
+        }
+        self.value
+    }
 }
 
 /// Selects the policies for a node with `labels`. Applied policies combine
@@ -30,8 +75,8 @@ pub fn select<'a>(
     labels: &BTreeMap<String, String>,
 ) -> Selection {
     let mut out = Selection::default();
-    let mut watchdog_from = String::new();
-    let mut watchdog_ignored = Vec::new();
+    let mut watchdog = FirstWins::default();
+    let mut shutdown = FirstWins::default();
     let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
     policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     for p in policies {
@@ -49,16 +94,8 @@ pub fn select<'a>(
                     out.ineligible_taints
                         .extend(h.ineligible_taints.iter().cloned());
                 }
-                if let Some(w) = &p.spec.watchdog {
-                    match &out.watchdog {
-                        None => {
-                            out.watchdog = Some(w.clone());
-                            watchdog_from = name.clone();
-                        }
-                        Some(used) if used != w => watchdog_ignored.push(name.clone()),
-                        Some(_) => {}
-                    }
-                }
+                watchdog.offer(&name, p.spec.watchdog.as_ref());
+                shutdown.offer(&name, p.spec.shutdown.as_ref());
                 out.applied.push(name);
             }
             (false, Some(true) | None) => out.invalid.push((name, problems)),
@@ -67,10 +104,8 @@ pub fn select<'a>(
     }
     out.ineligible_taints.sort();
     out.ineligible_taints.dedup();
-    if !watchdog_ignored.is_empty() {
-        out.conflicts
-            .push(("spec.watchdog".into(), watchdog_from, watchdog_ignored));
-    }
+    out.shutdown = shutdown.finish("spec.shutdown", &mut out.conflicts);
+    out.watchdog = watchdog.finish("spec.watchdog", &mut out.conflicts);
     out
 }
 

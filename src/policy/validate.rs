@@ -61,6 +61,65 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
     if let Some(w) = &policy.spec.watchdog {
         problems.extend(validate_watchdog(w, "spec.watchdog"));
     }
+    if let Some(s) = &policy.spec.shutdown {
+        problems.extend(validate_shutdown(s, "spec.shutdown"));
+    }
+    problems
+}
+
+/// Cross-field rules of `spec.shutdown`.
+pub fn validate_shutdown(s: &super::ShutdownSpec, path: &str) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let by_priority = !s.grace_period_by_priority.is_empty();
+    let simple = s.grace_period_seconds.is_some() || s.critical_pods_grace_period_seconds.is_some();
+    if by_priority && simple {
+        problems.push(Problem::new(
+            path,
+            "set either gracePeriodByPriority or gracePeriodSeconds/criticalPodsGracePeriodSeconds, not both",
+        ));
+    }
+    if !by_priority && s.grace_period_seconds.is_none() {
+        problems.push(Problem::new(
+            path,
+            "no grace periods: set gracePeriodByPriority, or gracePeriodSeconds (with criticalPodsGracePeriodSeconds)",
+        ));
+    }
+    if let (Some(total), Some(critical)) =
+        (s.grace_period_seconds, s.critical_pods_grace_period_seconds)
+        && critical > total
+    {
+        problems.push(Problem::new(
+            format!("{path}.criticalPodsGracePeriodSeconds"),
+            format!("{critical} is more than gracePeriodSeconds ({total}): critical pods get part of the total"),
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, g) in s.grace_period_by_priority.iter().enumerate() {
+        if !seen.insert(g.priority) {
+            problems.push(Problem::new(
+                format!("{path}.gracePeriodByPriority[{i}].priority"),
+                format!("priority {} appears twice", g.priority),
+            ));
+        }
+        if g.grace_period_seconds == 0 {
+            problems.push(Problem::new(
+                format!("{path}.gracePeriodByPriority[{i}].gracePeriodSeconds"),
+                "must be at least 1",
+            ));
+        }
+    }
+    if !(10..=100).contains(&s.escalate_after_percent) {
+        problems.push(Problem::new(
+            format!("{path}.escalateAfterPercent"),
+            format!("{} is out of range: 10 to 100", s.escalate_after_percent),
+        ));
+    }
+    if !s.logind_drop_in_dir.is_empty() && !s.logind_drop_in_dir.starts_with('/') {
+        problems.push(Problem::new(
+            format!("{path}.logindDropInDir"),
+            format!("{:?} is not an absolute path", s.logind_drop_in_dir),
+        ));
+    }
     problems
 }
 
@@ -169,5 +228,75 @@ mod tests {
             ]
         );
         assert!(validate_watchdog(&Default::default(), "spec.watchdog").is_empty());
+    }
+
+    #[test]
+    fn shutdown_cross_field_rules() {
+        use crate::policy::{PriorityGracePeriod, ShutdownSpec};
+        let pg = |priority, secs| PriorityGracePeriod {
+            priority,
+            grace_period_seconds: secs,
+        };
+        let ok = ShutdownSpec {
+            grace_period_by_priority: vec![pg(0, 10), pg(1000, 20)],
+            ..Default::default()
+        };
+        assert!(validate_shutdown(&ok, "s").is_empty());
+        let simple = ShutdownSpec {
+            grace_period_seconds: Some(30),
+            critical_pods_grace_period_seconds: Some(10),
+            ..Default::default()
+        };
+        assert!(validate_shutdown(&simple, "s").is_empty());
+        let cases: Vec<(ShutdownSpec, &str)> = vec![
+            (ShutdownSpec::default(), "s"),
+            (
+                ShutdownSpec {
+                    grace_period_seconds: Some(5),
+                    ..ok.clone()
+                },
+                "s",
+            ),
+            (
+                ShutdownSpec {
+                    critical_pods_grace_period_seconds: Some(40),
+                    ..simple.clone()
+                },
+                "s.criticalPodsGracePeriodSeconds",
+            ),
+            (
+                ShutdownSpec {
+                    grace_period_by_priority: vec![pg(0, 10), pg(0, 20)],
+                    ..Default::default()
+                },
+                "s.gracePeriodByPriority[1].priority",
+            ),
+            (
+                ShutdownSpec {
+                    grace_period_by_priority: vec![pg(0, 0)],
+                    ..Default::default()
+                },
+                "s.gracePeriodByPriority[0].gracePeriodSeconds",
+            ),
+            (
+                ShutdownSpec {
+                    escalate_after_percent: 5,
+                    ..ok.clone()
+                },
+                "s.escalateAfterPercent",
+            ),
+            (
+                ShutdownSpec {
+                    logind_drop_in_dir: "etc".into(),
+                    ..ok.clone()
+                },
+                "s.logindDropInDir",
+            ),
+        ];
+        for (spec, path) in cases {
+            let problems = validate_shutdown(&spec, "s");
+            assert_eq!(problems.len(), 1, "{spec:?}: {problems:?}");
+            assert_eq!(problems[0].path, path);
+        }
     }
 }

@@ -1,0 +1,308 @@
+//! The cluster side of shutdown: nodeguard's taint on the Node, the
+//! Eviction API (PodDisruptionBudgets honoured), deletes for escalation,
+//! and the facts the decision core needs from a Pod.
+
+use std::future::Future;
+
+use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{DeleteParams, EvictParams, ListParams, Patch, PatchParams};
+use kube::{Api, Client};
+
+use super::ShutdownError;
+use super::core::PodFacts;
+use crate::policy::Selector;
+
+/// The taint nodeguard puts on a node that is shutting down.
+pub const TAINT_KEY: &str = "nodeguard.io/shutdown";
+pub const TAINT_EFFECT: &str = "NoSchedule";
+
+/// The outcome of one eviction request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Evicted {
+    /// Accepted: the pod is terminating with the grace we asked for.
+    Yes,
+    /// The pod no longer exists.
+    Gone,
+    /// Refused (429): a PodDisruptionBudget does not allow it now.
+    Blocked {
+        pdb: Option<String>,
+        message: String,
+    },
+}
+
+/// Port: what shutdown does to the cluster.
+pub trait ClusterPort: Send + Sync + 'static {
+    /// Adds the shutdown taint; `true` when nodeguard added it, `false`
+    /// when it was already there (then nodeguard must not remove it).
+    fn add_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
+    fn remove_taint(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    fn evict(
+        &self,
+        key: &str,
+        grace: i64,
+    ) -> impl Future<Output = Result<Evicted, ShutdownError>> + Send;
+    fn delete(
+        &self,
+        key: &str,
+        grace: i64,
+    ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+}
+
+/// The decision core's view of a Pod.
+pub fn pod_facts(pod: &Pod) -> PodFacts {
+    let spec = pod.spec.as_ref();
+    let meta = &pod.metadata;
+    PodFacts {
+        key: format!(
+            "{}/{}",
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default()
+        ),
+        priority: spec.and_then(|s| s.priority).unwrap_or(0),
+        termination_grace_seconds: spec.and_then(|s| s.termination_grace_period_seconds),
+        daemonset: meta
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.kind == "DaemonSet" && o.controller == Some(true)),
+        mirror: meta
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror")),
+        tolerates_shutdown: spec.and_then(|s| s.tolerations.as_ref()).is_some_and(|ts| {
+            ts.iter().any(|t| {
+                let key_ok = match t.key.as_deref() {
+                    None | Some("") => t.operator.as_deref() == Some("Exists"),
+                    Some(k) => k == TAINT_KEY,
+                };
+                let effect_ok = t
+                    .effect
+                    .as_deref()
+                    .is_none_or(|e| e.is_empty() || e == TAINT_EFFECT);
+                key_ok && effect_ok
+            })
+        }),
+        terminal: matches!(
+            pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Succeeded") | Some("Failed")
+        ),
+    }
+}
+
+/// The PodDisruptionBudget name in an eviction refusal, when the API
+/// server names it ("The disruption budget NAME needs …").
+pub fn pdb_from_message(message: &str) -> Option<String> {
+    let rest = message.split("disruption budget ").nth(1)?;
+    let name = rest.split_whitespace().next()?;
+    Some(name.trim_end_matches([',', '.', ':']).to_string()).filter(|n| !n.is_empty())
+}
+
+/// The API adapter.
+#[derive(Clone)]
+pub struct KubeCluster {
+    client: Client,
+    node_name: String,
+}
+
+impl KubeCluster {
+    pub fn new(client: Client, node_name: &str) -> Self {
+        KubeCluster {
+            client,
+            node_name: node_name.to_string(),
+        }
+    }
+
+    fn pods(&self, key: &str) -> (Api<Pod>, String) {
+        let (ns, name) = key.split_once('/').unwrap_or(("default", key));
+        (Api::namespaced(self.client.clone(), ns), name.to_string())
+    }
+
+    /// Read-modify-write of the taints with the resourceVersion as a
+    /// precondition, retried on conflict: taints are an atomic list, so a
+    /// blind patch could drop someone else's taint.
+    async fn edit_taints(
+        &self,
+        edit: impl Fn(&mut Vec<Taint>) -> bool,
+    ) -> Result<bool, ShutdownError> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        for _ in 0..10 {
+            let node = nodes.get(&self.node_name).await?;
+            let mut taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
+            if !edit(&mut taints) {
+                return Ok(false);
+            }
+            let patch = serde_json::json!({
+                "metadata": {"resourceVersion": node.metadata.resource_version},
+                "spec": {"taints": taints},
+            });
+            match nodes
+                .patch(
+                    &self.node_name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await
+            {
+                Ok(_) => return Ok(true),
+                Err(kube::Error::Api(s)) if s.code == 409 => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ShutdownError::Conflict(format!(
+            "taints of Node {}",
+            self.node_name
+        )))
+    }
+
+    async fn pdb_matching(&self, key: &str) -> Option<String> {
+        let (pods, name) = self.pods(key);
+        let pod = pods.get(&name).await.ok()?;
+        let labels = pod.metadata.labels.unwrap_or_default();
+        let ns = pod.metadata.namespace?;
+        let pdbs: Api<PodDisruptionBudget> = Api::namespaced(self.client.clone(), &ns);
+        let list = pdbs.list(&ListParams::default()).await.ok()?;
+        list.items.into_iter().find_map(|pdb| {
+            let sel = pdb.spec.as_ref()?.selector.as_ref()?;
+            let mut problems = Vec::new();
+            let s = Selector::parse(sel, "selector", &mut problems)?;
+            (!s.is_everything() && s.matches(&labels))
+                .then(|| pdb.metadata.name.unwrap_or_default())
+        })
+    }
+}
+
+impl ClusterPort for KubeCluster {
+    async fn add_taint(&self) -> Result<bool, ShutdownError> {
+        self.edit_taints(|taints| {
+            if taints.iter().any(|t| t.key == TAINT_KEY) {
+                return false;
+            }
+            taints.push(Taint {
+                key: TAINT_KEY.into(),
+                value: Some("shutting-down".into()),
+                effect: TAINT_EFFECT.into(),
+                time_added: None,
+            });
+            true
+        })
+        .await
+    }
+
+    async fn remove_taint(&self) -> Result<(), ShutdownError> {
+        self.edit_taints(|taints| {
+            let before = taints.len();
+            taints.retain(|t| t.key != TAINT_KEY);
+            taints.len() != before
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {
+        let (pods, name) = self.pods(key);
+        let params = EvictParams {
+            delete_options: Some(DeleteParams {
+                grace_period_seconds: Some(grace.max(0) as u32),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        match pods.evict(&name, &params).await {
+            Ok(_) => Ok(Evicted::Yes),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(Evicted::Gone),
+            Err(kube::Error::Api(s)) if s.code == 429 => {
+                let from_causes = s
+                    .details
+                    .as_ref()
+                    .and_then(|d| d.causes.iter().find_map(|c| pdb_from_message(&c.message)));
+                let pdb = match from_causes.or_else(|| pdb_from_message(&s.message)) {
+                    Some(p) => Some(p),
+                    None => self.pdb_matching(key).await,
+                };
+                Ok(Evicted::Blocked {
+                    pdb,
+                    message: s.message.clone(),
+                })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn delete(&self, key: &str, grace: i64) -> Result<(), ShutdownError> {
+        let (pods, name) = self.pods(key);
+        let params = DeleteParams {
+            grace_period_seconds: Some(grace.max(0) as u32),
+            ..Default::default()
+        };
+        match pods.delete(&name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn facts_from_pods() {
+        let p = pod(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": "web",
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ds", "uid": "u", "controller": true}]},
+            "spec": {"priority": 1000, "terminationGracePeriodSeconds": 15, "containers": [],
+                "tolerations": [{"key": "nodeguard.io/shutdown", "operator": "Exists", "effect": "NoSchedule"}]},
+            "status": {"phase": "Running"},
+        }));
+        let f = pod_facts(&p);
+        assert_eq!(f.key, "ns/web");
+        assert_eq!(f.priority, 1000);
+        assert_eq!(f.termination_grace_seconds, Some(15));
+        assert!(f.daemonset && f.tolerates_shutdown && !f.mirror && !f.terminal);
+
+        let p = pod(serde_json::json!({
+            "metadata": {"namespace": "kube-system", "name": "etcd-n1",
+                "annotations": {"kubernetes.io/config.mirror": "abc"}},
+            "spec": {"containers": [], "tolerations": [{"operator": "Exists"}]},
+            "status": {"phase": "Succeeded"},
+        }));
+        let f = pod_facts(&p);
+        assert_eq!(f.priority, 0);
+        assert!(
+            f.mirror && f.terminal && f.tolerates_shutdown,
+            "tolerate-everything counts"
+        );
+
+        let p = pod(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": "x"},
+            "spec": {"containers": [], "tolerations": [
+                {"key": "nodeguard.io/shutdown", "operator": "Exists", "effect": "NoExecute"},
+                {"key": "other", "operator": "Exists"}]},
+        }));
+        assert!(
+            !pod_facts(&p).tolerates_shutdown,
+            "another effect or key does not count"
+        );
+    }
+
+    #[test]
+    fn pdb_names_from_refusals() {
+        assert_eq!(
+            pdb_from_message(
+                "The disruption budget web-pdb needs 2 healthy pods and has 2 currently"
+            ),
+            Some("web-pdb".into())
+        );
+        assert_eq!(
+            pdb_from_message("Cannot evict pod as it would violate the pod's disruption budget."),
+            None
+        );
+        assert_eq!(pdb_from_message("nothing"), None);
+    }
+}

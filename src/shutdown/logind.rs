@@ -1,0 +1,177 @@
+//! systemd-logind over D-Bus (zbus): the delay inhibitor, the maximum
+//! inhibit delay, `PrepareForShutdown`, and making logind reload a drop-in
+//! (SIGHUP through systemd's `KillUnit`).
+
+use std::future::Future;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use zbus::proxy::CacheProperties;
+use zbus_systemd::login1::ManagerProxy as LoginManager;
+use zbus_systemd::systemd1::ManagerProxy as SystemdManager;
+
+use super::ShutdownError;
+
+/// Something logind told us.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogindEvent {
+    /// `PrepareForShutdown(true)`: the host is going down; `false`: cancelled.
+    PrepareForShutdown(bool),
+    /// logind left the bus, or the bus connection broke.
+    Gone,
+}
+
+/// A held delay inhibitor. Dropping it releases the lock.
+#[derive(Debug)]
+pub struct InhibitLock(#[allow(dead_code)] pub(crate) OwnedFd);
+
+/// Port: logind as the shutdown manager needs it.
+pub trait LogindPort: Send + Sync + 'static {
+    fn inhibit_delay_max(&self) -> impl Future<Output = Result<Duration, ShutdownError>> + Send;
+    fn inhibit(&self, why: &str)
+    -> impl Future<Output = Result<InhibitLock, ShutdownError>> + Send;
+    /// Makes logind re-read its configuration.
+    fn reload(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    /// Events from now on; the channel closes after [`LogindEvent::Gone`].
+    fn events(
+        &self,
+    ) -> impl Future<Output = Result<mpsc::Receiver<LogindEvent>, ShutdownError>> + Send;
+}
+
+/// Port: makes a fresh connection (after logind or the bus went away).
+pub trait LogindConnector: Send + Sync + 'static {
+    type Port: LogindPort;
+    fn connect(&self) -> impl Future<Output = Result<Self::Port, ShutdownError>> + Send;
+}
+
+/// Connects to the system bus at `address` (`DBUS_SYSTEM_BUS_ADDRESS`), or
+/// the default system bus.
+#[derive(Clone, Debug)]
+pub struct ZbusConnector {
+    pub address: Option<String>,
+}
+
+impl LogindConnector for ZbusConnector {
+    type Port = ZbusLogind;
+
+    async fn connect(&self) -> Result<ZbusLogind, ShutdownError> {
+        let conn = match &self.address {
+            Some(a) => {
+                zbus::connection::Builder::address(a.as_str())
+                    .build()
+                    .await?
+            }
+            None => zbus::Connection::system().await?,
+        };
+        let manager = LoginManager::builder(&conn)
+            .cache_properties(CacheProperties::No)
+            .build()
+            .await?;
+        Ok(ZbusLogind { conn, manager })
+    }
+}
+
+/// logind through zbus_systemd's proxies.
+pub struct ZbusLogind {
+    conn: zbus::Connection,
+    manager: LoginManager<'static>,
+}
+
+impl LogindPort for ZbusLogind {
+    async fn inhibit_delay_max(&self) -> Result<Duration, ShutdownError> {
+        // Not cached: the value changes when logind reloads its config.
+        let usec = self.manager.inhibit_delay_max_u_sec().await?;
+        Ok(Duration::from_micros(usec))
+    }
+
+    async fn inhibit(&self, why: &str) -> Result<InhibitLock, ShutdownError> {
+        let fd = self
+            .manager
+            .inhibit(
+                "shutdown".into(),
+                "nodeguard".into(),
+                why.into(),
+                "delay".into(),
+            )
+            .await?;
+        Ok(InhibitLock(fd.into()))
+    }
+
+    async fn reload(&self) -> Result<(), ShutdownError> {
+        let systemd = SystemdManager::new(&self.conn).await?;
+        systemd
+            .kill_unit("systemd-logind.service".into(), "main".into(), libc::SIGHUP)
+            .await?;
+        Ok(())
+    }
+
+    async fn events(&self) -> Result<mpsc::Receiver<LogindEvent>, ShutdownError> {
+        let mut shutdown = self.manager.receive_prepare_for_shutdown().await?;
+        let mut owner = self.manager.inner().receive_owner_changed().await?;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            loop {
+                let event = tokio::select! {
+                    s = shutdown.next() => match s.map(|s| s.args().map(|a| a.start)) {
+                        Some(Ok(start)) => LogindEvent::PrepareForShutdown(start),
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "malformed PrepareForShutdown signal ignored");
+                            continue;
+                        }
+                        None => LogindEvent::Gone,
+                    },
+                    o = owner.next() => match o {
+                        Some(Some(_)) => continue, // a new owner: we reconnect on Gone anyway
+                        Some(None) | None => LogindEvent::Gone,
+                    },
+                    _ = tx.closed() => return,
+                };
+                let gone = event == LogindEvent::Gone;
+                if tx.send(event).await.is_err() || gone {
+                    return;
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+/// The drop-in nodeguard writes when logind's `InhibitDelayMaxSec` is
+/// shorter than the policy needs.
+pub const DROP_IN_NAME: &str = "99-nodeguard-inhibit-delay.conf";
+
+/// Writes `InhibitDelayMaxSec=` into `dir` atomically; returns the path.
+pub fn write_drop_in(dir: &Path, delay: Duration) -> Result<PathBuf, ShutdownError> {
+    let path = dir.join(DROP_IN_NAME);
+    let err = |source| ShutdownError::DropIn {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let tmp = dir.join(format!(".{DROP_IN_NAME}.tmp"));
+    let text = format!(
+        "# Written by nodeguard: its shutdown policy needs this much time to move pods off the node.\n\
+         [Login]\nInhibitDelayMaxSec={}\n",
+        delay.as_secs().max(1)
+    );
+    std::fs::write(&tmp, text).map_err(err)?;
+    std::fs::rename(&tmp, &path).map_err(err)?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drop_in_content() {
+        let dir = std::env::temp_dir().join(format!("ng-dropin-{}", std::process::id()));
+        let p = write_drop_in(&dir, Duration::from_secs(47)).unwrap();
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.contains("[Login]\nInhibitDelayMaxSec=47\n"), "{text}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,209 @@
+//! The shutdown record in the state directory: written atomically at each
+//! step so a restart of the agent resumes a shutdown, and the first start
+//! after a reboot can clean up and report how the last shutdown went.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+
+use super::ShutdownError;
+
+pub const FILE_NAME: &str = "shutdown-state.json";
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShutdownRecord {
+    /// `/proc/sys/kernel/random/boot_id` when the shutdown started.
+    pub boot_id: String,
+    pub started_at: Option<Timestamp>,
+    pub ended_at: Option<Timestamp>,
+    /// Priorities of the groups whose window is over.
+    #[serde(default)]
+    pub groups_done: Vec<i32>,
+    /// nodeguard added the shutdown taint (so it may remove it).
+    #[serde(default)]
+    pub taint_added: bool,
+}
+
+/// What to do with a record found at start-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OnStart {
+    /// No shutdown on record.
+    Nothing,
+    /// The agent restarted during a shutdown of this boot: carry on.
+    Resume,
+    /// The node rebooted after a shutdown: clean up and report.
+    AfterReboot {
+        took: Option<std::time::Duration>,
+        taint_added: bool,
+    },
+}
+
+pub fn on_start(record: Option<&ShutdownRecord>, boot_id: &str) -> OnStart {
+    let Some(r) = record.filter(|r| r.started_at.is_some()) else {
+        return OnStart::Nothing;
+    };
+    // Same boot and unfinished: the agent restarted mid-shutdown. (Same boot
+    // and finished means the machine did not go down, cancelled late: it is
+    // cleaned up like after a reboot.)
+    if r.boot_id == boot_id && r.ended_at.is_none() {
+        return OnStart::Resume;
+    }
+    let took = match (r.started_at, r.ended_at) {
+        (Some(s), Some(e)) => Some((e - s).try_into().unwrap_or_default()),
+        _ => None,
+    };
+    OnStart::AfterReboot {
+        took,
+        taint_added: r.taint_added,
+    }
+}
+
+fn path(dir: &Path) -> PathBuf {
+    dir.join(FILE_NAME)
+}
+
+/// Loads the record; a missing file is `None`. A corrupt file is moved
+/// aside (kept for inspection) and reported, never a crash.
+pub fn load(dir: &Path) -> Result<Option<ShutdownRecord>, ShutdownError> {
+    let p = path(dir);
+    let text = match std::fs::read_to_string(&p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(ShutdownError::State { path: p, source }),
+    };
+    match serde_json::from_str(&text) {
+        Ok(r) => Ok(Some(r)),
+        Err(e) => {
+            let aside = dir.join(format!("{FILE_NAME}.corrupt"));
+            let _ = std::fs::rename(&p, &aside);
+            Err(ShutdownError::CorruptState {
+                path: p,
+                aside,
+                message: e.to_string(),
+            })
+        }
+    }
+}
+
+/// Writes the record atomically: a temporary file, fsync, rename, fsync
+/// of the directory.
+pub fn save(dir: &Path, record: &ShutdownRecord) -> Result<(), ShutdownError> {
+    let p = path(dir);
+    let tmp = dir.join(format!(".{FILE_NAME}.tmp"));
+    let err = |source| ShutdownError::State {
+        path: p.clone(),
+        source,
+    };
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    f.write_all(&serde_json::to_vec_pretty(record).expect("a record serializes"))
+        .map_err(err)?;
+    f.sync_all().map_err(err)?;
+    drop(f);
+    std::fs::rename(&tmp, &p).map_err(err)?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+pub fn clear(dir: &Path) -> Result<(), ShutdownError> {
+    match std::fs::remove_file(path(dir)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(ShutdownError::State {
+            path: path(dir),
+            source,
+        }),
+    }
+}
+
+/// This boot's id, from the kernel.
+pub fn current_boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ts(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    #[test]
+    fn start_up_decisions() {
+        assert_eq!(on_start(None, "b1"), OnStart::Nothing);
+        assert_eq!(
+            on_start(Some(&ShutdownRecord::default()), "b1"),
+            OnStart::Nothing
+        );
+        let running = ShutdownRecord {
+            boot_id: "b1".into(),
+            started_at: Some(ts(0)),
+            taint_added: true,
+            ..Default::default()
+        };
+        assert_eq!(on_start(Some(&running), "b1"), OnStart::Resume);
+        assert_eq!(
+            on_start(Some(&running), "b2"),
+            OnStart::AfterReboot {
+                took: None,
+                taint_added: true
+            },
+            "the machine went down before the record was finished"
+        );
+        let done = ShutdownRecord {
+            ended_at: Some(ts(42)),
+            ..running.clone()
+        };
+        assert_eq!(
+            on_start(Some(&done), "b2"),
+            OnStart::AfterReboot {
+                took: Some(std::time::Duration::from_secs(42)),
+                taint_added: true
+            }
+        );
+        assert!(matches!(
+            on_start(Some(&done), "b1"),
+            OnStart::AfterReboot { .. }
+        ));
+    }
+
+    #[test]
+    fn save_load_clear_and_corruption() {
+        let dir = std::env::temp_dir().join(format!("ng-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(load(&dir).unwrap(), None);
+        let r = ShutdownRecord {
+            boot_id: "b".into(),
+            started_at: Some(ts(1)),
+            ended_at: None,
+            groups_done: vec![0, 1000],
+            taint_added: true,
+        };
+        save(&dir, &r).unwrap();
+        assert_eq!(load(&dir).unwrap(), Some(r));
+        assert!(!dir.join(format!(".{FILE_NAME}.tmp")).exists());
+        clear(&dir).unwrap();
+        clear(&dir).unwrap();
+        assert_eq!(load(&dir).unwrap(), None);
+        std::fs::write(dir.join(FILE_NAME), b"{not json").unwrap();
+        assert!(matches!(
+            load(&dir),
+            Err(ShutdownError::CorruptState { .. })
+        ));
+        assert!(dir.join(format!("{FILE_NAME}.corrupt")).exists());
+        assert_eq!(load(&dir).unwrap(), None, "moved aside");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_boot_id_is_read() {
+        assert_eq!(current_boot_id().len(), 36);
+    }
+}

@@ -1,0 +1,706 @@
+//! The shutdown manager with in-memory ports and paused time. The fake
+//! inhibitor is a real pipe, so "released" means its descriptor closed.
+
+use super::*;
+use crate::report::ReportConfig;
+use crate::server::Health;
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// One inhibitor handed out: the read end tells whether it is still held.
+struct Held(OwnedFd);
+
+impl Held {
+    fn released(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: reading one byte from our own non-blocking pipe end.
+        let n = unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
+        n == 0
+    }
+}
+
+fn pipe() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors we then own.
+    assert_eq!(
+        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) },
+        0
+    );
+    // SAFETY: fresh descriptors from pipe2.
+    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+}
+
+#[derive(Default)]
+struct LogindState {
+    delay_max: Duration,
+    /// Delay max after a reload (what the drop-in makes it).
+    after_reload: Option<Duration>,
+    reloads: usize,
+    locks: Vec<(Instant, Held)>,
+    signals: Option<mpsc::Sender<LogindEvent>>,
+    up: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeLogind(Arc<Mutex<LogindState>>);
+
+impl FakeLogind {
+    fn new(delay_max: Duration) -> Self {
+        let f = FakeLogind::default();
+        f.with(|s| {
+            s.delay_max = delay_max;
+            s.up = true;
+        });
+        f
+    }
+    fn with<R>(&self, f: impl FnOnce(&mut LogindState) -> R) -> R {
+        f(&mut self.0.lock().unwrap())
+    }
+    fn held(&self) -> usize {
+        self.with(|s| s.locks.iter().filter(|(_, h)| !h.released()).count())
+    }
+    fn locks_taken(&self) -> usize {
+        self.with(|s| s.locks.len())
+    }
+    async fn signal(&self, e: LogindEvent) {
+        let tx = self.with(|s| s.signals.clone()).expect("subscribed");
+        tx.send(e).await.unwrap();
+    }
+}
+
+impl LogindPort for FakeLogind {
+    async fn inhibit_delay_max(&self) -> Result<Duration, ShutdownError> {
+        Ok(self.with(|s| s.delay_max))
+    }
+    async fn inhibit(&self, _why: &str) -> Result<InhibitLock, ShutdownError> {
+        let (r, w) = pipe();
+        self.with(|s| s.locks.push((Instant::now(), Held(r))));
+        Ok(InhibitLock(w))
+    }
+    async fn reload(&self) -> Result<(), ShutdownError> {
+        self.with(|s| {
+            s.reloads += 1;
+            if let Some(d) = s.after_reload {
+                s.delay_max = d;
+            }
+        });
+        Ok(())
+    }
+    async fn events(&self) -> Result<mpsc::Receiver<LogindEvent>, ShutdownError> {
+        let (tx, rx) = mpsc::channel(8);
+        self.with(|s| s.signals = Some(tx));
+        Ok(rx)
+    }
+}
+
+impl LogindConnector for FakeLogind {
+    type Port = FakeLogind;
+    async fn connect(&self) -> Result<FakeLogind, ShutdownError> {
+        if self.with(|s| s.up) {
+            Ok(self.clone())
+        } else {
+            Err(ShutdownError::Conflict("logind is down".into()))
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Call {
+    Taint,
+    Untaint,
+    Evict(String, i64),
+    Delete(String, i64),
+}
+
+#[derive(Default)]
+struct ClusterState {
+    calls: Vec<(Instant, Call)>,
+    tainted: bool,
+    /// Pods whose eviction a PDB refuses.
+    blocked: BTreeMap<String, String>,
+}
+
+#[derive(Clone)]
+struct FakeCluster {
+    state: Arc<Mutex<ClusterState>>,
+    pods: watch::Sender<Option<Snapshot<Pod>>>,
+    start: Instant,
+}
+
+impl FakeCluster {
+    fn with<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
+        f(&mut self.state.lock().unwrap())
+    }
+    fn calls(&self) -> Vec<(Duration, Call)> {
+        self.with(|s| {
+            s.calls
+                .iter()
+                .map(|(t, c)| (*t - self.start, c.clone()))
+                .collect()
+        })
+    }
+    /// Like a kubelet: the pod is gone as soon as it is told to terminate.
+    fn remove(&self, key: &str) {
+        self.pods.send_modify(|s| {
+            if let Some(s) = s {
+                s.remove(key);
+            }
+        });
+    }
+}
+
+impl ClusterPort for FakeCluster {
+    async fn add_taint(&self) -> Result<bool, ShutdownError> {
+        Ok(self.with(|s| {
+            s.calls.push((Instant::now(), Call::Taint));
+            !std::mem::replace(&mut s.tainted, true)
+        }))
+    }
+    async fn remove_taint(&self) -> Result<(), ShutdownError> {
+        self.with(|s| {
+            s.calls.push((Instant::now(), Call::Untaint));
+            s.tainted = false;
+        });
+        Ok(())
+    }
+    async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {
+        let blocked = self.with(|s| {
+            s.calls
+                .push((Instant::now(), Call::Evict(key.into(), grace)));
+            s.blocked.get(key).cloned()
+        });
+        match blocked {
+            Some(pdb) => Ok(Evicted::Blocked {
+                pdb: Some(pdb),
+                message: "Cannot evict pod as it would violate the pod's disruption budget.".into(),
+            }),
+            None => {
+                self.remove(key);
+                Ok(Evicted::Yes)
+            }
+        }
+    }
+    async fn delete(&self, key: &str, grace: i64) -> Result<(), ShutdownError> {
+        self.with(|s| {
+            s.calls
+                .push((Instant::now(), Call::Delete(key.into(), grace)))
+        });
+        self.remove(key);
+        Ok(())
+    }
+}
+
+fn pod(ns_name: &str, priority: i32, grace: Option<i64>) -> (String, Arc<Pod>) {
+    let (ns, name) = ns_name.split_once('/').unwrap();
+    let p: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"priority": priority, "terminationGracePeriodSeconds": grace, "containers": []},
+        "status": {"phase": "Running"},
+    }))
+    .unwrap();
+    (ns_name.to_string(), Arc::new(p))
+}
+
+fn config(groups: &[(i32, u64)]) -> ShutdownConfig {
+    ShutdownConfig {
+        groups: core::sorted(
+            groups
+                .iter()
+                .map(|(p, s)| GroupSpec {
+                    priority: *p,
+                    grace: Duration::from_secs(*s),
+                })
+                .collect(),
+        ),
+        include: Include::default(),
+        escalate: true,
+        escalate_after_percent: 50,
+        safety_margin: Duration::from_secs(2),
+        drop_in_dir: None,
+    }
+}
+
+struct Rig {
+    logind: FakeLogind,
+    cluster: FakeCluster,
+    reporter: Reporter,
+    registry: Registry,
+    config: watch::Sender<Option<ShutdownConfig>>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    state_dir: PathBuf,
+    _q: crate::report::EventQueue,
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ng-shutdown-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn rig(
+    name: &str,
+    logind: FakeLogind,
+    cfg: Option<ShutdownConfig>,
+    pods: Vec<(String, Arc<Pod>)>,
+    boot: &str,
+) -> Rig {
+    rig_in(tmp(name), logind, cfg, pods, boot, Default::default())
+}
+
+fn rig_in(
+    state_dir: PathBuf,
+    logind: FakeLogind,
+    cfg: Option<ShutdownConfig>,
+    pods: Vec<(String, Arc<Pod>)>,
+    boot: &str,
+    cluster_state: ClusterState,
+) -> Rig {
+    let mut registry = Registry::default();
+    let (reporter, q) = Reporter::new(&ReportConfig::default(), &mut registry);
+    let metrics = ShutdownMetrics::register(&mut registry);
+    let (pods_tx, pods_rx) = watch::channel(Some(pods.into_iter().collect::<Snapshot<Pod>>()));
+    let cluster = FakeCluster {
+        state: Arc::new(Mutex::new(cluster_state)),
+        pods: pods_tx,
+        start: Instant::now(),
+    };
+    let (cfg_tx, cfg_rx) = watch::channel(cfg);
+    let stop = CancellationToken::new();
+    let health = Health::new();
+    let task = tokio::spawn(run_shutdown_manager(
+        ShutdownHost {
+            logind: logind.clone(),
+            cluster: cluster.clone(),
+            state_dir: state_dir.clone(),
+            boot_id: boot.into(),
+            node_name: "n1".into(),
+        },
+        cfg_rx,
+        pods_rx,
+        reporter.clone(),
+        metrics,
+        health.register("shutdown", Duration::from_secs(60)),
+        stop.clone(),
+    ));
+    Rig {
+        logind,
+        cluster,
+        reporter,
+        registry,
+        config: cfg_tx,
+        stop,
+        task,
+        state_dir,
+        _q: q,
+    }
+}
+
+async fn ms(n: u64) {
+    tokio::time::sleep(Duration::from_millis(n)).await;
+}
+
+fn condition(r: &Rig, t: &str) -> Option<Desired> {
+    r.reporter.desired().get(t).cloned().flatten()
+}
+
+#[tokio::test(start_paused = true)]
+async fn groups_in_order_with_per_pod_grace_escalation_and_release() {
+    let pods = vec![
+        pod("apps/low-a", 0, Some(5)),
+        pod("apps/low-b", 10, None),
+        pod("apps/mid-pdb", 1000, Some(30)),
+        pod("sys/high", 2_000_000_000, None),
+    ];
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let r = rig(
+        "order",
+        logind,
+        Some(config(&[(0, 10), (1000, 20), (2_000_000_000, 6)])),
+        pods,
+        "b1",
+    );
+    r.cluster
+        .with(|s| s.blocked.insert("apps/mid-pdb".into(), "mid-pdb".into()));
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1, "lock taken at start");
+    assert_eq!(condition(&r, UNAVAILABLE).unwrap().reason, "InhibitorHeld");
+
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(50).await;
+    let c = condition(&r, CONDITION).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::True, "ShutdownInProgress")
+    );
+    assert!(r.cluster.with(|s| s.tainted), "taint right away");
+    tokio::time::sleep(Duration::from_secs(40)).await;
+
+    let calls = r.cluster.calls();
+    let first = calls[0].0;
+    let rel = |d: Duration| d - first;
+    let evict_times: Vec<(Duration, Call)> = calls
+        .iter()
+        .filter(|(_, c)| matches!(c, Call::Evict(..) | Call::Delete(..)))
+        .map(|(t, c)| (rel(*t), c.clone()))
+        .collect();
+    // Group 0 at once, with min(window 10, own grace).
+    assert_eq!(evict_times[0].1, Call::Evict("apps/low-a".into(), 5));
+    assert_eq!(evict_times[1].1, Call::Evict("apps/low-b".into(), 10));
+    assert!(evict_times[0].0 < Duration::from_millis(100));
+    // The low pods left at once, so group 1 starts right away (no waiting
+    // for the full window) and the PDB-blocked pod is retried, then deleted
+    // at 50% of its 20 s window with the remaining 10 s as grace.
+    let mid: Vec<&(Duration, Call)> = evict_times
+        .iter()
+        .filter(|(_, c)| matches!(c, Call::Evict(k, _) | Call::Delete(k, _) if k == "apps/mid-pdb"))
+        .collect();
+    assert!(mid.len() >= 3, "retried: {mid:?}");
+    assert_eq!(mid[0].1, Call::Evict("apps/mid-pdb".into(), 20));
+    let (t_del, del) = mid.last().unwrap();
+    assert_eq!(*del, Call::Delete("apps/mid-pdb".into(), 10));
+    assert!(
+        *t_del >= Duration::from_secs(10) && *t_del < Duration::from_millis(10_500),
+        "escalated at {t_del:?}"
+    );
+    // The critical group comes after it.
+    let high = evict_times
+        .iter()
+        .find(|(_, c)| *c == Call::Evict("sys/high".into(), 6))
+        .unwrap();
+    assert!(high.0 >= *t_del);
+    // All done long before the 36 s window: released.
+    assert_eq!(
+        r.logind.held(),
+        0,
+        "inhibitor released after the last group"
+    );
+    let text = crate::server::metrics::encode(&r.registry).unwrap();
+    assert!(
+        text.contains("nodeguard_shutdown_pods_total{group=\"1000\",outcome=\"escalated\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"evicted\"} 2"));
+    assert!(text.contains("nodeguard_shutdown_inhibitor_held 0"));
+    let record = state::load(&r.state_dir).unwrap().unwrap();
+    assert_eq!(record.groups_done, vec![0, 1000, 2_000_000_000]);
+    assert!(record.ended_at.is_some() && record.taint_added);
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_short_logind_limit_releases_before_the_window_closes() {
+    // Needs 30 + 2 s, logind allows 12 s and no drop-in may be written.
+    let pods = vec![pod("a/stuck", 0, None)];
+    let logind = FakeLogind::new(Duration::from_secs(12));
+    let r = rig("short", logind, Some(config(&[(0, 30)])), pods, "b1");
+    r.cluster
+        .with(|s| s.blocked.insert("a/stuck".into(), "pdb".into()));
+    let mut cfg = config(&[(0, 30)]);
+    cfg.escalate = false;
+    r.config.send_replace(Some(cfg));
+    ms(100).await;
+    let c = condition(&r, UNAVAILABLE).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::True, "InhibitDelayTooShort")
+    );
+    assert!(
+        c.message.contains("12s") && c.message.contains("32s"),
+        "{}",
+        c.message
+    );
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    let t0 = Instant::now();
+    while r.logind.held() > 0 {
+        ms(100).await;
+    }
+    let held_for = t0.elapsed();
+    assert!(
+        held_for >= Duration::from_millis(9_900) && held_for <= Duration::from_millis(10_200),
+        "released {held_for:?} after the signal: 12 s limit minus the 2 s margin"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_drop_in_raises_the_delay_and_is_read_back() {
+    let dir = tmp("dropin");
+    let logind = FakeLogind::new(Duration::from_secs(5));
+    logind.with(|s| s.after_reload = Some(Duration::from_secs(32)));
+    let mut cfg = config(&[(0, 10), (100, 20)]);
+    cfg.drop_in_dir = Some(dir.join("logind.conf.d"));
+    let r = rig_in(
+        tmp("dropin-state"),
+        logind,
+        Some(cfg),
+        vec![],
+        "b1",
+        Default::default(),
+    );
+    ms(3000).await;
+    let text =
+        std::fs::read_to_string(dir.join("logind.conf.d").join(logind::DROP_IN_NAME)).unwrap();
+    assert!(text.contains("InhibitDelayMaxSec=32"), "{text}");
+    assert_eq!(r.logind.with(|s| s.reloads), 1);
+    assert_eq!(condition(&r, UNAVAILABLE).unwrap().reason, "InhibitorHeld");
+    assert!(
+        crate::server::metrics::encode(&r.registry)
+            .unwrap()
+            .contains("nodeguard_shutdown_inhibit_delay_max_seconds 32.0")
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancel_midway_restores_the_node_and_retakes_the_lock() {
+    let pods = vec![
+        pod("a/one", 0, None),
+        pod("a/blocked", 0, None),
+        pod("b/two", 1000, None),
+    ];
+    let logind = FakeLogind::new(Duration::from_secs(120));
+    let r = rig(
+        "cancel",
+        logind,
+        Some(config(&[(0, 20), (1000, 20)])),
+        pods,
+        "b1",
+    );
+    r.cluster
+        .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(3000).await;
+    assert!(r.cluster.with(|s| s.tainted));
+    r.logind
+        .signal(LogindEvent::PrepareForShutdown(false))
+        .await;
+    ms(500).await;
+    assert!(!r.cluster.with(|s| s.tainted), "nodeguard's taint removed");
+    let c = condition(&r, CONDITION).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::False, "ShutdownCancelled")
+    );
+    assert_eq!(r.logind.held(), 1, "lock held again");
+    assert_eq!(r.logind.locks_taken(), 2);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(
+        !r.cluster
+            .calls()
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) | Call::Delete(k, _) if k == "b/two")),
+        "no eviction after the cancel"
+    );
+    assert_eq!(state::load(&r.state_dir).unwrap(), None, "record cleared");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_taint_that_was_already_there_is_not_removed() {
+    let logind = FakeLogind::new(Duration::from_secs(120));
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    let r = rig_in(
+        tmp("pretaint"),
+        logind,
+        Some(config(&[(0, 5)])),
+        vec![],
+        "b1",
+        pre,
+    );
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(500).await;
+    r.logind
+        .signal(LogindEvent::PrepareForShutdown(false))
+        .await;
+    ms(500).await;
+    assert!(r.cluster.with(|s| s.tainted), "someone else's taint stays");
+    assert!(!r.cluster.calls().iter().any(|(_, c)| *c == Call::Untaint));
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn logind_going_away_and_coming_back_retakes_the_lock_quickly() {
+    let logind = FakeLogind::new(Duration::from_secs(120));
+    let r = rig("gone", logind, Some(config(&[(0, 5)])), vec![], "b1");
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1);
+    r.logind.with(|s| {
+        s.up = false;
+        s.locks.iter_mut().for_each(|_| {});
+    });
+    r.logind.signal(LogindEvent::Gone).await;
+    ms(3000).await;
+    let c = condition(&r, UNAVAILABLE).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::True, "LogindUnavailable")
+    );
+    r.logind.with(|s| s.up = true);
+    let back = Instant::now();
+    while r.logind.locks_taken() < 2 {
+        ms(10).await;
+    }
+    assert!(
+        back.elapsed() <= Duration::from_secs(1),
+        "re-took the lock after {:?}",
+        back.elapsed()
+    );
+    assert_eq!(
+        r.logind.held(),
+        1,
+        "the old lock was dropped, the new one held"
+    );
+    assert_eq!(condition(&r, UNAVAILABLE).unwrap().reason, "InhibitorHeld");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
+    let dir = tmp("reboot");
+    let start = jiff::Timestamp::from_second(1_800_000_000).unwrap();
+    state::save(
+        &dir,
+        &ShutdownRecord {
+            boot_id: "old-boot".into(),
+            started_at: Some(start),
+            ended_at: Some(start + jiff::SignedDuration::from_secs(17)),
+            groups_done: vec![0],
+            taint_added: true,
+        },
+    )
+    .unwrap();
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    let r = rig_in(
+        dir,
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 5)])),
+        vec![],
+        "new-boot",
+        pre,
+    );
+    ms(200).await;
+    assert!(
+        !r.cluster.with(|s| s.tainted),
+        "our taint removed after the reboot"
+    );
+    let c = condition(&r, CONDITION).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::False, "NodeRebooted")
+    );
+    assert!(c.message.contains("took 17s"), "{}", c.message);
+    assert!(
+        crate::server::metrics::encode(&r.registry)
+            .unwrap()
+            .contains("nodeguard_shutdown_last_duration_seconds 17.0")
+    );
+    assert_eq!(state::load(&r.state_dir).unwrap(), None);
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_midway_resumes_the_remaining_groups() {
+    let dir = tmp("resume");
+    let now = WallClock::new().now();
+    state::save(
+        &dir,
+        &ShutdownRecord {
+            boot_id: "b1".into(),
+            started_at: Some(now - jiff::SignedDuration::from_secs(4)),
+            ended_at: None,
+            groups_done: vec![0],
+            taint_added: true,
+        },
+    )
+    .unwrap();
+    let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    let r = rig_in(
+        dir,
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 10), (1000, 10)])),
+        pods,
+        "b1",
+        pre,
+    );
+    ms(500).await;
+    let calls = r.cluster.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|(_, c)| *c == Call::Evict("b/high".into(), 10)),
+        "{calls:?}"
+    );
+    assert!(
+        !calls
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        "group 0 was done before the restart"
+    );
+    assert_eq!(condition(&r, CONDITION).unwrap().status, Status::True);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(r.logind.held(), 0, "released after resuming");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn turning_shutdown_off_releases_the_lock_and_clears_conditions() {
+    let r = rig(
+        "off",
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 5)])),
+        vec![],
+        "b1",
+    );
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1);
+    r.config.send_replace(None);
+    ms(100).await;
+    assert_eq!(r.logind.held(), 0);
+    assert!(condition(&r, UNAVAILABLE).is_none() && condition(&r, CONDITION).is_none());
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+#[test]
+fn config_from_spec_migrates_the_simple_form() {
+    let spec = ShutdownSpec {
+        grace_period_seconds: Some(30),
+        critical_pods_grace_period_seconds: Some(10),
+        ..Default::default()
+    };
+    let c = ShutdownConfig::from_spec(&spec);
+    assert_eq!(
+        c.groups,
+        core::migrate(Duration::from_secs(30), Duration::from_secs(10))
+    );
+    assert_eq!(c.needed_delay(), Duration::from_secs(32));
+    assert_eq!(
+        c.drop_in_dir,
+        Some(PathBuf::from("/etc/systemd/logind.conf.d"))
+    );
+    let _ = AtomicUsize::new(0).load(Ordering::SeqCst);
+}

@@ -29,6 +29,9 @@ use crate::report::{
     run_event_publisher,
 };
 use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
+use crate::shutdown::cluster::KubeCluster;
+use crate::shutdown::logind::ZbusConnector;
+use crate::shutdown::{self, ShutdownConfig, ShutdownHost, ShutdownMetrics, run_shutdown_manager};
 use crate::watchdog::{
     self, KubeApiProbe, SysDeviceOpener, SystemdNotifier, WatchdogHost, WatchdogMetrics,
     run_watchdog,
@@ -53,6 +56,10 @@ pub struct AgentConfig {
     pub notify_socket: Option<String>,
     /// The systemd watchdog timeout (`WATCHDOG_USEC`), when the unit sets one.
     pub systemd_watchdog: Option<Duration>,
+    /// The system bus (`DBUS_SYSTEM_BUS_ADDRESS`); `None`: the default socket.
+    pub system_bus_address: Option<String>,
+    /// This boot's id (to tell a restart of the agent from a reboot).
+    pub boot_id: String,
 }
 
 impl AgentConfig {
@@ -69,6 +76,8 @@ impl AgentConfig {
             declared_conditions: Vec::new(),
             notify_socket: None,
             systemd_watchdog: None,
+            system_bus_address: None,
+            boot_id: shutdown::state::current_boot_id(),
         }
     }
 }
@@ -135,6 +144,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let (mut registry, server_metrics) = metrics::new_registry(&health);
     let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);
     let watchdog_metrics = WatchdogMetrics::register(&mut registry);
+    let shutdown_metrics = ShutdownMetrics::register(&mut registry);
     reporter.declare(POLICY_CONDITION);
     for type_ in &config.declared_conditions {
         reporter.declare(type_);
@@ -148,6 +158,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let policy_loop = health.register("policy-watch", LOOP_TIMEOUT);
     let state_loop = health.register("node-state", LOOP_TIMEOUT);
     let writer_loop = health.register("condition-writer", LOOP_TIMEOUT);
+    let shutdown_loop = health.register("shutdown-manager", LOOP_TIMEOUT);
 
     let server = Server::bind(
         config.listen,
@@ -192,8 +203,10 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
 
     let (obs_tx, obs_rx) = watch::channel(None);
     let (watchdog_tx, watchdog_rx) = watch::channel(None);
+    let (shutdown_tx, shutdown_rx) = watch::channel(None);
     tasks.spawn(node_state_loop(NodeStateLoop {
         watchdog: watchdog_tx,
+        shutdown_config: shutdown_tx,
         node_name: config.node_name.clone(),
         node: node_rx.clone(),
         policies: policy_rx.clone(),
@@ -252,6 +265,24 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
 
+    tasks.spawn(run_shutdown_manager(
+        ShutdownHost {
+            logind: ZbusConnector {
+                address: config.system_bus_address.clone(),
+            },
+            cluster: KubeCluster::new(client.clone(), &config.node_name),
+            state_dir: config.state_dir.clone(),
+            boot_id: config.boot_id.clone(),
+            node_name: config.node_name.clone(),
+        },
+        shutdown_rx,
+        pod_rx.clone(),
+        reporter.clone(),
+        shutdown_metrics,
+        shutdown_loop,
+        shutdown.clone(),
+    ));
+
     Ok(RunningAgent {
         health,
         reporter,
@@ -266,6 +297,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
 
 struct NodeStateLoop {
     watchdog: watch::Sender<Option<WatchdogSpec>>,
+    shutdown_config: watch::Sender<Option<ShutdownConfig>>,
     node_name: String,
     node: watch::Receiver<Option<Snapshot<Node>>>,
     policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
@@ -302,6 +334,12 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                     s.reporter.declare(watchdog::CONDITION);
                 }
                 s.watchdog.send_replace(selection.watchdog.clone());
+                if selection.shutdown.is_some() {
+                    s.reporter.declare(shutdown::CONDITION);
+                    s.reporter.declare(shutdown::UNAVAILABLE);
+                }
+                s.shutdown_config
+                    .send_replace(selection.shutdown.as_ref().map(ShutdownConfig::from_spec));
                 if !s.reporter.is_initialized() {
                     // Every condition source has now declared its types.
                     s.reporter.mark_initialized();

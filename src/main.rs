@@ -66,6 +66,9 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.report.heartbeat = std::time::Duration::from_secs(args.condition_heartbeat_seconds);
         config.notify_socket = notify_socket;
         config.systemd_watchdog = systemd_watchdog;
+        config.system_bus_address = std::env::var("DBUS_SYSTEM_BUS_ADDRESS")
+            .ok()
+            .filter(|a| !a.is_empty());
         let agent = agent::start(config, client).await?;
         let signal = wait_for_signal().await?;
         tracing::info!(signal, "stopping");

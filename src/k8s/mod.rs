@@ -32,8 +32,13 @@ pub enum K8sError {
 
 /// A client from an explicit kubeconfig, or else the in-cluster config
 /// (service account) or the default kubeconfig, in kube's usual order.
+///
+/// kube's automatic retries are turned off ([`agent_config`]): every loop
+/// of the agent has its own backoff and must see a 429 at once (an eviction
+/// refused by a PodDisruptionBudget is a 429, which kube would otherwise
+/// retry for minutes while the shutdown window runs out).
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, K8sError> {
-    let config = match kubeconfig {
+    let mut config = match kubeconfig {
         Some(path) => {
             let err = |source| K8sError::Kubeconfig {
                 path: path.display().to_string(),
@@ -48,5 +53,11 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, K8sError> {
             .await
             .map_err(|source| K8sError::Infer { source })?,
     };
+    agent_config(&mut config);
     Client::try_from(config).map_err(K8sError::Client)
+}
+
+/// Adjusts a client configuration the way the agent needs it.
+pub fn agent_config(config: &mut Config) {
+    config.default_retry = false;
 }

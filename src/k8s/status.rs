@@ -6,8 +6,11 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter as KubeReporter};
+use std::collections::HashMap;
+
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client, Resource};
 use tokio::sync::watch;
 
@@ -123,22 +126,40 @@ impl StatusPort for KubeStatus {
 
 /// Publishes Events regarding the Node (apiVersion, kind, name and uid set,
 /// so `kubectl describe node` and `kubectl events --for node/X` find them).
+///
+/// An Event that repeats exactly (same type, reason, action and note)
+/// within [`SERIES_WINDOW`] becomes a series on the first one (count and
+/// lastObservedTime patched) instead of a new object. Events that differ
+/// only in their note are kept apart: kube's own recorder would fold them
+/// into the first note, which loses what happened.
 pub struct KubeEvents {
-    recorder: Recorder,
+    client: Client,
     node_name: String,
+    instance: String,
     node: watch::Receiver<Option<Arc<Node>>>,
+    recent: std::sync::Mutex<HashMap<SeriesKey, Recent>>,
+}
+
+/// How long a published Event can absorb exact repeats.
+pub const SERIES_WINDOW: std::time::Duration = std::time::Duration::from_secs(6 * 60);
+
+type SeriesKey = (EventKind, String, String, String);
+
+#[derive(Clone)]
+struct Recent {
+    name: String,
+    count: i32,
+    first: jiff::Timestamp,
 }
 
 impl KubeEvents {
     pub fn new(client: Client, node_name: &str, node: watch::Receiver<Option<Arc<Node>>>) -> Self {
-        let reporter = KubeReporter {
-            controller: REPORTING_CONTROLLER.into(),
-            instance: Some(format!("nodeguard-{node_name}")),
-        };
         KubeEvents {
-            recorder: Recorder::new(client, reporter),
+            client,
             node_name: node_name.to_string(),
+            instance: format!("nodeguard-{node_name}"),
             node,
+            recent: Default::default(),
         }
     }
 }
@@ -149,18 +170,78 @@ impl EventPort for KubeEvents {
         let Some(node) = node else {
             return Err(ReportError::NodeUnknown(self.node_name.clone()));
         };
-        let reference = node.object_ref(&());
-        let event = Event {
-            type_: match ev.kind {
-                EventKind::Normal => EventType::Normal,
-                EventKind::Warning => EventType::Warning,
-            },
-            reason: ev.reason.clone(),
-            note: Some(ev.note.clone()),
-            action: ev.action.clone(),
-            secondary: None,
+        let now = jiff::Timestamp::now();
+        let key: SeriesKey = (
+            ev.kind,
+            ev.reason.clone(),
+            ev.action.clone(),
+            ev.note.clone(),
+        );
+        let previous = {
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            recent.retain(|_, r| now.duration_since(r.first).unsigned_abs() < SERIES_WINDOW);
+            recent.get(&key).cloned()
         };
-        self.recorder.publish(&event, &reference).await?;
+        let events: Api<K8sEvent> = Api::namespaced(self.client.clone(), "default");
+        if let Some(r) = previous {
+            let count = r.count + 1;
+            let patch =
+                serde_json::json!({"series": {"count": count, "lastObservedTime": MicroTime(now)}});
+            match events
+                .patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    if let Some(e) = self
+                        .recent
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_mut(&key)
+                    {
+                        e.count = count;
+                    }
+                    return Ok(());
+                }
+                // Gone (expired or deleted): start a new one below.
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let name = format!("{}.{:x}", self.node_name, now.as_nanosecond());
+        let event = K8sEvent {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(now)),
+            action: Some(ev.action.clone()),
+            reason: Some(ev.reason.clone()),
+            note: Some(ev.note.clone()),
+            regarding: Some(node.object_ref(&())),
+            reporting_controller: Some(REPORTING_CONTROLLER.into()),
+            reporting_instance: Some(self.instance.clone()),
+            type_: Some(
+                match ev.kind {
+                    EventKind::Normal => "Normal",
+                    EventKind::Warning => "Warning",
+                }
+                .into(),
+            ),
+            ..Default::default()
+        };
+        events.create(&PostParams::default(), &event).await?;
+        self.recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                key,
+                Recent {
+                    name,
+                    count: 1,
+                    first: now,
+                },
+            );
         Ok(())
     }
 }

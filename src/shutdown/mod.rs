@@ -245,6 +245,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     });
     let logind = host.logind;
     handle.updated();
+    tracing::debug!("shutdown manager started");
     let mut resume = start_up(&ctx).await;
     let mut backoff = RECONNECT_MIN;
     let mut failing_since: Option<Instant> = None;
@@ -256,11 +257,13 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
             }
             ctx.reporter.remove(UNAVAILABLE);
             ctx.reporter.remove(CONDITION);
+            tracing::debug!("graceful shutdown is off; waiting for a policy");
             tokio::select! {
                 _ = stop.cancelled() => return,
                 r = config.changed() => if r.is_err() { return },
             }
         };
+        tracing::debug!("connecting to systemd-logind");
         let port = match logind.connect().await {
             Ok(p) => p,
             Err(e) => {
@@ -280,19 +283,36 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 continue;
             }
         };
+        tracing::debug!("connected to the system bus");
         let events = match port.events().await {
             Ok(e) => e,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot subscribe to logind signals; reconnecting");
+                report_unavailable(
+                    &ctx,
+                    &mut failing_since,
+                    "LogindUnavailable",
+                    &format!(
+                        "nodeguard cannot subscribe to systemd-logind's signals ({e}); a shutdown would not wait for pods."
+                    ),
+                );
                 sleep(backoff).await;
+                backoff = (backoff * 2).min(RECONNECT_MAX);
                 continue;
             }
         };
         let delay_max = match ensure_delay(&ctx, &port, &cfg).await {
             Ok(d) => d,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read logind's InhibitDelayMaxUSec; reconnecting");
+                report_unavailable(
+                    &ctx,
+                    &mut failing_since,
+                    "LogindUnavailable",
+                    &format!(
+                        "systemd-logind does not answer on the system bus ({e}); a shutdown would not wait for pods."
+                    ),
+                );
                 sleep(backoff).await;
+                backoff = (backoff * 2).min(RECONNECT_MAX);
                 continue;
             }
         };

@@ -3,6 +3,8 @@
 //! message saying how to start it.
 #![allow(dead_code)] // each test binary uses a different part of this module
 
+pub mod dbus;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -47,9 +49,12 @@ pub async fn admin_config() -> Config {
             path.display()
         )
     });
-    Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+    let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
-        .expect("admin kubeconfig is usable")
+        .expect("admin kubeconfig is usable");
+    // As the agent's own client: no automatic retries of 429s.
+    nodeguard::k8s::agent_config(&mut config);
+    config
 }
 
 static SETUP: OnceCell<()> = OnceCell::const_new();
@@ -295,6 +300,7 @@ pub async fn start_agent_with(
     node: &str,
     adjust: impl FnOnce(&mut nodeguard::agent::AgentConfig),
 ) -> (nodeguard::agent::RunningAgent, TempDir) {
+    init_logs();
     let state = TempDir::new("nodeguard-state");
     let mut config = nodeguard::agent::AgentConfig::new(
         node,
@@ -347,4 +353,18 @@ impl Drop for RestartOnDrop {
     fn drop(&mut self) {
         cluster_ctl("start", self.0);
     }
+}
+
+/// Agent logs in test output (shown for failing tests), filtered by RUST_LOG
+/// (default: nodeguard at info).
+pub fn init_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("nodeguard=info"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    });
 }

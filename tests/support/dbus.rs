@@ -1,0 +1,299 @@
+//! A private system bus (a real `dbus-daemon`) with logind and systemd
+//! peers written with zbus. The peers speak the real D-Bus protocol:
+//! `Inhibit` hands out a real pipe descriptor, whose closing releases the
+//! lock; `KillUnit(systemd-logind.service, SIGHUP)` makes the logind peer
+//! re-read `InhibitDelayMaxSec=` from its drop-in directory, as logind does.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use zbus::object_server::SignalEmitter;
+
+use super::TempDir;
+
+/// A `dbus-daemon` with a system-bus configuration on a private socket.
+pub struct PrivateBus {
+    pub address: String,
+    child: Child,
+    _dir: TempDir,
+}
+
+impl PrivateBus {
+    pub fn start() -> PrivateBus {
+        let dir = TempDir::new("dbus");
+        let socket = dir.path.join("system_bus_socket");
+        let config = dir.path.join("system.conf");
+        std::fs::write(
+            &config,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <allow own="*"/>
+    <allow send_destination="*"/>
+    <allow receive_sender="*"/>
+  </policy>
+</busconfig>
+"#,
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", config.display()))
+            .arg("--nofork")
+            .arg("--nopidfile")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect(
+                "dbus-daemon is installed (apt-get install dbus-daemon); e2e/setup installs it",
+            );
+        for _ in 0..100 {
+            if socket.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            socket.exists(),
+            "dbus-daemon did not create {}",
+            socket.display()
+        );
+        PrivateBus {
+            address: format!("unix:path={}", socket.display()),
+            child,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for PrivateBus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One inhibitor handed out by the logind peer.
+pub struct Inhibitor {
+    pub what: String,
+    pub who: String,
+    pub why: String,
+    pub mode: String,
+    read_end: OwnedFd,
+}
+
+impl Inhibitor {
+    /// The client closed its descriptor.
+    pub fn released(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: a one-byte read from our own non-blocking pipe end.
+        unsafe { libc::read(self.read_end.as_raw_fd(), b.as_mut_ptr().cast(), 1) == 0 }
+    }
+}
+
+#[derive(Default)]
+pub struct LogindState {
+    pub delay_max_usec: u64,
+    pub inhibitors: Vec<Inhibitor>,
+    pub drop_in_dir: Option<PathBuf>,
+    pub reloads: usize,
+}
+
+impl LogindState {
+    pub fn held(&self) -> usize {
+        self.inhibitors.iter().filter(|i| !i.released()).count()
+    }
+
+    /// What logind does on SIGHUP: re-read InhibitDelayMaxSec= from the drop-ins.
+    fn reload(&mut self) {
+        self.reloads += 1;
+        let Some(dir) = &self.drop_in_dir else { return };
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "conf"))
+            .collect();
+        files.sort();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            for line in text.lines() {
+                if let Some(v) = line.trim().strip_prefix("InhibitDelayMaxSec=")
+                    && let Ok(secs) = v.trim().trim_end_matches('s').parse::<u64>()
+                {
+                    self.delay_max_usec = secs * 1_000_000;
+                }
+            }
+        }
+    }
+}
+
+pub type SharedLogind = Arc<Mutex<LogindState>>;
+
+struct LoginManager(SharedLogind);
+
+#[zbus::interface(name = "org.freedesktop.login1.Manager")]
+impl LoginManager {
+    async fn inhibit(
+        &self,
+        what: String,
+        who: String,
+        why: String,
+        mode: String,
+    ) -> zbus::fdo::Result<zbus::OwnedFd> {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills two descriptors we then own.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(zbus::fdo::Error::Failed("pipe2 failed".into()));
+        }
+        // SAFETY: fresh descriptors from pipe2.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        self.0.lock().unwrap().inhibitors.push(Inhibitor {
+            what,
+            who,
+            why,
+            mode,
+            read_end: r,
+        });
+        Ok(w.into())
+    }
+
+    fn list_inhibitors(&self) -> Vec<(String, String, String, String, u32, u32)> {
+        self.0
+            .lock()
+            .unwrap()
+            .inhibitors
+            .iter()
+            .filter(|i| !i.released())
+            .map(|i| {
+                (
+                    i.what.clone(),
+                    i.who.clone(),
+                    i.why.clone(),
+                    i.mode.clone(),
+                    0,
+                    0,
+                )
+            })
+            .collect()
+    }
+
+    #[zbus(property, name = "InhibitDelayMaxUSec")]
+    fn inhibit_delay_max_usec(&self) -> u64 {
+        self.0.lock().unwrap().delay_max_usec
+    }
+
+    #[zbus(signal)]
+    async fn prepare_for_shutdown(emitter: &SignalEmitter<'_>, start: bool) -> zbus::Result<()>;
+}
+
+struct SystemdManager(SharedLogind);
+
+#[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
+impl SystemdManager {
+    fn kill_unit(&self, name: String, whom: String, signal: i32) -> zbus::fdo::Result<()> {
+        if name == "systemd-logind.service" && whom == "main" && signal == libc::SIGHUP {
+            self.0.lock().unwrap().reload();
+            Ok(())
+        } else {
+            Err(zbus::fdo::Error::Failed(format!(
+                "unexpected KillUnit({name}, {whom}, {signal})"
+            )))
+        }
+    }
+}
+
+/// The logind peer (its own connection, so it can leave and come back)
+/// and a systemd peer that reloads it.
+pub struct LogindPeer {
+    pub state: SharedLogind,
+    login: Option<zbus::Connection>,
+    _systemd: zbus::Connection,
+    address: String,
+}
+
+impl LogindPeer {
+    pub async fn start(
+        address: &str,
+        delay_max: Duration,
+        drop_in_dir: Option<&Path>,
+    ) -> LogindPeer {
+        let state: SharedLogind = Arc::new(Mutex::new(LogindState {
+            delay_max_usec: delay_max.as_micros() as u64,
+            drop_in_dir: drop_in_dir.map(Path::to_path_buf),
+            ..Default::default()
+        }));
+        let systemd = zbus::connection::Builder::address(address)
+            .name("org.freedesktop.systemd1")
+            .serve_at("/org/freedesktop/systemd1", SystemdManager(state.clone()))
+            .build()
+            .await
+            .unwrap();
+        let mut peer = LogindPeer {
+            state,
+            login: None,
+            _systemd: systemd,
+            address: address.to_string(),
+        };
+        peer.come_back().await;
+        peer
+    }
+
+    /// logind (re)appears on the bus; earlier inhibitors are forgotten, as
+    /// a restarted logind forgets them.
+    pub async fn come_back(&mut self) {
+        let conn = zbus::connection::Builder::address(self.address.as_str())
+            .name("org.freedesktop.login1")
+            .serve_at("/org/freedesktop/login1", LoginManager(self.state.clone()))
+            .build()
+            .await
+            .unwrap();
+        self.login = Some(conn);
+    }
+
+    /// logind leaves the bus (killed).
+    pub async fn kill(&mut self) {
+        if let Some(c) = self.login.take() {
+            let _ = c.close().await;
+        }
+        self.state.lock().unwrap().inhibitors.clear();
+    }
+
+    pub async fn prepare_for_shutdown(&self, start: bool) {
+        let conn = self.login.as_ref().expect("logind is up");
+        let iface = conn
+            .object_server()
+            .interface::<_, LoginManager>("/org/freedesktop/login1")
+            .await
+            .unwrap();
+        LoginManager::prepare_for_shutdown(iface.signal_emitter(), start)
+            .await
+            .unwrap();
+    }
+
+    pub fn held(&self) -> usize {
+        self.state.lock().unwrap().held()
+    }
+
+    pub fn inhibitor_modes(&self) -> Vec<(String, String, String)> {
+        self.state
+            .lock()
+            .unwrap()
+            .inhibitors
+            .iter()
+            .filter(|i| !i.released())
+            .map(|i| (i.what.clone(), i.who.clone(), i.mode.clone()))
+            .collect()
+    }
+}

@@ -5,6 +5,7 @@ pub mod cli;
 pub mod clock;
 pub mod k8s;
 pub mod policy;
+pub mod probe;
 pub mod report;
 pub mod server;
 pub mod shutdown;

@@ -1,0 +1,3 @@
+//! Probe workers with the kubelet prober's semantics.
+pub mod core;
+pub mod prober;

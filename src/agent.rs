@@ -23,7 +23,9 @@ use tokio_util::sync::CancellationToken;
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
 use crate::k8s::status::{KubeEvents, KubeStatus, observe};
 use crate::k8s::watch::{Snapshot, publish_objects};
+use crate::policy::probes::ProbeSpec;
 use crate::policy::{NodeGuardPolicy, Selection, WatchdogMode, WatchdogSpec, select};
+use crate::probe::{KubePodConditions, ProbeHandle, ProbeMetrics, run_probe_manager};
 use crate::report::{
     Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer,
     run_event_publisher,
@@ -108,6 +110,8 @@ pub struct RunningAgent {
     pub pods: watch::Receiver<Option<Snapshot<Pod>>>,
     /// All policies as last seen.
     pub policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
+    /// The probe workers (identities, manual triggers).
+    pub probes: ProbeHandle,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
 }
@@ -145,6 +149,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);
     let watchdog_metrics = WatchdogMetrics::register(&mut registry);
     let shutdown_metrics = ShutdownMetrics::register(&mut registry);
+    let probe_metrics = ProbeMetrics::register(&mut registry);
     reporter.declare(POLICY_CONDITION);
     for type_ in &config.declared_conditions {
         reporter.declare(type_);
@@ -159,6 +164,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let state_loop = health.register("node-state", LOOP_TIMEOUT);
     let writer_loop = health.register("condition-writer", LOOP_TIMEOUT);
     let shutdown_loop = health.register("shutdown-manager", LOOP_TIMEOUT);
+    let probe_loop = health.register("probe-manager", LOOP_TIMEOUT);
 
     let server = Server::bind(
         config.listen,
@@ -204,7 +210,9 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let (obs_tx, obs_rx) = watch::channel(None);
     let (watchdog_tx, watchdog_rx) = watch::channel(None);
     let (shutdown_tx, shutdown_rx) = watch::channel(None);
+    let (probes_tx, probes_rx) = watch::channel(Vec::new());
     tasks.spawn(node_state_loop(NodeStateLoop {
+        probes: probes_tx,
         watchdog: watchdog_tx,
         shutdown_config: shutdown_tx,
         node_name: config.node_name.clone(),
@@ -283,7 +291,20 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
 
+    let probe_handle = ProbeHandle::default();
+    tasks.spawn(run_probe_manager(
+        probes_rx,
+        pod_rx.clone(),
+        reporter.clone(),
+        KubePodConditions::new(client.clone()),
+        probe_metrics,
+        probe_handle.clone(),
+        probe_loop,
+        shutdown.clone(),
+    ));
+
     Ok(RunningAgent {
+        probes: probe_handle,
         health,
         reporter,
         addr,
@@ -296,6 +317,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
 }
 
 struct NodeStateLoop {
+    probes: watch::Sender<Vec<ProbeSpec>>,
     watchdog: watch::Sender<Option<WatchdogSpec>>,
     shutdown_config: watch::Sender<Option<ShutdownConfig>>,
     node_name: String,
@@ -333,6 +355,14 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 {
                     s.reporter.declare(watchdog::CONDITION);
                 }
+                for p in &selection.probes {
+                    if p.pods.is_none()
+                        && let Some(t) = &p.condition_type
+                    {
+                        s.reporter.declare(t);
+                    }
+                }
+                s.probes.send_replace(selection.probes.clone());
                 s.watchdog.send_replace(selection.watchdog.clone());
                 if selection.shutdown.is_some() {
                     s.reporter.declare(shutdown::CONDITION);

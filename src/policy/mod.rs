@@ -7,6 +7,7 @@
 //! Capability issues add their own sections to [`NodeGuardPolicySpec`].
 
 mod load;
+pub mod probes;
 mod select;
 pub mod selector;
 mod validate;
@@ -84,6 +85,13 @@ pub struct NodeGuardPolicySpec {
     /// Graceful node shutdown through systemd-logind. Off unless set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shutdown: Option<ShutdownSpec>,
+
+    /// Probes of node-local endpoints (NodeConditions) and of pods on the
+    /// node (readiness-gate conditions). Policies that select a node add
+    /// up; a probe name may appear in only one of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub probes: Vec<probes::ProbeSpec>,
 }
 
 /// One priority group of `spec.shutdown.gracePeriodByPriority`.

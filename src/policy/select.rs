@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use super::{NodeGuardPolicy, Problem, Selector, validate};
 
 /// The outcome of selecting policies for one node's labels.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Selection {
     /// Valid policies whose selector matches, by name.
     pub applied: Vec<String>,
@@ -14,6 +14,9 @@ pub struct Selection {
     pub invalid: Vec<(String, Vec<Problem>)>,
     /// Taint keys that make the node ineligible, besides the autoscaler's.
     pub ineligible_taints: Vec<String>,
+    /// Probes of all applied policies; a name taken by an earlier policy
+    /// (by name) is a conflict and the later probe is ignored.
+    pub probes: Vec<super::probes::ProbeSpec>,
     /// The shutdown section in force: first applied policy by name.
     pub shutdown: Option<super::ShutdownSpec>,
     /// The watchdog section in force: from the first applied policy (by
@@ -77,6 +80,7 @@ pub fn select<'a>(
     let mut out = Selection::default();
     let mut watchdog = FirstWins::default();
     let mut shutdown = FirstWins::default();
+    let mut probe_from: BTreeMap<String, String> = BTreeMap::new();
     let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
     policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     for p in policies {
@@ -93,6 +97,19 @@ pub fn select<'a>(
                 if let Some(h) = &p.spec.healthz {
                     out.ineligible_taints
                         .extend(h.ineligible_taints.iter().cloned());
+                }
+                for probe in &p.spec.probes {
+                    match probe_from.get(&probe.name) {
+                        None => {
+                            probe_from.insert(probe.name.clone(), name.clone());
+                            out.probes.push(probe.clone());
+                        }
+                        Some(first) => out.conflicts.push((
+                            format!("spec.probes[{}]", probe.name),
+                            first.clone(),
+                            vec![name.clone()],
+                        )),
+                    }
                 }
                 watchdog.offer(&name, p.spec.watchdog.as_ref());
                 shutdown.offer(&name, p.spec.shutdown.as_ref());

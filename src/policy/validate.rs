@@ -64,6 +64,10 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
     if let Some(s) = &policy.spec.shutdown {
         problems.extend(validate_shutdown(s, "spec.shutdown"));
     }
+    problems.extend(super::probes::validate_probes(
+        &policy.spec.probes,
+        "spec.probes",
+    ));
     problems
 }
 

@@ -144,7 +144,11 @@ impl Worker {
         }
         if !view.running {
             self.published = Some(ProbeResult::Failure);
-            return if view.finished_for_good { Tick::Stop } else { Tick::Wait };
+            return if view.finished_for_good {
+                Tick::Stop
+            } else {
+                Tick::Wait
+            };
         }
         if view.deleting && matches!(self.role, Role::Liveness | Role::Startup) {
             // A quiet shutdown: nothing should act on this target any more.
@@ -230,7 +234,11 @@ mod tests {
     }
 
     /// Feeds results; returns the published state after each.
-    fn feed(w: &mut Worker, view: &TargetView, results: &[ProbeResult]) -> Vec<Option<ProbeResult>> {
+    fn feed(
+        w: &mut Worker,
+        view: &TargetView,
+        results: &[ProbeResult],
+    ) -> Vec<Option<ProbeResult>> {
         results
             .iter()
             .map(|r| {
@@ -244,7 +252,11 @@ mod tests {
 
     #[test]
     fn initial_values_by_role() {
-        for (role, want) in [(Role::Readiness, Failure), (Role::Liveness, Success), (Role::Startup, Unknown)] {
+        for (role, want) in [
+            (Role::Readiness, Failure),
+            (Role::Liveness, Success),
+            (Role::Startup, Unknown),
+        ] {
             let mut w = Worker::new(role, th(0, 1, 3));
             let mut view = running("c1", 0);
             view.started = role != Role::Startup;
@@ -260,11 +272,31 @@ mod tests {
         let cases: &[(u32, u32, &[ProbeResult], &[ProbeResult])] = &[
             (1, 3, &[Success], &[Success]),
             (1, 3, &[Failure, Failure], &[Failure, Failure]), // readiness starts as Failure
-            (1, 3, &[Success, Failure, Failure, Failure], &[Success, Success, Success, Failure]),
-            (1, 3, &[Success, Failure, Failure, Success, Failure, Failure], &[Success; 6]),
+            (
+                1,
+                3,
+                &[Success, Failure, Failure, Failure],
+                &[Success, Success, Success, Failure],
+            ),
+            (
+                1,
+                3,
+                &[Success, Failure, Failure, Success, Failure, Failure],
+                &[Success; 6],
+            ),
             (2, 1, &[Success, Success], &[Failure, Success]),
-            (3, 1, &[Success, Success, Failure, Success, Success, Success], &[Failure, Failure, Failure, Failure, Failure, Success]),
-            (1, 1, &[Success, Failure, Success], &[Success, Failure, Success]),
+            (
+                3,
+                1,
+                &[Success, Success, Failure, Success, Success, Success],
+                &[Failure, Failure, Failure, Failure, Failure, Success],
+            ),
+            (
+                1,
+                1,
+                &[Success, Failure, Success],
+                &[Success, Failure, Success],
+            ),
             (1, 2, &[Success, Unknown], &[Success, Unknown]), // Unknown has no threshold
         ];
         for (s, f, results, want) in cases {
@@ -293,7 +325,11 @@ mod tests {
         w.record::<()>(Ok(Failure));
         w.tick(&v);
         assert_eq!(w.record::<&str>(Err("exec: no such file")), None);
-        assert_eq!(w.published(), Some(Success), "the error did not count as a failure");
+        assert_eq!(
+            w.published(),
+            Some(Success),
+            "the error did not count as a failure"
+        );
         w.tick(&v);
         w.record::<()>(Ok(Failure));
         assert_eq!(w.published(), Some(Failure), "two real failures in a row");
@@ -310,7 +346,10 @@ mod tests {
     fn liveness_failure_holds_until_the_target_changes() {
         let mut w = Worker::new(Role::Liveness, th(0, 1, 2));
         let v = running("c1", 5);
-        assert_eq!(feed(&mut w, &v, &[Failure, Failure]), [Some(Success), Some(Failure)]);
+        assert_eq!(
+            feed(&mut w, &v, &[Failure, Failure]),
+            [Some(Success), Some(Failure)]
+        );
         assert!(w.on_hold());
         for _ in 0..5 {
             assert_eq!(w.tick(&v), Tick::Wait, "on hold");
@@ -363,7 +402,11 @@ mod tests {
             assert_eq!(w.published(), Some(Success));
         }
         let mut w = Worker::new(Role::Readiness, th(0, 1, 1));
-        assert_eq!(w.tick(&v), Tick::Probe, "readiness keeps probing during deletion");
+        assert_eq!(
+            w.tick(&v),
+            Tick::Probe,
+            "readiness keeps probing during deletion"
+        );
     }
 
     #[test]
@@ -390,14 +433,20 @@ mod tests {
             terminal: true,
             ..running("c", 1)
         };
-        assert_eq!(Worker::new(Role::Readiness, th(0, 1, 1)).tick(&terminal), Tick::Stop);
+        assert_eq!(
+            Worker::new(Role::Readiness, th(0, 1, 1)).tick(&terminal),
+            Tick::Stop
+        );
     }
 
     #[test]
     fn jitter_only_right_after_start_and_within_the_period() {
         let p = Duration::from_secs(10);
         assert_eq!(first_delay(p, Duration::from_secs(11), 0.5), Duration::ZERO);
-        assert_eq!(first_delay(p, Duration::from_secs(1), 0.5), Duration::from_secs(5));
+        assert_eq!(
+            first_delay(p, Duration::from_secs(1), 0.5),
+            Duration::from_secs(5)
+        );
         assert!(first_delay(p, Duration::ZERO, 1.0) < p);
         assert_eq!(first_delay(p, Duration::ZERO, 0.0), Duration::ZERO);
         for i in 0..100 {

@@ -81,8 +81,20 @@ impl Action {
         match self {
             Action::Http { url, .. } => format!("GET {url}"),
             Action::Tcp { host, port } => format!("TCP {}", join_host_port(host, *port)),
-            Action::Grpc { host, port, service } => {
-                format!("gRPC health {}{}", join_host_port(host, *port), if service.is_empty() { String::new() } else { format!(" ({service})") })
+            Action::Grpc {
+                host,
+                port,
+                service,
+            } => {
+                format!(
+                    "gRPC health {}{}",
+                    join_host_port(host, *port),
+                    if service.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({service})")
+                    }
+                )
             }
             Action::Exec { command } => format!("exec {}", command.join(" ")),
         }
@@ -161,7 +173,10 @@ impl Probers {
     pub async fn run(&self, action: &Action, timeout: Duration) -> Result<Outcome, ProberError> {
         match tokio::time::timeout(timeout, self.run_inner(action, timeout)).await {
             Ok(r) => r,
-            Err(_) => Ok(Outcome::failure(format!("timed out after {}s", timeout.as_secs_f64()))),
+            Err(_) => Ok(Outcome::failure(format!(
+                "timed out after {}s",
+                timeout.as_secs_f64()
+            ))),
         }
     }
 
@@ -174,11 +189,19 @@ impl Probers {
                 body_contains,
                 insecure,
             } => {
-                let client = if *insecure { &self.http_insecure } else { &self.http };
+                let client = if *insecure {
+                    &self.http_insecure
+                } else {
+                    &self.http
+                };
                 http_get(client, url, headers, *status, body_contains.as_deref()).await
             }
             Action::Tcp { host, port } => Ok(tcp(host, *port).await),
-            Action::Grpc { host, port, service } => grpc_health(&self.grpc, host, *port, service).await,
+            Action::Grpc {
+                host,
+                port,
+                service,
+            } => grpc_health(&self.grpc, host, *port, service).await,
             Action::Exec { command } => exec(command, timeout).await,
         }
     }
@@ -210,7 +233,10 @@ async fn http_get(
     body_contains: Option<&str>,
 ) -> Result<Outcome, ProberError> {
     let mut req = hyper::Request::get(url)
-        .header("User-Agent", concat!("nodeguard-probe/", env!("CARGO_PKG_VERSION")))
+        .header(
+            "User-Agent",
+            concat!("nodeguard-probe/", env!("CARGO_PKG_VERSION")),
+        )
         .header("Accept", "*/*")
         .header("Connection", "close");
     for (k, v) in headers {
@@ -251,7 +277,9 @@ async fn http_get(
         String::new()
     };
     if !(min..=max).contains(&code) {
-        return Ok(Outcome::failure(format!("HTTP {code} (expected {min}-{max})")));
+        return Ok(Outcome::failure(format!(
+            "HTTP {code} (expected {min}-{max})"
+        )));
     }
     if let Some(want) = body_contains
         && !body.contains(want)
@@ -347,7 +375,10 @@ async fn grpc_health(
     port: u16,
     service: &str,
 ) -> Result<Outcome, ProberError> {
-    let url = format!("http://{}/grpc.health.v1.Health/Check", join_host_port(host, port));
+    let url = format!(
+        "http://{}/grpc.health.v1.Health/Check",
+        join_host_port(host, port)
+    );
     let req = hyper::Request::post(&url)
         .header("content-type", "application/grpc")
         .header("te", "trailers")
@@ -380,8 +411,16 @@ async fn grpc_health(
     }
     match grpc_status.as_deref() {
         Some("0") => {}
-        Some("12") => return Ok(Outcome::failure("the server does not implement grpc.health.v1")),
-        Some("5") => return Ok(Outcome::failure(format!("service {service:?} is unknown to the server"))),
+        Some("12") => {
+            return Ok(Outcome::failure(
+                "the server does not implement grpc.health.v1",
+            ));
+        }
+        Some("5") => {
+            return Ok(Outcome::failure(format!(
+                "service {service:?} is unknown to the server"
+            )));
+        }
         Some(code) => return Ok(Outcome::failure(format!("gRPC status {code}"))),
         None => return Ok(Outcome::failure("gRPC response without grpc-status")),
     }
@@ -415,7 +454,10 @@ async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberEr
         (status, out, err)
     };
     match tokio::time::timeout(timeout, run).await {
-        Err(_) => Ok(Outcome::failure(format!("timed out after {}s", timeout.as_secs_f64()))),
+        Err(_) => Ok(Outcome::failure(format!(
+            "timed out after {}s",
+            timeout.as_secs_f64()
+        ))),
         Ok((Err(e), _, _)) => Err(ProberError(format!("waiting for {program}: {e}"))),
         Ok((Ok(status), out, err)) => {
             let mut output = String::from_utf8_lossy(&out).into_owned();
@@ -430,7 +472,11 @@ async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberEr
                     .code()
                     .map(|c| format!("exit code {c}"))
                     .unwrap_or_else(|| "killed by a signal".into());
-                Ok(Outcome::failure(if output.is_empty() { code } else { format!("{code}: {output}") }))
+                Ok(Outcome::failure(if output.is_empty() {
+                    code
+                } else {
+                    format!("{code}: {output}")
+                }))
             }
         }
     }
@@ -467,7 +513,12 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
         cert: &rustls::pki_types::CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -476,7 +527,12 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
         cert: &rustls::pki_types::CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
@@ -495,21 +551,43 @@ mod tests {
         assert_eq!(&r[..], &[0, 0, 0, 0, 5, 0x0a, 3, b's', b'v', b'c']);
         // status = SERVING (field 1, varint 1)
         assert_eq!(grpc_health_status(&[0, 0, 0, 0, 2, 0x08, 1]), Some(1));
-        assert_eq!(grpc_health_status(&[0, 0, 0, 0, 0]), Some(0), "default UNKNOWN");
+        assert_eq!(
+            grpc_health_status(&[0, 0, 0, 0, 0]),
+            Some(0),
+            "default UNKNOWN"
+        );
         // an unknown length-delimited field first, then status 2
-        assert_eq!(grpc_health_status(&[0, 0, 0, 0, 6, 0x12, 2, b'h', b'i', 0x08, 2]), Some(2));
-        assert_eq!(grpc_health_status(&[1, 0, 0, 0, 0]), None, "compressed is refused");
-        assert_eq!(grpc_health_status(&[0, 0, 0, 0, 9, 0x08]), None, "truncated");
+        assert_eq!(
+            grpc_health_status(&[0, 0, 0, 0, 6, 0x12, 2, b'h', b'i', 0x08, 2]),
+            Some(2)
+        );
+        assert_eq!(
+            grpc_health_status(&[1, 0, 0, 0, 0]),
+            None,
+            "compressed is refused"
+        );
+        assert_eq!(
+            grpc_health_status(&[0, 0, 0, 0, 9, 0x08]),
+            None,
+            "truncated"
+        );
     }
 
     #[test]
     fn descriptions_and_truncation() {
         assert_eq!(
-            Action::Tcp { host: "::1".into(), port: 10256 }.describe(),
+            Action::Tcp {
+                host: "::1".into(),
+                port: 10256
+            }
+            .describe(),
             "TCP [::1]:10256"
         );
         assert_eq!(
-            Action::Exec { command: vec!["/bin/true".into(), "x".into()] }.describe(),
+            Action::Exec {
+                command: vec!["/bin/true".into(), "x".into()]
+            }
+            .describe(),
             "exec /bin/true x"
         );
         let long = "é".repeat(2000);
@@ -523,29 +601,70 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let ok = p
-            .run(&Action::Tcp { host: "127.0.0.1".into(), port }, Duration::from_secs(1))
+            .run(
+                &Action::Tcp {
+                    host: "127.0.0.1".into(),
+                    port,
+                },
+                Duration::from_secs(1),
+            )
             .await
             .unwrap();
         assert_eq!(ok.result, ProbeResult::Success);
         drop(listener);
         let refused = p
-            .run(&Action::Tcp { host: "127.0.0.1".into(), port }, Duration::from_secs(1))
+            .run(
+                &Action::Tcp {
+                    host: "127.0.0.1".into(),
+                    port,
+                },
+                Duration::from_secs(1),
+            )
             .await
             .unwrap();
         assert_eq!(refused.result, ProbeResult::Failure);
         assert!(refused.detail.contains("refused"), "{}", refused.detail);
 
-        let cmd = |c: &[&str]| Action::Exec { command: c.iter().map(|s| s.to_string()).collect() };
-        let out = p.run(&cmd(&["sh", "-c", "echo fine"]), Duration::from_secs(2)).await.unwrap();
-        assert_eq!((out.result, out.detail.as_str()), (ProbeResult::Success, "fine"));
-        let out = p.run(&cmd(&["sh", "-c", "echo broken >&2; exit 3"]), Duration::from_secs(2)).await.unwrap();
-        assert_eq!((out.result, out.detail.as_str()), (ProbeResult::Failure, "exit code 3: broken"));
-        let out = p.run(&cmd(&["sleep", "5"]), Duration::from_millis(200)).await.unwrap();
+        let cmd = |c: &[&str]| Action::Exec {
+            command: c.iter().map(|s| s.to_string()).collect(),
+        };
+        let out = p
+            .run(&cmd(&["sh", "-c", "echo fine"]), Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(
+            (out.result, out.detail.as_str()),
+            (ProbeResult::Success, "fine")
+        );
+        let out = p
+            .run(
+                &cmd(&["sh", "-c", "echo broken >&2; exit 3"]),
+                Duration::from_secs(2),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (out.result, out.detail.as_str()),
+            (ProbeResult::Failure, "exit code 3: broken")
+        );
+        let out = p
+            .run(&cmd(&["sleep", "5"]), Duration::from_millis(200))
+            .await
+            .unwrap();
         assert_eq!(out.result, ProbeResult::Failure);
         assert!(out.detail.contains("timed out"));
-        let err = p.run(&cmd(&["/nonexistent/check"]), Duration::from_secs(1)).await.unwrap_err();
+        let err = p
+            .run(&cmd(&["/nonexistent/check"]), Duration::from_secs(1))
+            .await
+            .unwrap_err();
         assert!(err.0.contains("cannot run /nonexistent/check"), "{err}");
-        let out = p.run(&cmd(&["sh", "-c", "head -c 5000 /dev/zero | tr '\\\\0' x"]), Duration::from_secs(2)).await.unwrap();
+        let out = p
+            .run(
+                &cmd(&["sh", "-c", "head -c 5000 /dev/zero | tr '\\\\0' x"]),
+                Duration::from_secs(2),
+            )
+            .await
+            .unwrap();
         assert!(out.detail.len() <= OUTPUT_LIMIT + 3, "output truncated");
     }
 }

@@ -1,0 +1,398 @@
+//! `spec.probes`: node-local health checks that become NodeConditions, and
+//! pod checks that become readiness-gate conditions.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::Problem;
+use super::selector::{Selector, check_label_key, is_dns_subdomain};
+
+/// One probe.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProbeSpec {
+    /// Unique within the policy; lowercase letters, digits and '-'.
+    pub name: String,
+    /// What to probe: absent is this node (127.0.0.1 and the host's
+    /// commands); `pods` probes each pod on the node that matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods: Option<PodTarget>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpProbe>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp: Option<TcpProbe>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<GrpcProbe>,
+    /// Node targets only: a command run on the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exec: Option<ExecProbe>,
+    /// Readiness (default), Liveness or Startup, with the kubelet's meaning.
+    #[serde(default)]
+    pub role: ProbeRole,
+    /// The name of a Startup probe of the same target kind that must have
+    /// succeeded before this one runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gated_by: Option<String>,
+    #[serde(default)]
+    #[schemars(range(max = 3600))]
+    pub initial_delay_seconds: u32,
+    #[serde(default = "default_period")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub period_seconds: u32,
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 600))]
+    pub timeout_seconds: u32,
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 100))]
+    pub success_threshold: u32,
+    #[serde(default = "default_three")]
+    #[schemars(range(min = 1, max = 100))]
+    pub failure_threshold: u32,
+    /// Node targets: the NodeCondition type to set (True while failing),
+    /// for example `KubeletUnhealthy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub condition_type: Option<String>,
+    /// Pod targets: the pod condition type to set (True while passing),
+    /// which pods list in `spec.readinessGates`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub readiness_gate: Option<String>,
+}
+
+fn default_period() -> u32 {
+    10
+}
+fn default_one() -> u32 {
+    1
+}
+fn default_three() -> u32 {
+    3
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ProbeRole {
+    #[default]
+    Readiness,
+    Liveness,
+    Startup,
+}
+
+/// Pods on this node to probe.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTarget {
+    /// Pods whose labels match (an empty selector matches every pod).
+    pub selector: LabelSelector,
+    /// Only these namespaces (all when empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpProbe {
+    /// Node targets: the full URL, e.g. `http://127.0.0.1:10248/healthz`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Pod targets: port on the pod IP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Pod targets: path (default `/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Pod targets: HTTP (default) or HTTPS.
+    #[serde(default)]
+    pub scheme: HttpScheme,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<HttpHeader>,
+    /// Accepted status codes (default 200-399).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_status: Option<StatusRange>,
+    /// The body must contain this text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_contains: Option<String>,
+    /// Skip TLS verification (self-signed node-local endpoints).
+    #[serde(default)]
+    pub insecure_skip_tls_verify: bool,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum HttpScheme {
+    #[default]
+    #[serde(rename = "HTTP")]
+    Http,
+    #[serde(rename = "HTTPS")]
+    Https,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct HttpHeader {
+    pub name: String,
+    pub value: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub struct StatusRange {
+    #[schemars(range(min = 100, max = 599))]
+    pub min: u16,
+    #[schemars(range(min = 100, max = 599))]
+    pub max: u16,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct TcpProbe {
+    /// Node targets: default 127.0.0.1. Pod targets: always the pod IP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    pub port: u16,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct GrpcProbe {
+    /// Node targets: default 127.0.0.1. Pod targets: always the pod IP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    pub port: u16,
+    /// The service name in the health request (empty: the whole server).
+    #[serde(default)]
+    pub service: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct ExecProbe {
+    /// argv; exit 0 passes. Output (truncated) is the message.
+    pub command: Vec<String>,
+}
+
+fn is_dns_label(s: &str) -> bool {
+    is_dns_subdomain(s) && !s.contains('.') && s.len() <= 63
+}
+
+/// Rules for `spec.probes` beyond the schema.
+pub fn validate_probes(probes: &[ProbeSpec], path: &str) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
+    for (i, p) in probes.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        if !is_dns_label(&p.name) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!(
+                    "{:?} must be a DNS label (lowercase letters, digits, '-')",
+                    p.name
+                ),
+            ));
+        }
+        if !names.insert(p.name.as_str()) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!("probe {:?} appears twice", p.name),
+            ));
+        }
+        let actions = [
+            p.http.is_some(),
+            p.tcp.is_some(),
+            p.grpc.is_some(),
+            p.exec.is_some(),
+        ]
+        .iter()
+        .filter(|a| **a)
+        .count();
+        if actions != 1 {
+            problems.push(Problem::new(
+                at.clone(),
+                "set exactly one of http, tcp, grpc, exec",
+            ));
+        }
+        if p.role != ProbeRole::Readiness && p.success_threshold != 1 {
+            problems.push(Problem::new(
+                format!("{at}.successThreshold"),
+                "must be 1 for Liveness and Startup probes, as for the kubelet",
+            ));
+        }
+        match &p.pods {
+            None => {
+                match &p.condition_type {
+                    None => problems.push(Problem::new(
+                        format!("{at}.conditionType"),
+                        "node probes need the NodeCondition type to set",
+                    )),
+                    Some(t) => {
+                        check_condition_type(t, &format!("{at}.conditionType"), &mut problems)
+                    }
+                }
+                if p.readiness_gate.is_some() {
+                    problems.push(Problem::new(
+                        format!("{at}.readinessGate"),
+                        "only pod probes set readiness gates",
+                    ));
+                }
+                if let Some(h) = &p.http {
+                    match &h.url {
+                        Some(u) if u.starts_with("http://") || u.starts_with("https://") => {}
+                        Some(u) => problems.push(Problem::new(
+                            format!("{at}.http.url"),
+                            format!("{u:?} is not an http:// or https:// URL"),
+                        )),
+                        None => problems.push(Problem::new(
+                            format!("{at}.http.url"),
+                            "node probes need a url",
+                        )),
+                    }
+                }
+            }
+            Some(target) => {
+                Selector::parse(
+                    &target.selector,
+                    &format!("{at}.pods.selector"),
+                    &mut problems,
+                );
+                match &p.readiness_gate {
+                    None => problems.push(Problem::new(
+                        format!("{at}.readinessGate"),
+                        "pod probes need the readiness gate condition type to set",
+                    )),
+                    Some(t) => {
+                        check_condition_type(t, &format!("{at}.readinessGate"), &mut problems)
+                    }
+                }
+                if p.condition_type.is_some() {
+                    problems.push(Problem::new(
+                        format!("{at}.conditionType"),
+                        "only node probes set NodeConditions",
+                    ));
+                }
+                if p.exec.is_some() {
+                    problems.push(Problem::new(
+                        format!("{at}.exec"),
+                        "exec probes run on the host: node probes only",
+                    ));
+                }
+                if let Some(h) = &p.http
+                    && (h.port.is_none() || h.url.is_some())
+                {
+                    problems.push(Problem::new(
+                        format!("{at}.http"),
+                        "pod probes take a port (and path), not a url",
+                    ));
+                }
+            }
+        }
+        if let Some(h) = &p.http
+            && let Some(r) = h.expected_status
+            && r.min > r.max
+        {
+            problems.push(Problem::new(
+                format!("{at}.http.expectedStatus"),
+                format!("min {} is above max {}", r.min, r.max),
+            ));
+        }
+        if let Some(e) = &p.exec
+            && e.command.is_empty()
+        {
+            problems.push(Problem::new(
+                format!("{at}.exec.command"),
+                "an empty command",
+            ));
+        }
+        if p.period_seconds == 0
+            || p.timeout_seconds == 0
+            || p.failure_threshold == 0
+            || p.success_threshold == 0
+        {
+            problems.push(Problem::new(
+                at.clone(),
+                "periodSeconds, timeoutSeconds and thresholds must be at least 1",
+            ));
+        }
+    }
+    for (i, p) in probes.iter().enumerate() {
+        if let Some(g) = &p.gated_by {
+            let gate = probes.iter().find(|q| &q.name == g);
+            match gate {
+                None => problems.push(Problem::new(
+                    format!("{path}[{i}].gatedBy"),
+                    format!("no probe named {g:?}"),
+                )),
+                Some(q) if q.role != ProbeRole::Startup => problems.push(Problem::new(
+                    format!("{path}[{i}].gatedBy"),
+                    format!("{g:?} is not a Startup probe"),
+                )),
+                Some(q) if q.pods != p.pods => problems.push(Problem::new(
+                    format!("{path}[{i}].gatedBy"),
+                    format!("{g:?} probes other targets"),
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    problems
+}
+
+fn check_condition_type(t: &str, path: &str, problems: &mut Vec<Problem>) {
+    check_label_key(t, path, problems);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node_http(name: &str) -> ProbeSpec {
+        serde_json::from_value(serde_json::json!({
+            "name": name, "http": {"url": "http://127.0.0.1:10248/healthz"}, "conditionType": "KubeletUnhealthy"
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn defaults_are_the_kubelets() {
+        let p = node_http("kubelet");
+        assert_eq!(
+            (
+                p.period_seconds,
+                p.timeout_seconds,
+                p.success_threshold,
+                p.failure_threshold
+            ),
+            (10, 1, 1, 3)
+        );
+        assert_eq!(p.role, ProbeRole::Readiness);
+        assert!(validate_probes(&[p], "spec.probes").is_empty());
+    }
+
+    #[test]
+    fn problems_with_paths() {
+        let mut two = node_http("a");
+        two.tcp = Some(TcpProbe {
+            host: None,
+            port: 1,
+        });
+        let mut live = node_http("live");
+        live.role = ProbeRole::Liveness;
+        live.success_threshold = 2;
+        let mut no_cond = node_http("nocond");
+        no_cond.condition_type = None;
+        let pod: ProbeSpec = serde_json::from_value(serde_json::json!({
+            "name": "pod", "pods": {"selector": {}}, "http": {"url": "http://x"}, "exec": {"command": []}
+        }))
+        .unwrap();
+        let mut gated = node_http("gated");
+        gated.gated_by = Some("live".into());
+        let dup = node_http("a");
+        let problems = validate_probes(&[two, live, no_cond, pod, gated, dup], "spec.probes");
+        let paths: Vec<&str> = problems.iter().map(|p| p.path.as_str()).collect();
+        for want in [
+            "spec.probes[0]",
+            "spec.probes[1].successThreshold",
+            "spec.probes[2].conditionType",
+            "spec.probes[3].readinessGate",
+            "spec.probes[3].exec",
+            "spec.probes[3].http",
+            "spec.probes[3].exec.command",
+            "spec.probes[4].gatedBy",
+            "spec.probes[5].name",
+        ] {
+            assert!(paths.contains(&want), "missing {want} in {paths:?}");
+        }
+    }
+}

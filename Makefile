@@ -1,5 +1,5 @@
 # The two commands of the README, plus helpers. Scripts live in e2e/.
-.PHONY: demo demo-stop test cluster-up cluster-down crd
+.PHONY: demo demo-stop test cluster-up cluster-down crd manifests image
 
 demo:         ## control plane up, agent running against it, results shown
 	e2e/demo
@@ -16,5 +16,13 @@ cluster-up:
 cluster-down:
 	e2e/cluster/down
 
-crd:          ## regenerate crds/ from the Rust types
+crd:          ## regenerate crds/ (and the chart's copy) from the Rust types
 	cargo run --quiet -- crd > crds/nodeguard.io_nodeguardpolicies.yaml
+	cp crds/nodeguard.io_nodeguardpolicies.yaml charts/nodeguard/crds/
+
+manifests: crd ## render manifests/nodeguard.yaml from the chart with default values
+	$$(e2e/cluster/build >/dev/null 2>&1; echo $${NODEGUARD_CACHE:-$$HOME/.cache/nodeguard}/bin/current/helm) \
+	  template nodeguard charts/nodeguard -n nodeguard-system --include-crds > manifests/nodeguard.yaml
+
+image:        ## build the OCI image without Docker (target/image/)
+	e2e/image

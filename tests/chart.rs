@@ -1,0 +1,397 @@
+//! The Helm chart with the real `helm` binary against the real API server:
+//! lint, schema errors, server-side dry runs, the rendered manifests, a real
+//! install, and least privilege: a token of the chart's service account
+//! bound to a pod on node A lets the agent's own calls change node A and
+//! nothing of node B.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client};
+use nodeguard::report::{StatusPort, Written};
+use nodeguard::shutdown::cluster::{ClusterPort, KubeCluster};
+use support::*;
+
+fn helm_path() -> PathBuf {
+    if let Ok(h) = std::env::var("NODEGUARD_HELM") {
+        return PathBuf::from(h);
+    }
+    let cache = std::env::var("NODEGUARD_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"));
+    let helm = cache.join("bin/current/helm");
+    assert!(
+        helm.exists(),
+        "helm is not built: run e2e/cluster/build (it installs helm into {})",
+        helm.display()
+    );
+    helm
+}
+
+fn chart() -> String {
+    repo_root().join("charts/nodeguard").display().to_string()
+}
+
+fn helm(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(helm_path())
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn kubectl_stdin(args: &[&str], input: &str) -> (bool, String) {
+    use std::io::Write;
+    let mut child = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\n";
+
+async fn namespace(client: &Client, name: &str) {
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await;
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), name);
+    eventually(
+        Duration::from_secs(30),
+        "default service account",
+        || async { sas.get_opt("default").await.ok().flatten().is_some() },
+    )
+    .await;
+}
+
+#[test]
+fn lint_strict_and_schema_errors() {
+    let (ok, out, err) = helm(&["lint", "--strict", &chart()]);
+    assert!(ok, "{out}{err}");
+    let (ok, _, err) = helm(&["template", "x", &chart(), "--set", "port=abc"]);
+    assert!(
+        !ok && err.contains("/port") && err.contains("want integer"),
+        "{err}"
+    );
+    let (ok, _, err) = helm(&["template", "x", &chart(), "--set", "typo=1"]);
+    assert!(
+        !ok && err.contains("additional properties 'typo' not allowed"),
+        "{err}"
+    );
+    let (ok, _, err) = helm(&[
+        "template",
+        "x",
+        &chart(),
+        "--set",
+        "host.watchdog.device=/tmp/x",
+    ]);
+    assert!(!ok && err.contains("/host/watchdog/device"), "{err}");
+}
+
+#[test]
+fn with_host_access_off_the_pod_is_unprivileged() {
+    let (ok, out, err) = helm(&[
+        "template",
+        "x",
+        &chart(),
+        "--set",
+        "host.stateDir.enabled=false",
+    ]);
+    assert!(ok, "{err}");
+    for want in [
+        "runAsNonRoot: true",
+        "readOnlyRootFilesystem: true",
+        "privileged: false",
+        "allowPrivilegeEscalation: false",
+        "drop: [\"ALL\"]",
+    ] {
+        assert!(out.contains(want), "missing {want} in:\n{out}");
+    }
+    assert!(!out.contains("hostPath"), "no host mounts");
+}
+
+#[test]
+fn the_chart_crd_is_the_repository_crd() {
+    let repo =
+        std::fs::read_to_string(repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml"))
+            .unwrap();
+    let chart = std::fs::read_to_string(
+        repo_root().join("charts/nodeguard/crds/nodeguard.io_nodeguardpolicies.yaml"),
+    )
+    .unwrap();
+    assert!(
+        repo == chart,
+        "charts/nodeguard/crds/ is stale: run `make crd`"
+    );
+}
+
+#[test]
+fn rendered_manifests_do_not_drift() {
+    let (ok, rendered, err) = helm(&[
+        "template",
+        "nodeguard",
+        &chart(),
+        "-n",
+        "nodeguard-system",
+        "--include-crds",
+    ]);
+    assert!(ok, "{err}");
+    let committed = std::fs::read_to_string(repo_root().join("manifests/nodeguard.yaml")).unwrap();
+    assert!(
+        rendered == committed,
+        "manifests/nodeguard.yaml drifted from the chart: run `make manifests`"
+    );
+}
+
+#[test]
+fn the_default_image_is_what_the_build_produces() {
+    let cargo = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
+    let version = cargo
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .unwrap()
+        .trim_end_matches('"');
+    let values = std::fs::read_to_string(repo_root().join("charts/nodeguard/values.yaml")).unwrap();
+    let chart_yaml =
+        std::fs::read_to_string(repo_root().join("charts/nodeguard/Chart.yaml")).unwrap();
+    let script = std::fs::read_to_string(repo_root().join("e2e/image")).unwrap();
+    assert!(values.contains("repository: ghcr.io/nodeguard/nodeguard"));
+    assert!(script.contains("REPO=${NODEGUARD_IMAGE_REPO:-ghcr.io/nodeguard/nodeguard}"));
+    assert!(
+        chart_yaml.contains(&format!("appVersion: \"{version}\"")),
+        "Chart.yaml appVersion must be the crate version {version}"
+    );
+}
+
+#[tokio::test]
+async fn default_and_all_features_pass_a_server_side_dry_run() {
+    let admin = admin_client().await;
+    let ns = unique_name("ng-dry");
+    namespace(&admin, &ns).await;
+    let dir = TempDir::new("values");
+    let all = dir.path.join("all.yaml");
+    std::fs::write(&all, ALL_FEATURES).unwrap();
+    for extra in [vec![], vec!["-f", all.to_str().unwrap()]] {
+        let chart_path = chart();
+        let mut args = vec!["template", "dry", chart_path.as_str(), "-n", &ns];
+        args.extend(extra.iter());
+        let (ok, rendered, err) = helm(&args);
+        assert!(ok, "{err}");
+        let (ok, out) = kubectl_stdin(
+            &["apply", "--dry-run=server", "-n", &ns, "-f", "-"],
+            &rendered,
+        );
+        assert!(ok, "server dry run failed:\n{out}");
+        assert!(
+            out.contains("daemonset.apps/dry-nodeguard created (server dry run)"),
+            "{out}"
+        );
+    }
+    let _ = Api::<Namespace>::all(admin)
+        .delete(&ns, &DeleteParams::default())
+        .await;
+}
+
+/// A token for `sa` bound to `pod` (so it carries the pod's node name).
+async fn bound_token(admin: &Client, ns: &str, sa: &str, pod: &Pod) -> String {
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), ns);
+    let req: k8s_openapi::api::authentication::v1::TokenRequest =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": [], "expirationSeconds": 3600,
+                     "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                        "name": pod.metadata.name, "uid": pod.metadata.uid}},
+        }))
+        .unwrap();
+    sas.create_token_request(sa, &PostParams::default(), &req)
+        .await
+        .expect("TokenRequest bound to a pod")
+        .status
+        .unwrap()
+        .token
+}
+
+fn is_forbidden<T: std::fmt::Debug, E: std::fmt::Display>(r: &Result<T, E>) -> bool {
+    match r {
+        Err(e) => {
+            let s = e.to_string();
+            s.contains("403") || s.contains("Forbidden") || s.contains("forbidden")
+        }
+        Ok(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn install_and_a_node_bound_token_only_touches_its_own_node() {
+    let admin = admin_client().await;
+    let ns = unique_name("ng-install");
+    let release = unique_name("ng");
+    let (ok, out, err) = helm(&[
+        "install",
+        &release,
+        &chart(),
+        "-n",
+        &ns,
+        "--create-namespace",
+        "--wait=false",
+    ]);
+    assert!(ok, "helm install: {out}{err}");
+    namespace(&admin, &ns).await;
+    let fullname = format!("{release}-nodeguard");
+    let sa = fullname.clone();
+    // What the chart created.
+    for (kind, name) in [
+        ("daemonset", fullname.as_str()),
+        ("serviceaccount", sa.as_str()),
+    ] {
+        kubectl(&["-n", &ns, "get", kind, name]);
+    }
+    kubectl(&["get", "clusterrole", &fullname]);
+    kubectl(&[
+        "get",
+        "validatingadmissionpolicy",
+        &format!("{fullname}-node-restriction"),
+    ]);
+
+    let node_a = TestNode::create(&admin, "node-a", &[]).await;
+    let node_b = TestNode::create(&admin, "node-b", &[]).await;
+    // The agent's pod on node A, as the DaemonSet would place it.
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let agent_pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "agent-on-a"},
+        "spec": {"nodeName": node_a.name, "serviceAccountName": sa, "automountServiceAccountToken": false,
+                 "containers": [{"name": "c", "image": "example.invalid/nodeguard"}]},
+    }))
+    .unwrap();
+    let agent_pod = pods
+        .create(&PostParams::default(), &agent_pod)
+        .await
+        .unwrap();
+    // A workload pod on each node.
+    let mut workload = Vec::new();
+    for (i, node) in [&node_a.name, &node_b.name].iter().enumerate() {
+        let p: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("work-{i}")},
+            "spec": {"nodeName": node, "automountServiceAccountToken": false,
+                     "containers": [{"name": "c", "image": "example.invalid/app"}]},
+        }))
+        .unwrap();
+        workload.push(pods.create(&PostParams::default(), &p).await.unwrap());
+    }
+
+    let token = bound_token(&admin, &ns, &sa, &agent_pod).await;
+    let mut config = admin_config().await;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..Default::default()
+    };
+    let agent_client = Client::try_from(config).unwrap();
+
+    // Eventually consistent: RBAC and the policy take effect within a moment.
+    let cond = |t: &str| Written {
+        type_: t.into(),
+        status: "False".into(),
+        reason: "Checked".into(),
+        message: "least-privilege test.".into(),
+        last_transition: Some(k8s_openapi::jiff::Timestamp::now()),
+        last_heartbeat: Some(k8s_openapi::jiff::Timestamp::now()),
+    };
+    let status_a = nodeguard::k8s::status::KubeStatus::new(agent_client.clone(), &node_a.name);
+    let status_b = nodeguard::k8s::status::KubeStatus::new(agent_client.clone(), &node_b.name);
+    let mut last = String::new();
+    for _ in 0..50 {
+        match status_a.apply(&[cond("LeastPrivilege")]).await {
+            Ok(_) => {
+                last.clear();
+                break;
+            }
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(last.is_empty(), "conditions on its own node: {last}");
+    let denied = status_b.apply(&[cond("LeastPrivilege")]).await;
+    assert!(
+        is_forbidden(&denied),
+        "node B's status must be denied: {denied:?}"
+    );
+    eprintln!("node B status: {}", denied.unwrap_err());
+
+    let cluster_a = KubeCluster::new(agent_client.clone(), &node_a.name);
+    let cluster_b = KubeCluster::new(agent_client.clone(), &node_b.name);
+    assert_eq!(
+        cluster_a.add_taint().await.unwrap(),
+        true,
+        "taint its own node"
+    );
+    cluster_a.remove_taint().await.unwrap();
+    let denied = cluster_b.add_taint().await;
+    assert!(
+        is_forbidden(&denied),
+        "tainting node B must be denied: {denied:?}"
+    );
+
+    // Pods: its node's pods may be deleted (shutdown escalation), others not.
+    let key = |p: &Pod| format!("{}/{}", ns, p.metadata.name.clone().unwrap());
+    cluster_a.delete(&key(&workload[0]), 0).await.unwrap();
+    let denied = cluster_b.delete(&key(&workload[1]), 0).await;
+    assert!(
+        is_forbidden(&denied),
+        "deleting a pod on node B must be denied: {denied:?}"
+    );
+    // Readiness gates: pods/status of its node only.
+    let gates = nodeguard::probe::KubePodConditions::new(agent_client.clone());
+    use nodeguard::probe::PodConditionPort;
+    let denied = gates
+        .set(&key(&workload[1]), "example.com/gate", true, "x")
+        .await;
+    assert!(
+        is_forbidden(&denied),
+        "a readiness gate on node B must be denied: {denied:?}"
+    );
+    // Nothing on secrets.
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(agent_client.clone(), &ns);
+    assert!(
+        is_forbidden(&secrets.list(&Default::default()).await),
+        "no access to secrets"
+    );
+
+    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
+    assert!(ok, "{err}");
+    let _ = Api::<Namespace>::all(admin)
+        .delete(&ns, &DeleteParams::default())
+        .await;
+}

@@ -22,7 +22,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
 use crate::k8s::status::{KubeEvents, KubeStatus, observe};
+use crate::k8s::taints::KubeTaints;
 use crate::k8s::watch::{Snapshot, publish_objects};
+use crate::monitor::{MonitorMetrics, run_monitors};
+use crate::policy::monitors::MonitorSpec;
 use crate::policy::probes::ProbeSpec;
 use crate::policy::{NodeGuardPolicy, Selection, WatchdogMode, WatchdogSpec, select};
 use crate::probe::{KubePodConditions, ProbeHandle, ProbeMetrics, run_probe_manager};
@@ -150,6 +153,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let watchdog_metrics = WatchdogMetrics::register(&mut registry);
     let shutdown_metrics = ShutdownMetrics::register(&mut registry);
     let probe_metrics = ProbeMetrics::register(&mut registry);
+    let monitor_metrics = MonitorMetrics::register(&mut registry);
     reporter.declare(POLICY_CONDITION);
     for type_ in &config.declared_conditions {
         reporter.declare(type_);
@@ -211,7 +215,9 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let (watchdog_tx, watchdog_rx) = watch::channel(None);
     let (shutdown_tx, shutdown_rx) = watch::channel(None);
     let (probes_tx, probes_rx) = watch::channel(Vec::new());
+    let (monitors_tx, monitors_rx) = watch::channel(Vec::new());
     tasks.spawn(node_state_loop(NodeStateLoop {
+        monitors: monitors_tx,
         probes: probes_tx,
         watchdog: watchdog_tx,
         shutdown_config: shutdown_tx,
@@ -291,6 +297,14 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
 
+    tasks.spawn(run_monitors(
+        monitors_rx,
+        reporter.clone(),
+        KubeTaints::new(client.clone(), &config.node_name),
+        config.state_dir.clone(),
+        monitor_metrics,
+        shutdown.clone(),
+    ));
     let probe_handle = ProbeHandle::default();
     tasks.spawn(run_probe_manager(
         probes_rx,
@@ -317,6 +331,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
 }
 
 struct NodeStateLoop {
+    monitors: watch::Sender<Vec<MonitorSpec>>,
     probes: watch::Sender<Vec<ProbeSpec>>,
     watchdog: watch::Sender<Option<WatchdogSpec>>,
     shutdown_config: watch::Sender<Option<ShutdownConfig>>,
@@ -363,6 +378,12 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                     }
                 }
                 s.probes.send_replace(selection.probes.clone());
+                for m in &selection.monitors {
+                    for c in &m.conditions {
+                        s.reporter.declare(&c.type_);
+                    }
+                }
+                s.monitors.send_replace(selection.monitors.clone());
                 s.watchdog.send_replace(selection.watchdog.clone());
                 if selection.shutdown.is_some() {
                     s.reporter.declare(shutdown::CONDITION);

@@ -4,6 +4,7 @@ pub mod agent;
 pub mod cli;
 pub mod clock;
 pub mod k8s;
+pub mod monitor;
 pub mod policy;
 pub mod probe;
 pub mod report;

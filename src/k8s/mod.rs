@@ -4,6 +4,7 @@
 
 pub mod node;
 pub mod status;
+pub mod taints;
 pub mod watch;
 
 use std::path::Path;

@@ -7,6 +7,7 @@
 //! Capability issues add their own sections to [`NodeGuardPolicySpec`].
 
 mod load;
+pub mod monitors;
 pub mod probes;
 mod select;
 pub mod selector;
@@ -92,6 +93,14 @@ pub struct NodeGuardPolicySpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 256))]
     pub probes: Vec<probes::ProbeSpec>,
+
+    /// Log monitors (node-problem-detector's shape): rules over the kernel
+    /// log or files that set NodeConditions (which clear), emit Events and
+    /// may taint the node. Policies that select a node add up; a monitor
+    /// name may appear in only one of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub monitors: Vec<monitors::MonitorSpec>,
 }
 
 /// One priority group of `spec.shutdown.gracePeriodByPriority`.

@@ -17,6 +17,9 @@ pub struct Selection {
     /// Probes of all applied policies; a name taken by an earlier policy
     /// (by name) is a conflict and the later probe is ignored.
     pub probes: Vec<super::probes::ProbeSpec>,
+    /// Monitors of all applied policies; a name taken by an earlier policy
+    /// is a conflict and the later monitor is ignored.
+    pub monitors: Vec<super::monitors::MonitorSpec>,
     /// The shutdown section in force: first applied policy by name.
     pub shutdown: Option<super::ShutdownSpec>,
     /// The watchdog section in force: from the first applied policy (by
@@ -81,6 +84,7 @@ pub fn select<'a>(
     let mut watchdog = FirstWins::default();
     let mut shutdown = FirstWins::default();
     let mut probe_from: BTreeMap<String, String> = BTreeMap::new();
+    let mut monitor_from: BTreeMap<String, String> = BTreeMap::new();
     let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
     policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     for p in policies {
@@ -106,6 +110,19 @@ pub fn select<'a>(
                         }
                         Some(first) => out.conflicts.push((
                             format!("spec.probes[{}]", probe.name),
+                            first.clone(),
+                            vec![name.clone()],
+                        )),
+                    }
+                }
+                for monitor in &p.spec.monitors {
+                    match monitor_from.get(&monitor.name) {
+                        None => {
+                            monitor_from.insert(monitor.name.clone(), name.clone());
+                            out.monitors.push(monitor.clone());
+                        }
+                        Some(first) => out.conflicts.push((
+                            format!("spec.monitors[{}]", monitor.name),
                             first.clone(),
                             vec![name.clone()],
                         )),

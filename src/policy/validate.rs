@@ -68,6 +68,10 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
         &policy.spec.probes,
         "spec.probes",
     ));
+    problems.extend(super::monitors::validate_monitors(
+        &policy.spec.monitors,
+        "spec.monitors",
+    ));
     problems
 }
 

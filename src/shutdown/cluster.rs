@@ -4,13 +4,14 @@
 
 use std::future::Future;
 
-use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{DeleteParams, EvictParams, ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, EvictParams, ListParams};
 use kube::{Api, Client};
 
 use super::ShutdownError;
 use super::core::PodFacts;
+use crate::k8s::taints;
 use crate::policy::Selector;
 
 /// The taint nodeguard puts on a node that is shutting down.
@@ -118,43 +119,6 @@ impl KubeCluster {
         (Api::namespaced(self.client.clone(), ns), name.to_string())
     }
 
-    /// Read-modify-write of the taints with the resourceVersion as a
-    /// precondition, retried on conflict: taints are an atomic list, so a
-    /// blind patch could drop someone else's taint.
-    async fn edit_taints(
-        &self,
-        edit: impl Fn(&mut Vec<Taint>) -> bool,
-    ) -> Result<bool, ShutdownError> {
-        let nodes: Api<Node> = Api::all(self.client.clone());
-        for _ in 0..10 {
-            let node = nodes.get(&self.node_name).await?;
-            let mut taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
-            if !edit(&mut taints) {
-                return Ok(false);
-            }
-            let patch = serde_json::json!({
-                "metadata": {"resourceVersion": node.metadata.resource_version},
-                "spec": {"taints": taints},
-            });
-            match nodes
-                .patch(
-                    &self.node_name,
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
-                .await
-            {
-                Ok(_) => return Ok(true),
-                Err(kube::Error::Api(s)) if s.code == 409 => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(ShutdownError::Conflict(format!(
-            "taints of Node {}",
-            self.node_name
-        )))
-    }
-
     async fn pdb_matching(&self, key: &str) -> Option<String> {
         let (pods, name) = self.pods(key);
         let pod = pods.get(&name).await.ok()?;
@@ -174,29 +138,18 @@ impl KubeCluster {
 
 impl ClusterPort for KubeCluster {
     async fn add_taint(&self) -> Result<bool, ShutdownError> {
-        self.edit_taints(|taints| {
-            if taints.iter().any(|t| t.key == TAINT_KEY) {
-                return false;
-            }
-            taints.push(Taint {
-                key: TAINT_KEY.into(),
-                value: Some("shutting-down".into()),
-                effect: TAINT_EFFECT.into(),
-                time_added: None,
-            });
-            true
-        })
-        .await
+        Ok(taints::add(
+            &self.client,
+            &self.node_name,
+            TAINT_KEY,
+            "shutting-down",
+            TAINT_EFFECT,
+        )
+        .await?)
     }
 
     async fn remove_taint(&self) -> Result<(), ShutdownError> {
-        self.edit_taints(|taints| {
-            let before = taints.len();
-            taints.retain(|t| t.key != TAINT_KEY);
-            taints.len() != before
-        })
-        .await
-        .map(|_| ())
+        Ok(taints::remove(&self.client, &self.node_name, TAINT_KEY, TAINT_EFFECT).await?)
     }
 
     async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {

@@ -57,6 +57,8 @@ pub enum ShutdownError {
     Api(#[from] kube::Error),
     #[error("conflicting updates to {0}; gave up after retries")]
     Conflict(String),
+    #[error(transparent)]
+    Taint(#[from] crate::k8s::taints::TaintError),
     #[error("cannot write the shutdown state {path}: {source}")]
     State {
         path: PathBuf,

@@ -1,0 +1,119 @@
+//! Editing the Node's taints. Taints are an atomic list, so a blind patch
+//! could drop someone else's: read, edit, and write back with the
+//! resourceVersion as a precondition, retrying on conflict.
+
+use k8s_openapi::api::core::v1::{Node, Taint};
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TaintError {
+    #[error("API request failed: {0}")]
+    Api(#[from] kube::Error),
+    #[error("the taints of Node {0} kept changing under us; gave up after retries")]
+    Conflict(String),
+}
+
+/// Applies `edit` (which returns whether it changed anything); returns
+/// whether a write happened.
+pub async fn edit(
+    client: &Client,
+    node: &str,
+    edit: impl Fn(&mut Vec<Taint>) -> bool,
+) -> Result<bool, TaintError> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    for _ in 0..10 {
+        let n = nodes.get(node).await?;
+        let mut taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
+        if !edit(&mut taints) {
+            return Ok(false);
+        }
+        let patch = serde_json::json!({
+            "metadata": {"resourceVersion": n.metadata.resource_version},
+            "spec": {"taints": taints},
+        });
+        match nodes
+            .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(TaintError::Conflict(node.to_string()))
+}
+
+/// Adds a taint unless one with the same key and effect is there; `true`
+/// when this call added it.
+pub async fn add(
+    client: &Client,
+    node: &str,
+    key: &str,
+    value: &str,
+    effect: &str,
+) -> Result<bool, TaintError> {
+    edit(client, node, |taints| {
+        if taints.iter().any(|t| t.key == key && t.effect == effect) {
+            return false;
+        }
+        taints.push(Taint {
+            key: key.into(),
+            value: (!value.is_empty()).then(|| value.to_string()),
+            effect: effect.into(),
+            time_added: None,
+        });
+        true
+    })
+    .await
+}
+
+/// Removes the taint with this key and effect, if present.
+pub async fn remove(
+    client: &Client,
+    node: &str,
+    key: &str,
+    effect: &str,
+) -> Result<(), TaintError> {
+    edit(client, node, |taints| {
+        let before = taints.len();
+        taints.retain(|t| !(t.key == key && t.effect == effect));
+        taints.len() != before
+    })
+    .await
+    .map(|_| ())
+}
+
+/// The monitor's taint port on the API.
+#[derive(Clone)]
+pub struct KubeTaints {
+    client: Client,
+    node: String,
+}
+
+impl KubeTaints {
+    pub fn new(client: Client, node: &str) -> Self {
+        KubeTaints {
+            client,
+            node: node.to_string(),
+        }
+    }
+}
+
+impl crate::monitor::TaintPort for KubeTaints {
+    async fn add(
+        &self,
+        key: &str,
+        value: &str,
+        effect: &str,
+    ) -> Result<bool, crate::monitor::MonitorError> {
+        add(&self.client, &self.node, key, value, effect)
+            .await
+            .map_err(Into::into)
+    }
+    async fn remove(&self, key: &str, effect: &str) -> Result<(), crate::monitor::MonitorError> {
+        remove(&self.client, &self.node, key, effect)
+            .await
+            .map_err(Into::into)
+    }
+}

@@ -1,0 +1,412 @@
+//! Decision core of the problem detector: rules matched in one pass (a
+//! `RegexSet`), temporary problems as Events, permanent ones as conditions
+//! that clear (after a quiet period or on a clear pattern), "N matches
+//! within W" counting, taints that follow their condition, and a state that
+//! survives restarts.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use jiff::Timestamp;
+use regex::{Regex, RegexSet};
+use serde::{Deserialize, Serialize};
+
+use crate::policy::monitors::{MonitorSpec, ProblemKind};
+
+/// What the engine asks the adapters to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// A temporary problem (or a permanent one's transition): an Event.
+    Event { reason: String, message: String },
+    /// A condition's state; `active` is status True.
+    Condition {
+        type_: String,
+        active: bool,
+        reason: String,
+        message: String,
+    },
+    /// Add (or remove) the taint of a condition.
+    Taint {
+        key: String,
+        value: String,
+        effect: String,
+        add: bool,
+    },
+}
+
+/// A condition's persisted state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionState {
+    pub active: bool,
+    pub reason: String,
+    pub message: String,
+    pub since: Timestamp,
+    pub last_match: Option<Timestamp>,
+    /// nodeguard added the condition's taint (so it removes it on clear).
+    #[serde(default)]
+    pub taint_added: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Condition {
+    type_: String,
+    default_reason: String,
+    default_message: String,
+    clear_after: Option<Duration>,
+    taint: Option<(String, String, String)>,
+}
+
+#[derive(Clone, Debug)]
+enum Pattern {
+    /// Index into `rules`.
+    Rule(usize),
+    /// Clears the condition with this index.
+    Clear(usize),
+}
+
+#[derive(Clone, Debug)]
+struct Rule {
+    kind: ProblemKind,
+    /// Index into `conditions` (permanent rules).
+    condition: Option<usize>,
+    reason: String,
+    message: Option<String>,
+    count: Option<(usize, Duration)>,
+}
+
+/// A monitor's compiled rules and live state.
+#[derive(Debug)]
+pub struct Engine {
+    set: RegexSet,
+    regexes: Vec<Regex>,
+    patterns: Vec<Pattern>,
+    rules: Vec<Rule>,
+    conditions: Vec<Condition>,
+    state: BTreeMap<String, ConditionState>,
+    counts: HashMap<usize, VecDeque<Timestamp>>,
+}
+
+/// A rule that does not compile.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadPattern {
+    pub path: String,
+    pub message: String,
+}
+
+const MESSAGE_LIMIT: usize = 512;
+
+fn truncate(s: &str) -> String {
+    let s = s.trim();
+    if s.len() <= MESSAGE_LIMIT {
+        return s.to_string();
+    }
+    let mut end = MESSAGE_LIMIT;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+impl Engine {
+    /// Compiles `spec`; every bad pattern is reported with its path.
+    pub fn new(spec: &MonitorSpec, path: &str) -> Result<Engine, Vec<BadPattern>> {
+        let mut bad = Vec::new();
+        let mut sources = Vec::new();
+        let mut regexes = Vec::new();
+        let mut patterns = Vec::new();
+        let conditions: Vec<Condition> = spec
+            .conditions
+            .iter()
+            .map(|c| Condition {
+                type_: c.type_.clone(),
+                default_reason: c.reason.clone(),
+                default_message: c.message.clone(),
+                clear_after: c.clear_after_seconds.map(|s| Duration::from_secs(s.into())),
+                taint: c.taint.as_ref().map(|t| {
+                    (
+                        t.key.clone(),
+                        t.value.clone().unwrap_or_default(),
+                        t.effect.clone(),
+                    )
+                }),
+            })
+            .collect();
+        let mut compile = |pattern: &str, at: String, what: Pattern| match Regex::new(pattern) {
+            Ok(r) => {
+                sources.push(pattern.to_string());
+                regexes.push(r);
+                patterns.push(what);
+            }
+            Err(e) => bad.push(BadPattern {
+                path: at,
+                message: format!("invalid regular expression: {e}"),
+            }),
+        };
+        let mut rules = Vec::new();
+        for (i, r) in spec.rules.iter().enumerate() {
+            let condition = r
+                .condition
+                .as_ref()
+                .and_then(|t| conditions.iter().position(|c| &c.type_ == t));
+            compile(
+                &r.pattern,
+                format!("{path}.rules[{i}].pattern"),
+                Pattern::Rule(rules.len()),
+            );
+            rules.push(Rule {
+                kind: r.kind,
+                condition,
+                reason: r.reason.clone(),
+                message: r.message.clone(),
+                count: r.count.as_ref().map(|c| {
+                    (
+                        c.threshold.max(1) as usize,
+                        Duration::from_secs(c.window_seconds.into()),
+                    )
+                }),
+            });
+        }
+        for (i, c) in spec.conditions.iter().enumerate() {
+            if let Some(p) = &c.clear_pattern {
+                compile(
+                    p,
+                    format!("{path}.conditions[{i}].clearPattern"),
+                    Pattern::Clear(i),
+                );
+            }
+        }
+        if !bad.is_empty() {
+            return Err(bad);
+        }
+        let set = RegexSet::new(&sources).map_err(|e| {
+            vec![BadPattern {
+                path: path.into(),
+                message: e.to_string(),
+            }]
+        })?;
+        Ok(Engine {
+            set,
+            regexes,
+            patterns,
+            rules,
+            conditions,
+            state: BTreeMap::new(),
+            counts: HashMap::new(),
+        })
+    }
+
+    /// Restores persisted state for the conditions that still exist.
+    pub fn restore(&mut self, state: BTreeMap<String, ConditionState>) {
+        for (t, s) in state {
+            if self.conditions.iter().any(|c| c.type_ == t) {
+                self.state.insert(t, s);
+            }
+        }
+    }
+
+    pub fn state(&self) -> &BTreeMap<String, ConditionState> {
+        &self.state
+    }
+
+    /// Condition types this monitor owns.
+    pub fn condition_types(&self) -> impl Iterator<Item = &str> {
+        self.conditions.iter().map(|c| c.type_.as_str())
+    }
+
+    /// The current state of every condition (restored or default), for the
+    /// start and after a reload.
+    pub fn current(&mut self, now: Timestamp) -> Vec<Action> {
+        let mut out = Vec::new();
+        for c in &self.conditions {
+            let s = self
+                .state
+                .entry(c.type_.clone())
+                .or_insert_with(|| ConditionState {
+                    active: false,
+                    reason: c.default_reason.clone(),
+                    message: c.default_message.clone(),
+                    since: now,
+                    last_match: None,
+                    taint_added: false,
+                });
+            out.push(Action::Condition {
+                type_: c.type_.clone(),
+                active: s.active,
+                reason: s.reason.clone(),
+                message: s.message.clone(),
+            });
+            if let Some((key, value, effect)) = &c.taint
+                && s.active
+            {
+                out.push(Action::Taint {
+                    key: key.clone(),
+                    value: value.clone(),
+                    effect: effect.clone(),
+                    add: true,
+                });
+                s.taint_added = true;
+            }
+        }
+        out
+    }
+
+    /// One log line.
+    pub fn on_line(&mut self, line: &str, now: Timestamp) -> Vec<Action> {
+        let mut out = Vec::new();
+        let matched: Vec<usize> = self.set.matches(line).into_iter().collect();
+        for idx in matched {
+            match self.patterns[idx].clone() {
+                Pattern::Clear(c) => self.clear(c, "cleared by a matching log line", now, &mut out),
+                Pattern::Rule(r) => self.fire(r, idx, line, now, &mut out),
+            }
+        }
+        out
+    }
+
+    fn fire(&mut self, r: usize, idx: usize, line: &str, now: Timestamp, out: &mut Vec<Action>) {
+        let rule = self.rules[r].clone();
+        if let Some((threshold, window)) = rule.count {
+            let q = self.counts.entry(r).or_default();
+            q.push_back(now);
+            while q
+                .front()
+                .is_some_and(|t| now.duration_since(*t).unsigned_abs() > window)
+            {
+                q.pop_front();
+            }
+            if q.len() < threshold {
+                return;
+            }
+            q.clear();
+        }
+        let message = match &rule.message {
+            Some(template) => {
+                let mut m = String::new();
+                if let Some(caps) = self.regexes[idx].captures(line) {
+                    caps.expand(template, &mut m);
+                } else {
+                    m = template.clone();
+                }
+                truncate(&m)
+            }
+            None => truncate(line),
+        };
+        match (rule.kind, rule.condition) {
+            (ProblemKind::Temporary, _) | (ProblemKind::Permanent, None) => {
+                out.push(Action::Event {
+                    reason: rule.reason.clone(),
+                    message,
+                })
+            }
+            (ProblemKind::Permanent, Some(c)) => {
+                let cond = self.conditions[c].clone();
+                let s = self
+                    .state
+                    .entry(cond.type_.clone())
+                    .or_insert_with(|| ConditionState {
+                        active: false,
+                        reason: cond.default_reason.clone(),
+                        message: cond.default_message.clone(),
+                        since: now,
+                        last_match: None,
+                        taint_added: false,
+                    });
+                s.last_match = Some(now);
+                let changed = !s.active || s.reason != rule.reason;
+                if changed {
+                    if !s.active {
+                        s.since = now;
+                    }
+                    s.active = true;
+                    s.reason = rule.reason.clone();
+                    s.message = message.clone();
+                    out.push(Action::Condition {
+                        type_: cond.type_.clone(),
+                        active: true,
+                        reason: rule.reason.clone(),
+                        message: message.clone(),
+                    });
+                    out.push(Action::Event {
+                        reason: rule.reason.clone(),
+                        message,
+                    });
+                    if let Some((key, value, effect)) = &cond.taint
+                        && !s.taint_added
+                    {
+                        s.taint_added = true;
+                        out.push(Action::Taint {
+                            key: key.clone(),
+                            value: value.clone(),
+                            effect: effect.clone(),
+                            add: true,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn clear(&mut self, c: usize, why: &str, now: Timestamp, out: &mut Vec<Action>) {
+        let cond = self.conditions[c].clone();
+        let Some(s) = self.state.get_mut(&cond.type_) else {
+            return;
+        };
+        if !s.active {
+            return;
+        }
+        let was = s.reason.clone();
+        s.active = false;
+        s.reason = cond.default_reason.clone();
+        s.message = format!(
+            "{} (was {was}: {why} at {})",
+            cond.default_message,
+            now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        );
+        s.since = now;
+        out.push(Action::Condition {
+            type_: cond.type_.clone(),
+            active: false,
+            reason: s.reason.clone(),
+            message: s.message.clone(),
+        });
+        out.push(Action::Event {
+            reason: cond.default_reason.clone(),
+            message: s.message.clone(),
+        });
+        if let Some((key, value, effect)) = &cond.taint
+            && s.taint_added
+        {
+            s.taint_added = false;
+            out.push(Action::Taint {
+                key: key.clone(),
+                value: value.clone(),
+                effect: effect.clone(),
+                add: false,
+            });
+        }
+    }
+
+    /// Clears conditions whose quiet period has passed.
+    pub fn on_tick(&mut self, now: Timestamp) -> Vec<Action> {
+        let mut out = Vec::new();
+        for i in 0..self.conditions.len() {
+            let Some(quiet) = self.conditions[i].clear_after else {
+                continue;
+            };
+            let due = self.state.get(&self.conditions[i].type_).is_some_and(|s| {
+                s.active
+                    && s.last_match
+                        .is_some_and(|m| now.duration_since(m).unsigned_abs() >= quiet)
+            });
+            if due {
+                let why = format!("no matching line for {}s", quiet.as_secs());
+                self.clear(i, &why, now, &mut out);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,334 @@
+use super::*;
+use crate::policy::monitors::{
+    ConditionSpec, CountSpec, RuleSpec, TaintSpec, default_kernel_monitor,
+};
+
+fn t(s: i64) -> Timestamp {
+    Timestamp::from_second(1_800_000_000 + s).unwrap()
+}
+
+fn events(actions: &[Action]) -> Vec<&str> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Event { reason, .. } => Some(reason.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Real-world kernel lines (from public bug reports and our own hosts) with
+/// the Events each must produce under the default rules (comma-separated);
+/// `""` marks noise that must produce nothing.
+const CORPUS: &[(&str, &str)] = &[
+    (
+        "Out of memory: Killed process 12345 (java) total-vm:9823012kB, anon-rss:7340032kB, file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:15000kB oom_score_adj:0",
+        "OOMKilling",
+    ),
+    (
+        "Memory cgroup out of memory: Killed process 4242 (python3) total-vm:1048576kB, anon-rss:524288kB, file-rss:2048kB, shmem-rss:0kB",
+        "OOMKilling",
+    ),
+    (
+        "INFO: task kworker/u8:2:1234 blocked for more than 120 seconds.",
+        "TaskHung",
+    ),
+    (
+        "INFO: task jbd2/sda1-8:245 blocked for more than 122 seconds.",
+        "TaskHung",
+    ),
+    (
+        // Like NPD: a hung docker task is both a TaskHung event and DockerHung.
+        "INFO: task docker:20744 blocked for more than 120 seconds.",
+        "TaskHung,DockerHung",
+    ),
+    (
+        "INFO: task umount.aufs:21568 blocked for more than 120 seconds.",
+        "TaskHung,AUFSUmountHung",
+    ),
+    (
+        "watchdog: BUG: soft lockup - CPU#3 stuck for 23s! [kworker/3:1:123]",
+        "SoftLockup",
+    ),
+    (
+        "EXT4-fs error (device sda1): ext4_find_entry:1455: inode #2: comm ls: reading directory lblock 0",
+        "Ext4Error",
+    ),
+    (
+        "EXT4-fs warning (device sdb1): ext4_dx_add_entry:2331: Directory (ino: 1234) index full, reach max htree level :2",
+        "Ext4Warning",
+    ),
+    (
+        "EXT4-fs (sda1): Remounting filesystem read-only",
+        "FilesystemIsReadOnly",
+    ),
+    (
+        "XFS (nvme0n1p1): metadata I/O error in \"xfs_trans_read_buf_map\" at daddr 0x1 len 1 error 5",
+        "XfsError",
+    ),
+    (
+        "XFS (dm-0): Corruption detected. Unmount and run xfs_repair",
+        "XfsError",
+    ),
+    (
+        "unregister_netdevice: waiting for eth0 to become free. Usage count = 1",
+        "UnregisterNetDevice",
+    ),
+    (
+        "NETDEV WATCHDOG: eth0 (ixgbe): transmit queue 2 timed out 5100 ms",
+        "NICTransmitTimeout",
+    ),
+    (
+        "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.",
+        "GPUXidError",
+    ),
+    (
+        "BUG: unable to handle kernel NULL pointer dereference at 0000000000000008",
+        "KernelOops",
+    ),
+    ("divide error: 0000 [#1] SMP PTI", "KernelOops"),
+    (
+        "Buffer I/O error on dev sdb, logical block 0, async page read",
+        "IOError",
+    ),
+    // Noise.
+    (
+        "IPv6: ADDRCONF(NETDEV_CHANGE): eth0: link becomes ready",
+        "",
+    ),
+    (
+        "EXT4-fs (sda1): mounted filesystem with ordered data mode. Opts: (null)",
+        "",
+    ),
+    (
+        "audit: type=1400 audit(1700000000.000:2): apparmor=\"STATUS\" operation=\"profile_load\"",
+        "",
+    ),
+    (
+        "oom_reaper: reaped process 12345 (java), now anon-rss:0kB, file-rss:0kB, shmem-rss:0kB",
+        "",
+    ),
+    ("INFO: task hung detection disabled", ""),
+    (
+        "ixgbe 0000:01:00.0 eth0: NIC Link is Up 10 Gbps, Flow Control: RX/TX",
+        "",
+    ),
+    ("XFS (sda1): Mounting V5 Filesystem", ""),
+    ("", ""),
+];
+
+#[test]
+fn the_default_rules_over_a_real_world_corpus() {
+    let spec = default_kernel_monitor();
+    let mut e = Engine::new(&spec, "spec.monitors[0]").unwrap();
+    e.current(t(0));
+    for (i, (line, want)) in CORPUS.iter().enumerate() {
+        let actions = e.on_line(line, t(i as i64));
+        let got = events(&actions);
+        if want.is_empty() {
+            assert!(
+                actions.is_empty(),
+                "noise produced {actions:?} for {line:?}"
+            );
+        } else {
+            let want: Vec<&str> = want.split(',').collect();
+            assert_eq!(got, want, "for {line:?}: {actions:?}");
+        }
+    }
+    // The permanent ones set their conditions.
+    let s = e.state();
+    assert!(s["KernelDeadlock"].active);
+    assert_eq!(
+        s["KernelDeadlock"].reason, "AUFSUmountHung",
+        "the latest reason"
+    );
+    assert!(s["ReadonlyFilesystem"].active);
+}
+
+fn monitor() -> MonitorSpec {
+    MonitorSpec {
+        name: "m".into(),
+        source: crate::policy::monitors::LogSource {
+            kmsg: None,
+            file: Some(crate::policy::monitors::FileSource { path: "/x".into() }),
+        },
+        conditions: vec![ConditionSpec {
+            type_: "AppBroken".into(),
+            reason: "AppIsFine".into(),
+            message: "app is fine".into(),
+            clear_after_seconds: Some(60),
+            clear_pattern: Some(r"app recovered".into()),
+            taint: Some(TaintSpec {
+                key: "example.com/app-broken".into(),
+                value: Some("true".into()),
+                effect: "NoSchedule".into(),
+            }),
+        }],
+        rules: vec![
+            RuleSpec {
+                kind: ProblemKind::Permanent,
+                condition: Some("AppBroken".into()),
+                reason: "AppCrashed".into(),
+                pattern: r"app crashed: (?P<why>.+)".into(),
+                message: Some("The app crashed (${why}).".into()),
+                count: None,
+            },
+            RuleSpec {
+                kind: ProblemKind::Temporary,
+                condition: None,
+                reason: "FrequentRestarts".into(),
+                pattern: r"app restarted".into(),
+                message: None,
+                count: Some(CountSpec {
+                    threshold: 3,
+                    window_seconds: 60,
+                }),
+            },
+        ],
+    }
+}
+
+#[test]
+fn permanent_rules_set_captures_taint_and_clear_by_pattern() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    let initial = e.current(t(0));
+    assert_eq!(
+        initial,
+        vec![Action::Condition {
+            type_: "AppBroken".into(),
+            active: false,
+            reason: "AppIsFine".into(),
+            message: "app is fine".into()
+        }]
+    );
+    let a = e.on_line("app crashed: disk full", t(1));
+    assert!(a.contains(&Action::Condition {
+        type_: "AppBroken".into(),
+        active: true,
+        reason: "AppCrashed".into(),
+        message: "The app crashed (disk full).".into()
+    }));
+    assert!(a.contains(&Action::Taint {
+        key: "example.com/app-broken".into(),
+        value: "true".into(),
+        effect: "NoSchedule".into(),
+        add: true
+    }));
+    // A repeat changes nothing visible.
+    assert!(e.on_line("app crashed: disk full", t(2)).is_empty());
+    let a = e.on_line("app recovered", t(3));
+    assert!(
+        matches!(&a[0], Action::Condition { active: false, reason, .. } if reason == "AppIsFine")
+    );
+    assert!(
+        a.iter()
+            .any(|x| matches!(x, Action::Taint { add: false, .. }))
+    );
+    assert!(e.on_line("app recovered", t(4)).is_empty(), "already clear");
+}
+
+#[test]
+fn quiet_period_clears_and_restarts_keep_state() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.on_line("app crashed: x", t(10));
+    assert!(e.on_tick(t(69)).is_empty(), "not quiet long enough");
+    e.on_line("app crashed: x", t(60)); // a new match extends it
+    assert!(e.on_tick(t(119)).is_empty());
+    let saved = e.state().clone();
+
+    // A restarted agent restores the active condition and its taint.
+    let mut e2 = Engine::new(&monitor(), "m").unwrap();
+    e2.restore(saved);
+    let again = e2.current(t(100));
+    assert!(
+        again
+            .iter()
+            .any(|a| matches!(a, Action::Condition { active: true, .. }))
+    );
+    assert!(
+        again
+            .iter()
+            .any(|a| matches!(a, Action::Taint { add: true, .. }))
+    );
+    let cleared = e2.on_tick(t(120));
+    assert!(
+        matches!(&cleared[0], Action::Condition { active: false, message, .. } if message.contains("no matching line for 60s"))
+    );
+
+    // A cleared condition is not resurrected by a restart.
+    let saved = e2.state().clone();
+    let mut e3 = Engine::new(&monitor(), "m").unwrap();
+    e3.restore(saved);
+    assert!(matches!(
+        &e3.current(t(200))[0],
+        Action::Condition { active: false, .. }
+    ));
+}
+
+#[test]
+fn counting_fires_at_the_threshold_within_the_window() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    assert!(e.on_line("app restarted", t(0)).is_empty());
+    assert!(e.on_line("app restarted", t(30)).is_empty());
+    assert!(
+        e.on_line("app restarted", t(100)).is_empty(),
+        "the first two fell out of the window"
+    );
+    assert!(e.on_line("app restarted", t(110)).is_empty());
+    assert_eq!(
+        events(&e.on_line("app restarted", t(120))),
+        ["FrequentRestarts"]
+    );
+    assert!(
+        e.on_line("app restarted", t(121)).is_empty(),
+        "the count starts over"
+    );
+}
+
+#[test]
+fn bad_patterns_are_reported_with_their_paths() {
+    let mut m = monitor();
+    m.rules[0].pattern = "app crashed: (".into();
+    m.conditions[0].clear_pattern = Some("[".into());
+    let bad = Engine::new(&m, "spec.monitors[0]").unwrap_err();
+    let paths: Vec<&str> = bad.iter().map(|b| b.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "spec.monitors[0].rules[0].pattern",
+            "spec.monitors[0].conditions[0].clearPattern"
+        ]
+    );
+    assert!(bad[0].message.contains("invalid regular expression"));
+}
+
+#[test]
+fn restore_ignores_conditions_no_longer_owned() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    let mut state = BTreeMap::new();
+    state.insert(
+        "Gone".to_string(),
+        ConditionState {
+            active: true,
+            reason: "X".into(),
+            message: "x".into(),
+            since: t(0),
+            last_match: None,
+            taint_added: false,
+        },
+    );
+    e.restore(state);
+    assert!(!e.state().contains_key("Gone"));
+}
+
+#[test]
+fn long_lines_are_truncated_in_messages() {
+    let mut e = Engine::new(&default_kernel_monitor(), "k").unwrap();
+    let line = format!("EXT4-fs error {}", "x".repeat(5000));
+    let a = e.on_line(&line, t(0));
+    let Action::Event { message, .. } = &a[0] else {
+        panic!()
+    };
+    assert!(message.len() <= MESSAGE_LIMIT + 3);
+}

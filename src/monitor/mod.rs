@@ -1,0 +1,469 @@
+//! The problem detector: log monitors (kernel log, files) whose rules set
+//! NodeConditions that clear, emit Events, and add taints, with state that
+//! survives restarts.
+//!
+//! [`engine`] is the decision core, [`kmsg`] the record parser, [`sources`]
+//! the bounded readers; [`run_monitors`] keeps one task per monitor and
+//! restarts only the monitors whose spec changed.
+
+pub mod engine;
+pub mod kmsg;
+pub mod sources;
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::WallClock;
+use crate::policy::monitors::MonitorSpec;
+use crate::report::{Desired, EventKind, Reporter, Status};
+use engine::{Action, ConditionState, Engine};
+use sources::{Cursor, SourceCounters, StopFlag};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MonitorError {
+    #[error("API request failed: {0}")]
+    Api(#[from] kube::Error),
+    #[error("cannot open log source {path}: {source}")]
+    Source {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Taint(#[from] crate::k8s::taints::TaintError),
+}
+
+/// Port: the monitor's taints on this Node.
+pub trait TaintPort: Send + Sync + 'static {
+    /// `true` when nodeguard added it (it was not there).
+    fn add(
+        &self,
+        key: &str,
+        value: &str,
+        effect: &str,
+    ) -> impl Future<Output = Result<bool, MonitorError>> + Send;
+    fn remove(
+        &self,
+        key: &str,
+        effect: &str,
+    ) -> impl Future<Output = Result<(), MonitorError>> + Send;
+}
+
+/// How many lines may wait for a monitor's rules; beyond, lines are
+/// dropped and counted (`nodeguard_monitor_lines_dropped_total`).
+pub const QUEUE: usize = 8192;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ActiveLabels {
+    r#type: String,
+    reason: String,
+}
+
+/// NPD-style problem metrics plus the sources' counters.
+#[derive(Clone, Debug, Default)]
+pub struct MonitorMetrics {
+    problems: Family<ReasonLabels, Counter>,
+    active: Family<ActiveLabels, Gauge>,
+    active_reason: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    sources: Arc<std::sync::Mutex<BTreeMap<String, Arc<SourceCounters>>>>,
+}
+
+impl MonitorMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = MonitorMetrics::default();
+        registry.register(
+            "nodeguard_problem",
+            "Problems detected, by reason (Events and condition activations)",
+            m.problems.clone(),
+        );
+        registry.register(
+            "nodeguard_problem_active",
+            "1 while a condition is True with this reason; the previous reason of a type is cleared",
+            m.active.clone(),
+        );
+        registry.register_collector(Box::new(SourceCollector(m.sources.clone())));
+        m
+    }
+
+    fn problem(&self, reason: &str) {
+        self.problems
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    fn set_active(&self, type_: &str, reason: &str, active: bool) {
+        let mut last = self.active_reason.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(prev) = last.insert(type_.to_string(), reason.to_string())
+            && prev != reason
+        {
+            self.active.remove(&ActiveLabels {
+                r#type: type_.into(),
+                reason: prev,
+            });
+        }
+        self.active
+            .get_or_create(&ActiveLabels {
+                r#type: type_.into(),
+                reason: reason.into(),
+            })
+            .set(i64::from(active));
+    }
+
+    fn forget(&self, type_: &str) {
+        let mut last = self.active_reason.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(prev) = last.remove(type_) {
+            self.active.remove(&ActiveLabels {
+                r#type: type_.into(),
+                reason: prev,
+            });
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SourceCollector(Arc<std::sync::Mutex<BTreeMap<String, Arc<SourceCounters>>>>);
+
+impl Collector for SourceCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let sources = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for (name, help, pick) in [
+            (
+                "nodeguard_monitor_lines",
+                "Log lines read, by monitor",
+                (|c: &SourceCounters| c.lines.load(Ordering::Relaxed))
+                    as fn(&SourceCounters) -> u64,
+            ),
+            (
+                "nodeguard_monitor_lines_dropped",
+                "Log lines dropped because the monitor's queue was full (floods) or the kernel overwrote them",
+                |c: &SourceCounters| c.dropped.load(Ordering::Relaxed),
+            ),
+            (
+                "nodeguard_monitor_lines_malformed",
+                "Log records that could not be parsed",
+                |c: &SourceCounters| c.malformed.load(Ordering::Relaxed),
+            ),
+        ] {
+            let sample = ConstCounter::new(0u64);
+            let mut e = encoder.encode_descriptor(name, help, None, sample.metric_type())?;
+            for (monitor, c) in &sources {
+                ConstCounter::new(pick(c))
+                    .encode(e.encode_family(&[("monitor", monitor.as_str())])?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Persisted per monitor: conditions and where the source stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MonitorState {
+    #[serde(default)]
+    pub conditions: BTreeMap<String, ConditionState>,
+    #[serde(default)]
+    pub cursor: Cursor,
+}
+
+fn state_path(dir: &Path, monitor: &str) -> PathBuf {
+    dir.join("monitors").join(format!("{monitor}.json"))
+}
+
+fn load_state(dir: &Path, monitor: &str) -> MonitorState {
+    let p = state_path(dir, monitor);
+    match std::fs::read_to_string(&p) {
+        Ok(t) => serde_json::from_str(&t).unwrap_or_else(|e| {
+            tracing::error!(path = %p.display(), error = %e, "monitor state unreadable; starting afresh");
+            MonitorState::default()
+        }),
+        Err(_) => MonitorState::default(),
+    }
+}
+
+fn save_state(dir: &Path, monitor: &str, state: &MonitorState) {
+    let p = state_path(dir, monitor);
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(p.parent().expect("a state path has a parent"))?;
+        let tmp = p.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(state).expect("state serializes"))?;
+        std::fs::rename(&tmp, &p)
+    };
+    if let Err(e) = write() {
+        tracing::error!(path = %p.display(), error = %e, "cannot save monitor state");
+    }
+}
+
+struct Running {
+    spec: MonitorSpec,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Keeps one task per monitor; a changed spec restarts that monitor, a
+/// removed one has its conditions and taints removed and its state dropped.
+pub async fn run_monitors<T: TaintPort + Clone>(
+    mut specs: watch::Receiver<Vec<MonitorSpec>>,
+    reporter: Reporter,
+    taints: T,
+    state_dir: PathBuf,
+    metrics: MonitorMetrics,
+    stop: CancellationToken,
+) {
+    let mut running: HashMap<String, Running> = HashMap::new();
+    loop {
+        let desired: HashMap<String, MonitorSpec> = specs
+            .borrow_and_update()
+            .iter()
+            .map(|m| (m.name.clone(), m.clone()))
+            .collect();
+        let mut removed = Vec::new();
+        running.retain(|name, r| {
+            let keep = desired.get(name) == Some(&r.spec);
+            if !keep {
+                r.stop.cancel();
+                if !desired.contains_key(name) {
+                    removed.push((name.clone(), r.spec.clone()));
+                }
+            }
+            keep
+        });
+        for (name, spec) in removed {
+            tracing::info!(monitor = %name, "monitor removed; removing its conditions and taints");
+            let state = load_state(&state_dir, &name);
+            for c in &spec.conditions {
+                reporter.remove(&c.type_);
+                metrics.forget(&c.type_);
+                if let (Some(t), Some(s)) = (&c.taint, state.conditions.get(&c.type_))
+                    && s.taint_added
+                    && let Err(e) = taints.remove(&t.key, &t.effect).await
+                {
+                    tracing::warn!(monitor = %name, error = %e, "cannot remove the monitor's taint");
+                }
+            }
+            let _ = std::fs::remove_file(state_path(&state_dir, &name));
+        }
+        for (name, spec) in desired {
+            if running.contains_key(&name) {
+                continue;
+            }
+            let token = stop.child_token();
+            let task = tokio::spawn(run_monitor(
+                spec.clone(),
+                reporter.clone(),
+                taints.clone(),
+                state_dir.clone(),
+                metrics.clone(),
+                token.clone(),
+            ));
+            running.insert(
+                name,
+                Running {
+                    spec,
+                    stop: token,
+                    task,
+                },
+            );
+        }
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            r = specs.changed() => if r.is_err() { break },
+        }
+    }
+    for r in running.into_values() {
+        r.stop.cancel();
+        let _ = r.task.await;
+    }
+}
+
+async fn run_monitor<T: TaintPort>(
+    spec: MonitorSpec,
+    reporter: Reporter,
+    taints: T,
+    state_dir: PathBuf,
+    metrics: MonitorMetrics,
+    stop: CancellationToken,
+) {
+    let clock = WallClock::new();
+    let mut engine = match Engine::new(&spec, &format!("monitor {}", spec.name)) {
+        Ok(e) => e,
+        Err(bad) => {
+            // The policy validation rejects these; never crash on them.
+            tracing::error!(monitor = %spec.name, problems = ?bad, "monitor rules do not compile; monitor not started");
+            return;
+        }
+    };
+    let mut state = load_state(&state_dir, &spec.name);
+    engine.restore(state.conditions.clone());
+    let counters = Arc::new(SourceCounters::default());
+    metrics
+        .sources
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(spec.name.clone(), counters.clone());
+    let (tx, mut rx) = mpsc::channel(QUEUE);
+    let source_stop = StopFlag::default();
+    let started = match (&spec.source.kmsg, &spec.source.file) {
+        (Some(k), _) => sources::spawn_kmsg(
+            PathBuf::from(&k.path),
+            state.cursor.kmsg_sequence,
+            tx,
+            counters.clone(),
+            source_stop.clone(),
+        )
+        .map_err(|source| MonitorError::Source {
+            path: k.path.clone(),
+            source,
+        }),
+        (None, Some(f)) => sources::spawn_file(
+            PathBuf::from(&f.path),
+            state.cursor.file,
+            tx,
+            counters.clone(),
+            source_stop.clone(),
+        )
+        .map_err(|source| MonitorError::Source {
+            path: f.path.clone(),
+            source,
+        }),
+        (None, None) => return,
+    };
+    if let Err(e) = started {
+        tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
+        reporter.event(
+            EventKind::Warning,
+            "MonitorSourceUnavailable",
+            "StartMonitor",
+            format!("Monitor {} cannot read its source: {e}. Mount it into the pod (chart values host.kmsg / host.journal) or fix the path.", spec.name),
+        );
+    }
+    let defaults: BTreeMap<String, String> = spec
+        .conditions
+        .iter()
+        .map(|c| (c.type_.clone(), c.reason.clone()))
+        .collect();
+    let initial = engine.current(clock.now());
+    apply(&initial, &reporter, &taints, &metrics, &defaults).await;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut dirty = false;
+    let mut last_save = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            item = rx.recv() => {
+                let Some(item) = item else { break };
+                let actions = engine.on_line(&item.line, clock.now());
+                state.cursor = item.cursor;
+                dirty = true;
+                if !actions.is_empty() {
+                    apply(&actions, &reporter, &taints, &metrics, &defaults).await;
+                    state.conditions = engine.state().clone();
+                    save_state(&state_dir, &spec.name, &state);
+                    dirty = false;
+                    last_save = tokio::time::Instant::now();
+                }
+            }
+            _ = tick.tick() => {
+                let actions = engine.on_tick(clock.now());
+                if !actions.is_empty() {
+                    apply(&actions, &reporter, &taints, &metrics, &defaults).await;
+                    dirty = true;
+                }
+                // The cursor is saved at most once a second under load.
+                if dirty && last_save.elapsed() >= Duration::from_secs(1) {
+                    state.conditions = engine.state().clone();
+                    save_state(&state_dir, &spec.name, &state);
+                    dirty = false;
+                    last_save = tokio::time::Instant::now();
+                }
+            }
+        }
+    }
+    source_stop.stop();
+    state.conditions = engine.state().clone();
+    save_state(&state_dir, &spec.name, &state);
+}
+
+async fn apply<T: TaintPort>(
+    actions: &[Action],
+    reporter: &Reporter,
+    taints: &T,
+    metrics: &MonitorMetrics,
+    defaults: &BTreeMap<String, String>,
+) {
+    for a in actions {
+        match a {
+            Action::Event { reason, message } => {
+                let clearing = defaults.values().any(|d| d == reason);
+                if !clearing {
+                    metrics.problem(reason);
+                }
+                let kind = if clearing {
+                    EventKind::Normal
+                } else {
+                    EventKind::Warning
+                };
+                reporter.event(kind, reason, "DetectProblem", message.clone());
+            }
+            Action::Condition {
+                type_,
+                active,
+                reason,
+                message,
+            } => {
+                metrics.set_active(type_, reason, *active);
+                reporter.set(
+                    type_,
+                    Desired {
+                        status: if *active { Status::True } else { Status::False },
+                        reason: reason.clone(),
+                        message: message.clone(),
+                    },
+                );
+            }
+            Action::Taint {
+                key,
+                value,
+                effect,
+                add,
+            } => {
+                let mut backoff = Duration::from_millis(200);
+                for attempt in 1..=5 {
+                    let r = if *add {
+                        taints.add(key, value, effect).await.map(|_| ())
+                    } else {
+                        taints.remove(key, effect).await
+                    };
+                    match r {
+                        Ok(()) => break,
+                        Err(e) => {
+                            tracing::warn!(taint = %key, add, attempt, error = %e, "taint update failed");
+                            tokio::time::sleep(backoff).await;
+                            backoff *= 2;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

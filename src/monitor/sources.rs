@@ -1,0 +1,349 @@
+//! Log sources on their own threads (blocking reads), feeding a bounded
+//! queue: a flood fills the queue and the excess is counted and dropped,
+//! so memory stays bounded and the async loops are never delayed.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use super::kmsg;
+
+/// Where a source stands, persisted so a restart neither re-reports old
+/// lines nor misses new ones.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Cursor {
+    /// The last kernel record sequence processed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kmsg_sequence: Option<u64>,
+    /// The followed file's inode and the offset after the last line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<(u64, u64)>,
+}
+
+/// One line for the engine, with the cursor after it.
+#[derive(Debug)]
+pub struct Item {
+    pub line: String,
+    pub cursor: Cursor,
+}
+
+/// Counters shared with the metrics.
+#[derive(Debug, Default)]
+pub struct SourceCounters {
+    pub lines: AtomicU64,
+    pub dropped: AtomicU64,
+    pub malformed: AtomicU64,
+}
+
+/// Stops the reader thread (at its next poll or record).
+#[derive(Clone, Debug, Default)]
+pub struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    fn stopped(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+fn offer(tx: &mpsc::Sender<Item>, counters: &SourceCounters, item: Item) -> bool {
+    counters.lines.fetch_add(1, Ordering::Relaxed);
+    match tx.try_send(item) {
+        Ok(()) => true,
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            counters.dropped.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => false,
+    }
+}
+
+const POLL: Duration = Duration::from_millis(100);
+
+/// Reads kmsg-format records from `path` (`/dev/kmsg`, or a file of such
+/// records as a stand-in). With no cursor it starts at the end; with one it
+/// skips records up to the saved sequence.
+pub fn spawn_kmsg(
+    path: PathBuf,
+    resume: Option<u64>,
+    tx: mpsc::Sender<Item>,
+    counters: Arc<SourceCounters>,
+    stop: StopFlag,
+) -> std::io::Result<()> {
+    let mut file = File::open(&path)?;
+    if resume.is_none() {
+        file.seek(SeekFrom::End(0))?;
+    }
+    std::thread::Builder::new()
+        .name("nodeguard-kmsg".into())
+        .spawn(move || {
+            let mut reader = BufReader::with_capacity(64 * 1024, file);
+            let mut buf = String::new();
+            let mut last = resume;
+            while !stop.stopped() {
+                buf.clear();
+                match reader.read_line(&mut buf) {
+                    Ok(0) => std::thread::sleep(POLL), // a stand-in file at its end
+                    Ok(_) => {
+                        if buf.starts_with(' ') {
+                            continue; // a dictionary continuation line
+                        }
+                        let Some(rec) = kmsg::parse(buf.trim_end_matches('\n')) else {
+                            counters.malformed.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        };
+                        if last.is_some_and(|l| rec.sequence <= l) {
+                            continue; // seen before the restart
+                        }
+                        last = Some(rec.sequence);
+                        let item = Item {
+                            line: rec.message,
+                            cursor: Cursor {
+                                kmsg_sequence: Some(rec.sequence),
+                                file: None,
+                            },
+                        };
+                        if !offer(&tx, &counters, item) {
+                            return;
+                        }
+                    }
+                    // Records overwritten before we read them: carry on.
+                    Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
+                        counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), error = %e, "kernel log read failed; retrying");
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn open_at(path: &Path, resume: Option<(u64, u64)>) -> std::io::Result<(File, u64, u64)> {
+    let mut f = File::open(path)?;
+    let meta = f.metadata()?;
+    let offset = match resume {
+        Some((inode, off)) if inode == meta.ino() && off <= meta.len() => off,
+        // Rotated while we were away: the new file from its start.
+        Some(_) => 0,
+        // First start: only what comes from now on.
+        None => meta.len(),
+    };
+    f.seek(SeekFrom::Start(offset))?;
+    Ok((f, meta.ino(), offset))
+}
+
+/// Follows a text file: new lines as they come, across rotation (the path
+/// names a new inode: read the rest of the old one, then the new one from
+/// its start) and truncation (the file shrank: start over).
+pub fn spawn_file(
+    path: PathBuf,
+    resume: Option<(u64, u64)>,
+    tx: mpsc::Sender<Item>,
+    counters: Arc<SourceCounters>,
+    stop: StopFlag,
+) -> std::io::Result<()> {
+    let (file, inode, offset) = match open_at(&path, resume) {
+        Ok(x) => x,
+        // Not there yet: wait for it and read it from the start.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::warn!(path = %path.display(), "log file does not exist yet; waiting for it");
+            (File::open("/dev/null")?, 0, 0)
+        }
+        Err(e) => return Err(e),
+    };
+    std::thread::Builder::new()
+        .name("nodeguard-file".into())
+        .spawn(move || {
+            let mut reader = BufReader::with_capacity(64 * 1024, file);
+            let mut inode = inode;
+            let mut offset = offset;
+            let mut partial = String::new();
+            let mut buf = String::new();
+            while !stop.stopped() {
+                buf.clear();
+                match reader.read_line(&mut buf) {
+                    Ok(0) => {
+                        // At the end: rotated or truncated?
+                        match std::fs::metadata(&path) {
+                            Ok(m) if m.ino() != inode => {
+                                if let Ok((f, ino, _)) = open_at(&path, Some((m.ino(), 0))) {
+                                    reader = BufReader::with_capacity(64 * 1024, f);
+                                    inode = ino;
+                                    offset = 0;
+                                    partial.clear();
+                                    continue;
+                                }
+                            }
+                            Ok(m) if m.len() < offset && reader.seek(SeekFrom::Start(0)).is_ok() => {
+                                offset = 0;
+                                partial.clear();
+                                continue;
+                            }
+                            _ => {}
+                        }
+                        std::thread::sleep(POLL);
+                    }
+                    Ok(n) => {
+                        offset += n as u64;
+                        if !buf.ends_with('\n') {
+                            partial.push_str(&buf); // the writer is mid-line
+                            continue;
+                        }
+                        let line = if partial.is_empty() {
+                            buf.trim_end_matches('\n').to_string()
+                        } else {
+                            let mut l = std::mem::take(&mut partial);
+                            l.push_str(buf.trim_end_matches('\n'));
+                            l
+                        };
+                        let item = Item {
+                            line,
+                            cursor: Cursor {
+                                kmsg_sequence: None,
+                                file: Some((inode, offset)),
+                            },
+                        };
+                        if !offer(&tx, &counters, item) {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        // Not UTF-8: skip the line, keep going.
+                        counters.malformed.fetch_add(1, Ordering::Relaxed);
+                        let mut junk = Vec::new();
+                        let _ = reader.read_until(b'\n', &mut junk);
+                        offset += junk.len() as u64;
+                    }
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), error = %e, "log read failed; retrying");
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }
+            }
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    async fn next(rx: &mut mpsc::Receiver<Item>) -> Item {
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("a line within 5 s")
+            .expect("channel open")
+    }
+
+    #[tokio::test]
+    async fn file_follow_rotation_truncation_and_resume() {
+        let dir = std::env::temp_dir().join(format!("ng-follow-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("app.log");
+        std::fs::write(&path, "old line before start\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let counters = Arc::new(SourceCounters::default());
+        let stop = StopFlag::default();
+        spawn_file(path.clone(), None, tx, counters.clone(), stop.clone()).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        writeln!(f, "first").unwrap();
+        write!(f, "half").unwrap();
+        f.flush().unwrap();
+        assert_eq!(
+            next(&mut rx).await.line,
+            "first",
+            "old lines are not re-read"
+        );
+        writeln!(f, " and the rest").unwrap();
+        assert_eq!(next(&mut rx).await.line, "half and the rest");
+        // Rotation: rename and create anew.
+        std::fs::rename(&path, dir.join("app.log.1")).unwrap();
+        std::fs::write(&path, "after rotation\n").unwrap();
+        let item = next(&mut rx).await;
+        assert_eq!(item.line, "after rotation");
+        let cursor = item.cursor.file.unwrap();
+        // Truncation.
+        std::fs::write(&path, "").unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        writeln!(f, "after truncation").unwrap();
+        assert_eq!(next(&mut rx).await.line, "after truncation");
+        stop.stop();
+        // Resume from a cursor: only what follows it.
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        writeln!(f, "while away").unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.ino(), cursor.0);
+        let (tx, mut rx) = mpsc::channel(16);
+        spawn_file(
+            path.clone(),
+            Some((meta.ino(), "after truncation\n".len() as u64)),
+            tx,
+            counters,
+            StopFlag::default(),
+        )
+        .unwrap();
+        assert_eq!(next(&mut rx).await.line, "while away");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn kmsg_stand_in_resume_and_floods_stay_bounded() {
+        let dir = std::env::temp_dir().join(format!("ng-kmsg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kmsg");
+        std::fs::write(&path, "6,1,100,-;old\n6,2,200,-;seen\n 3,bad continuation\n6,3,300,-;new after restart\nnot a record\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let counters = Arc::new(SourceCounters::default());
+        let stop = StopFlag::default();
+        spawn_kmsg(path.clone(), Some(2), tx, counters.clone(), stop.clone()).unwrap();
+        let item = next(&mut rx).await;
+        assert_eq!(item.line, "new after restart");
+        assert_eq!(item.cursor.kmsg_sequence, Some(3));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(counters.malformed.load(Ordering::Relaxed), 1);
+        // A flood into a queue of 4 nobody drains: bounded, counted.
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        for i in 0..10_000u64 {
+            writeln!(f, "4,{},{},-;flood {i}", 100 + i, i).unwrap();
+        }
+        f.flush().unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let dropped = counters.dropped.load(Ordering::Relaxed);
+        assert!(dropped >= 9_990, "dropped {dropped}");
+        assert!(rx.len() <= 4);
+        stop.stop();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,308 @@
+//! `spec.monitors`: log monitors in node-problem-detector's shape (a
+//! source, conditions, temporary and permanent rules), plus what NPD lacks:
+//! conditions that clear, counting rules, and taints.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::Problem;
+use super::selector::check_label_key;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MonitorSpec {
+    /// Unique among the node's monitors; lowercase letters, digits and '-'.
+    pub name: String,
+    pub source: LogSource,
+    /// The conditions this monitor owns, with their no-problem state.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<ConditionSpec>,
+    #[serde(default)]
+    pub rules: Vec<RuleSpec>,
+}
+
+/// Exactly one of `kmsg` or `file`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LogSource {
+    /// The kernel log (`/dev/kmsg`-format records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kmsg: Option<KmsgSource>,
+    /// A text log file, followed across rotation and truncation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<FileSource>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KmsgSource {
+    #[serde(default = "default_kmsg")]
+    pub path: String,
+}
+
+fn default_kmsg() -> String {
+    "/dev/kmsg".into()
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FileSource {
+    pub path: String,
+}
+
+/// A condition's no-problem state, and how it clears and taints.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionSpec {
+    /// The NodeCondition type, e.g. `KernelDeadlock`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// Reason while there is no problem, e.g. `KernelHasNoDeadlock`.
+    pub reason: String,
+    /// Message while there is no problem.
+    pub message: String,
+    /// Back to False after this long without a matching line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub clear_after_seconds: Option<u32>,
+    /// Back to False when a line matches this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clear_pattern: Option<String>,
+    /// A taint nodeguard adds while the condition is True.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taint: Option<TaintSpec>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct TaintSpec {
+    pub key: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// NoSchedule, PreferNoSchedule or NoExecute.
+    #[schemars(regex(pattern = r"^(NoSchedule|PreferNoSchedule|NoExecute)$"))]
+    pub effect: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ProblemKind {
+    /// An Event.
+    Temporary,
+    /// Sets its condition True.
+    Permanent,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleSpec {
+    #[serde(rename = "type")]
+    pub kind: ProblemKind,
+    /// Permanent rules: the condition they set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub condition: Option<String>,
+    /// CamelCase reason, e.g. `OOMKilling`.
+    pub reason: String,
+    /// A regular expression (Rust `regex` syntax) matched against each line.
+    pub pattern: String,
+    /// The message; `$1`, `${name}` insert captures. Default: the line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Only fire after `threshold` matches within `windowSeconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<CountSpec>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CountSpec {
+    #[schemars(range(min = 1))]
+    pub threshold: u32,
+    #[schemars(range(min = 1))]
+    pub window_seconds: u32,
+}
+
+fn camel(s: &str) -> bool {
+    crate::report::conditions::is_camel_case(s)
+}
+
+/// Rules beyond the schema (regular expressions are compiled by the agent
+/// and by `nodeguard check`, which reports them with their paths).
+pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
+    let mut types = std::collections::BTreeSet::new();
+    for (i, m) in monitors.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        if !names.insert(m.name.as_str()) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!("monitor {:?} appears twice", m.name),
+            ));
+        }
+        if m.source.kmsg.is_some() == m.source.file.is_some() {
+            problems.push(Problem::new(
+                format!("{at}.source"),
+                "set exactly one of kmsg or file",
+            ));
+        }
+        for (j, c) in m.conditions.iter().enumerate() {
+            let cat = format!("{at}.conditions[{j}]");
+            check_label_key(&c.type_, &format!("{cat}.type"), &mut problems);
+            if !types.insert(c.type_.as_str()) {
+                problems.push(Problem::new(
+                    format!("{cat}.type"),
+                    format!("condition {:?} is owned twice", c.type_),
+                ));
+            }
+            if !camel(&c.reason) {
+                problems.push(Problem::new(
+                    format!("{cat}.reason"),
+                    format!("{:?} must be CamelCase", c.reason),
+                ));
+            }
+            if let Some(t) = &c.taint {
+                check_label_key(&t.key, &format!("{cat}.taint.key"), &mut problems);
+                if !matches!(
+                    t.effect.as_str(),
+                    "NoSchedule" | "PreferNoSchedule" | "NoExecute"
+                ) {
+                    problems.push(Problem::new(
+                        format!("{cat}.taint.effect"),
+                        "use NoSchedule, PreferNoSchedule or NoExecute",
+                    ));
+                }
+            }
+        }
+        for (j, r) in m.rules.iter().enumerate() {
+            let rat = format!("{at}.rules[{j}]");
+            if !camel(&r.reason) {
+                problems.push(Problem::new(
+                    format!("{rat}.reason"),
+                    format!("{:?} must be CamelCase", r.reason),
+                ));
+            }
+            match (r.kind, &r.condition) {
+                (ProblemKind::Permanent, None) => problems.push(Problem::new(
+                    format!("{rat}.condition"),
+                    "permanent rules name the condition they set",
+                )),
+                (ProblemKind::Permanent, Some(c))
+                    if !m.conditions.iter().any(|x| &x.type_ == c) =>
+                {
+                    problems.push(Problem::new(
+                        format!("{rat}.condition"),
+                        format!("{c:?} is not among this monitor's conditions"),
+                    ))
+                }
+                (ProblemKind::Temporary, Some(_)) => problems.push(Problem::new(
+                    format!("{rat}.condition"),
+                    "temporary rules set no condition",
+                )),
+                _ => {}
+            }
+        }
+        if let Err(bad) = crate::monitor::engine::Engine::new(m, &at) {
+            problems.extend(bad.into_iter().map(|b| Problem::new(b.path, b.message)));
+        }
+    }
+    problems
+}
+
+/// The kernel monitor shipped as the default: node-problem-detector's
+/// kernel-monitor conditions and reasons, with quiet-period clearing.
+pub fn default_kernel_monitor() -> MonitorSpec {
+    let temp = |reason: &str, pattern: &str| RuleSpec {
+        kind: ProblemKind::Temporary,
+        condition: None,
+        reason: reason.into(),
+        pattern: pattern.into(),
+        message: None,
+        count: None,
+    };
+    let perm = |condition: &str, reason: &str, pattern: &str| RuleSpec {
+        kind: ProblemKind::Permanent,
+        condition: Some(condition.into()),
+        reason: reason.into(),
+        pattern: pattern.into(),
+        message: None,
+        count: None,
+    };
+    MonitorSpec {
+        name: "kernel".into(),
+        source: LogSource {
+            kmsg: Some(KmsgSource {
+                path: default_kmsg(),
+            }),
+            file: None,
+        },
+        conditions: vec![
+            ConditionSpec {
+                type_: "KernelDeadlock".into(),
+                reason: "KernelHasNoDeadlock".into(),
+                message: "kernel has no deadlock".into(),
+                clear_after_seconds: Some(3600),
+                clear_pattern: None,
+                taint: None,
+            },
+            ConditionSpec {
+                type_: "ReadonlyFilesystem".into(),
+                reason: "FilesystemIsNotReadOnly".into(),
+                message: "Filesystem is not read-only".into(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            },
+        ],
+        rules: vec![
+            temp(
+                "OOMKilling",
+                r"Killed process \d+ (.+) total-vm:\d+kB, anon-rss:\d+kB, file-rss:\d+kB.*",
+            ),
+            temp(
+                "TaskHung",
+                r"task [\S ]+:\w+ blocked for more than \w+ seconds\.",
+            ),
+            temp(
+                "UnregisterNetDevice",
+                r"unregister_netdevice: waiting for \w+ to become free. Usage count = \d+",
+            ),
+            temp(
+                "KernelOops",
+                r"BUG: unable to handle kernel NULL pointer dereference at .*",
+            ),
+            temp("KernelOops", r"divide error: 0000 \[#\d+\] SMP"),
+            temp("Ext4Error", r"EXT4-fs error .*"),
+            temp("Ext4Warning", r"EXT4-fs warning .*"),
+            temp("IOError", r"Buffer I/O error .*"),
+            temp("MemoryReadError", r"CE memory read error .*"),
+            temp(
+                "XfsError",
+                r"XFS \(\S+\): (Corruption|metadata I/O error|Filesystem has been shut down).*",
+            ),
+            temp(
+                "SoftLockup",
+                r"watchdog: BUG: soft lockup - CPU#\d+ stuck for \d+s!.*",
+            ),
+            temp(
+                "NICTransmitTimeout",
+                r"NETDEV WATCHDOG: \S+ \(\S+\): transmit queue \d+ timed out.*",
+            ),
+            temp("GPUXidError", r"NVRM: Xid \(.*\): \d+,.*"),
+            perm(
+                "KernelDeadlock",
+                "AUFSUmountHung",
+                r"task umount\.aufs:\w+ blocked for more than \w+ seconds\.",
+            ),
+            perm(
+                "KernelDeadlock",
+                "DockerHung",
+                r"task docker:\w+ blocked for more than \w+ seconds\.",
+            ),
+            perm(
+                "ReadonlyFilesystem",
+                "FilesystemIsReadOnly",
+                r"Remounting filesystem read-only",
+            ),
+        ],
+    }
+}

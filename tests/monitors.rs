@@ -1,0 +1,249 @@
+//! The problem detector against the real control plane: lines in a file
+//! log and in a kmsg stand-in (the same parser as /dev/kmsg) set a condition
+//! and its taint, seen in `kubectl describe node`; a restart keeps the
+//! active condition; a clear line clears it and its taint; removing the
+//! monitor removes its condition.
+
+mod support;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::{Api, Client};
+use nodeguard::policy::NodeGuardPolicy;
+use support::*;
+
+const TEST_LABEL: &str = "nodeguard.io/test-node";
+
+fn append(path: &std::path::Path, line: &str) {
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .unwrap();
+    writeln!(f, "{line}").unwrap();
+}
+
+async fn apply_policy(admin: &Client, name: &str, node: &str, monitors: serde_json::Value) {
+    let api: Api<NodeGuardPolicy> = Api::all(admin.clone());
+    let p: NodeGuardPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+        "metadata": {"name": name},
+        "spec": {"nodeSelector": {"matchLabels": {TEST_LABEL: node}}, "monitors": monitors},
+    }))
+    .unwrap();
+    api.patch(
+        name,
+        &PatchParams::apply("nodeguard-tests").force(),
+        &Patch::Apply(&p),
+    )
+    .await
+    .unwrap();
+}
+
+async fn status(admin: &Client, node: &str, t: &str) -> Option<String> {
+    node_conditions(admin, node, t)
+        .await
+        .first()
+        .map(|c| c.status.clone())
+}
+
+async fn has_taint(admin: &Client, node: &str, key: &str) -> bool {
+    Api::<Node>::all(admin.clone())
+        .get(node)
+        .await
+        .unwrap()
+        .spec
+        .and_then(|s| s.taints)
+        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
+}
+
+#[tokio::test]
+async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "monitor", &[]).await;
+    Api::<Node>::all(admin.clone())
+        .patch(
+            &node.name,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
+        )
+        .await
+        .unwrap();
+    let logs = TempDir::new("logs");
+    let app_log = logs.path.join("app.log");
+    let kmsg = logs.path.join("kmsg");
+    std::fs::write(
+        &app_log,
+        "app crashed: before the agent started (must not count)\n",
+    )
+    .unwrap();
+    std::fs::write(&kmsg, "6,1,1,-;boot\n").unwrap();
+    let app = serde_json::json!({
+        "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+        "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.",
+                        "clearPattern": "app recovered",
+                        "taint": {"key": "example.com/app-broken", "value": "true", "effect": "NoSchedule"}}],
+        "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
+                   "pattern": "app crashed: (.+)", "message": "The app crashed ($1)."}],
+    });
+    let kernel = serde_json::json!({
+        "name": "kernel", "source": {"kmsg": {"path": kmsg.display().to_string()}},
+        "conditions": [{"type": "KernelDeadlock", "reason": "KernelHasNoDeadlock", "message": "kernel has no deadlock"}],
+        "rules": [{"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
+                   "pattern": "task docker:\\w+ blocked for more than \\w+ seconds\\."}],
+    });
+    let policy = unique_name("monitors");
+    apply_policy(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([app, kernel]),
+    )
+    .await;
+    let state = TempDir::new("persistent-state");
+    let state_path = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_path.clone()
+    })
+    .await;
+    eventually(
+        Duration::from_secs(15),
+        "AppBroken=False at start",
+        || async {
+            status(&admin, &node.name, "AppBroken").await.as_deref() == Some("False")
+                && status(&admin, &node.name, "KernelDeadlock")
+                    .await
+                    .as_deref()
+                    == Some("False")
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    append(&app_log, "2026-11-21T10:00:00Z app crashed: disk full");
+    eventually(
+        Duration::from_secs(5),
+        "AppBroken=True with its taint",
+        || async {
+            status(&admin, &node.name, "AppBroken").await.as_deref() == Some("True")
+                && has_taint(&admin, &node.name, "example.com/app-broken").await
+        },
+    )
+    .await;
+    let t0 = Instant::now();
+    append(
+        &kmsg,
+        "3,1001,5000000,-;INFO: task docker:20744 blocked for more than 120 seconds.",
+    );
+    eventually(
+        Duration::from_secs(2),
+        "KernelDeadlock=True within 2 s",
+        || async {
+            status(&admin, &node.name, "KernelDeadlock")
+                .await
+                .as_deref()
+                == Some("True")
+        },
+    )
+    .await;
+    eprintln!("kernel line to condition in the API: {:?}", t0.elapsed());
+    let out = kubectl(&["describe", "node", &node.name]);
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("AppBroken"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        row.contains("True")
+            && row.contains("AppCrashed")
+            && row.contains("The app crashed (disk full)."),
+        "{row}"
+    );
+    assert!(
+        out.contains("example.com/app-broken=true:NoSchedule"),
+        "{out}"
+    );
+
+    let (_, metrics) = http_get(agent.addr, "/metrics").await;
+    assert!(
+        metrics.contains("nodeguard_problem_total{reason=\"AppCrashed\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("nodeguard_problem_active{type=\"AppBroken\",reason=\"AppCrashed\"} 1"),
+        "{metrics}"
+    );
+
+    // Restart: the active condition stays, nothing is re-reported.
+    agent.stop().await;
+    let before = node_conditions(&admin, &node.name, "AppBroken")
+        .await
+        .remove(0);
+    let state_path = state.path.clone();
+    let (agent, _unused2) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_path.clone()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = node_conditions(&admin, &node.name, "AppBroken")
+        .await
+        .remove(0);
+    assert_eq!(after.status, "True", "a restart keeps the active condition");
+    assert_eq!(after.last_transition_time, before.last_transition_time);
+    assert!(has_taint(&admin, &node.name, "example.com/app-broken").await);
+
+    // A clear line clears the condition and removes the taint we added.
+    append(&app_log, "app recovered");
+    eventually(
+        Duration::from_secs(5),
+        "AppBroken=False, taint gone",
+        || async {
+            status(&admin, &node.name, "AppBroken").await.as_deref() == Some("False")
+                && !has_taint(&admin, &node.name, "example.com/app-broken").await
+        },
+    )
+    .await;
+
+    // Removing the kernel monitor removes its condition.
+    apply_policy(&admin, &policy, &node.name, serde_json::json!([app])).await;
+    eventually(Duration::from_secs(5), "KernelDeadlock removed", || async {
+        status(&admin, &node.name, "KernelDeadlock").await.is_none()
+    })
+    .await;
+    let (_, metrics) = http_get(agent.addr, "/metrics").await;
+    assert!(
+        !metrics.contains("nodeguard_problem_total{reason=\"AppCrashed\"}"),
+        "the restarted agent did not re-report the old crash:\n{metrics}"
+    );
+    assert!(
+        metrics.contains("nodeguard_monitor_lines_total{monitor=\"app\"} 1"),
+        "{metrics}"
+    );
+    agent.stop().await;
+    let _ = Api::<NodeGuardPolicy>::all(admin)
+        .delete(&policy, &DeleteParams::default())
+        .await;
+}
+
+#[tokio::test]
+async fn a_bad_regex_is_reported_by_check_with_its_path() {
+    let dir = TempDir::new("check");
+    let f = dir.path.join("p.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: nodeguard.io/v1alpha1\nkind: NodeGuardPolicy\nmetadata: {name: bad}\nspec:\n  monitors:\n  - name: m\n    source: {file: {path: /var/log/x}}\n    rules:\n    - {type: temporary, reason: Oops, pattern: 'broken ('}\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["check", "-f", f.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("spec.monitors[0].rules[0].pattern: invalid regular expression"),
+        "{text}"
+    );
+}

@@ -247,3 +247,67 @@ async fn a_bad_regex_is_reported_by_check_with_its_path() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn a_plugin_check_sets_and_clears_its_condition() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "plugin", &[]).await;
+    Api::<Node>::all(admin.clone())
+        .patch(
+            &node.name,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
+        )
+        .await
+        .unwrap();
+    let dir = TempDir::new("plugin");
+    let flag = dir.path.join("broken");
+    let script = format!(
+        "if [ -f {0} ]; then echo \"clock offset is 3.2s\"; exit 1; else echo ok; exit 0; fi",
+        flag.display()
+    );
+    let policy = unique_name("plugin");
+    apply_policy(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "ntp",
+            "source": {"plugin": {"intervalSeconds": 1, "timeoutSeconds": 5}},
+            "conditions": [{"type": "NTPProblem", "reason": "NTPIsUp", "message": "ntp service is up"}],
+            "rules": [{"type": "permanent", "condition": "NTPProblem", "reason": "NTPIsDown",
+                       "command": ["sh", "-c", script]}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(Duration::from_secs(15), "NTPProblem=False", || async {
+        status(&admin, &node.name, "NTPProblem").await.as_deref() == Some("False")
+    })
+    .await;
+    std::fs::write(&flag, "").unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "NTPProblem=True from exit 1",
+        || async {
+            node_conditions(&admin, &node.name, "NTPProblem")
+                .await
+                .first()
+                .is_some_and(|c| {
+                    c.status == "True" && c.message.as_deref() == Some("clock offset is 3.2s")
+                })
+        },
+    )
+    .await;
+    std::fs::remove_file(&flag).unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "NTPProblem=False after exit 0",
+        || async { status(&admin, &node.name, "NTPProblem").await.as_deref() == Some("False") },
+    )
+    .await;
+    agent.stop().await;
+    let _ = Api::<NodeGuardPolicy>::all(admin)
+        .delete(&policy, &DeleteParams::default())
+        .await;
+}

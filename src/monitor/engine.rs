@@ -87,6 +87,14 @@ pub struct Engine {
     counts: HashMap<usize, VecDeque<Timestamp>>,
 }
 
+/// A plugin command's verdict: exit 0, exit 1, anything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PluginStatus {
+    Ok,
+    Problem,
+    Unknown,
+}
+
 /// A rule that does not compile.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BadPattern {
@@ -149,11 +157,13 @@ impl Engine {
                 .condition
                 .as_ref()
                 .and_then(|t| conditions.iter().position(|c| &c.type_ == t));
-            compile(
-                &r.pattern,
-                format!("{path}.rules[{i}].pattern"),
-                Pattern::Rule(rules.len()),
-            );
+            if r.command.is_empty() {
+                compile(
+                    &r.pattern,
+                    format!("{path}.rules[{i}].pattern"),
+                    Pattern::Rule(rules.len()),
+                );
+            }
             rules.push(Rule {
                 kind: r.kind,
                 condition,
@@ -258,13 +268,64 @@ impl Engine {
         for idx in matched {
             match self.patterns[idx].clone() {
                 Pattern::Clear(c) => self.clear(c, "cleared by a matching log line", now, &mut out),
-                Pattern::Rule(r) => self.fire(r, idx, line, now, &mut out),
+                Pattern::Rule(r) => {
+                    let message = match &self.rules[r].message {
+                        Some(template) => {
+                            let mut m = String::new();
+                            match self.regexes[idx].captures(line) {
+                                Some(caps) => caps.expand(template, &mut m),
+                                None => m = template.clone(),
+                            }
+                            m
+                        }
+                        None => line.to_string(),
+                    };
+                    self.fire(r, message, now, &mut out)
+                }
             }
         }
         out
     }
 
-    fn fire(&mut self, r: usize, idx: usize, line: &str, now: Timestamp, out: &mut Vec<Action>) {
+    /// A plugin rule's result (rule index in the monitor's `rules`).
+    pub fn on_plugin(
+        &mut self,
+        rule: usize,
+        status: PluginStatus,
+        output: &str,
+        now: Timestamp,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        let Some(r) = self.rules.get(rule).cloned() else {
+            return out;
+        };
+        match status {
+            PluginStatus::Problem => {
+                let message = match &r.message {
+                    Some(m) => m.clone(),
+                    None if output.trim().is_empty() => {
+                        format!("The {} check reported a problem.", r.reason)
+                    }
+                    None => output.to_string(),
+                };
+                self.fire(rule, message, now, &mut out);
+            }
+            PluginStatus::Ok => {
+                if let Some(c) = r.condition
+                    && self
+                        .state
+                        .get(&self.conditions[c].type_)
+                        .is_some_and(|s| s.active && s.reason == r.reason)
+                {
+                    self.clear(c, "its check passes again", now, &mut out);
+                }
+            }
+            PluginStatus::Unknown => {}
+        }
+        out
+    }
+
+    fn fire(&mut self, r: usize, message: String, now: Timestamp, out: &mut Vec<Action>) {
         let rule = self.rules[r].clone();
         if let Some((threshold, window)) = rule.count {
             let q = self.counts.entry(r).or_default();
@@ -280,18 +341,7 @@ impl Engine {
             }
             q.clear();
         }
-        let message = match &rule.message {
-            Some(template) => {
-                let mut m = String::new();
-                if let Some(caps) = self.regexes[idx].captures(line) {
-                    caps.expand(template, &mut m);
-                } else {
-                    m = template.clone();
-                }
-                truncate(&m)
-            }
-            None => truncate(line),
-        };
+        let message = truncate(&message);
         match (rule.kind, rule.condition) {
             (ProblemKind::Temporary, _) | (ProblemKind::Permanent, None) => {
                 out.push(Action::Event {

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::WallClock;
 use crate::policy::monitors::MonitorSpec;
 use crate::report::{Desired, EventKind, Reporter, Status};
-use engine::{Action, ConditionState, Engine};
+use engine::{Action, ConditionState, Engine, PluginStatus};
 use sources::{Cursor, SourceCounters, StopFlag};
 
 #[derive(Debug, thiserror::Error)]
@@ -346,8 +346,18 @@ async fn run_monitor<T: TaintPort>(
             path: f.path.clone(),
             source,
         }),
-        (None, None) => return,
+        (None, None) => Ok(()),
     };
+    let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
+    if let Some(p) = &spec.source.plugin {
+        tokio::spawn(run_plugins(
+            spec.clone(),
+            p.clone(),
+            plugin_tx,
+            counters.clone(),
+            stop.clone(),
+        ));
+    }
     if let Err(e) = started {
         tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
         reporter.event(
@@ -366,12 +376,14 @@ async fn run_monitor<T: TaintPort>(
     apply(&initial, &reporter, &taints, &metrics, &defaults).await;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut dirty = false;
+    let mut lines_open = true;
     let mut last_save = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
-            item = rx.recv() => {
-                let Some(item) = item else { break };
+            item = rx.recv(), if lines_open => {
+                // Plugin monitors have no line source: the channel closes at once.
+                let Some(item) = item else { lines_open = false; continue };
                 let actions = engine.on_line(&item.line, clock.now());
                 state.cursor = item.cursor;
                 dirty = true;
@@ -381,6 +393,14 @@ async fn run_monitor<T: TaintPort>(
                     save_state(&state_dir, &spec.name, &state);
                     dirty = false;
                     last_save = tokio::time::Instant::now();
+                }
+            }
+            Some((rule, status, output)) = plugin_rx.recv() => {
+                let actions = engine.on_plugin(rule, status, &output, clock.now());
+                if !actions.is_empty() {
+                    apply(&actions, &reporter, &taints, &metrics, &defaults).await;
+                    state.conditions = engine.state().clone();
+                    save_state(&state_dir, &spec.name, &state);
                 }
             }
             _ = tick.tick() => {
@@ -402,6 +422,62 @@ async fn run_monitor<T: TaintPort>(
     source_stop.stop();
     state.conditions = engine.state().clone();
     save_state(&state_dir, &spec.name, &state);
+}
+
+/// Runs the plugin rules' commands on the monitor's interval, at most
+/// `concurrency` at once, and reports each verdict.
+async fn run_plugins(
+    spec: MonitorSpec,
+    source: crate::policy::monitors::PluginSource,
+    tx: mpsc::Sender<(usize, PluginStatus, String)>,
+    counters: Arc<SourceCounters>,
+    stop: CancellationToken,
+) {
+    let limit = Arc::new(tokio::sync::Semaphore::new(
+        source.concurrency.max(1) as usize
+    ));
+    let timeout = Duration::from_secs(source.timeout_seconds.max(1).into());
+    let max_output = source.max_output_length.max(1) as usize;
+    let mut interval =
+        tokio::time::interval(Duration::from_secs(source.interval_seconds.max(1).into()));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = interval.tick() => {}
+        }
+        for (i, rule) in spec.rules.iter().enumerate() {
+            if rule.command.is_empty() {
+                continue;
+            }
+            let permit = limit.clone().acquire_owned().await.expect("never closed");
+            let (tx, command, counters) = (tx.clone(), rule.command.clone(), counters.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                counters.lines.fetch_add(1, Ordering::Relaxed);
+                let (status, output) = match crate::probe::prober::run_command(&command, timeout)
+                    .await
+                {
+                    Ok(crate::probe::prober::Ran::Exited(Some(0), out)) => (PluginStatus::Ok, out),
+                    Ok(crate::probe::prober::Ran::Exited(Some(1), out)) => {
+                        (PluginStatus::Problem, out)
+                    }
+                    Ok(crate::probe::prober::Ran::Exited(_, out)) => (PluginStatus::Unknown, out),
+                    Ok(crate::probe::prober::Ran::TimedOut) => (
+                        PluginStatus::Unknown,
+                        format!("timed out after {}s", timeout.as_secs()),
+                    ),
+                    Err(e) => {
+                        counters.malformed.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(command = ?command, error = %e, "plugin did not run");
+                        (PluginStatus::Unknown, e.to_string())
+                    }
+                };
+                let output: String = output.chars().take(max_output).collect();
+                let _ = tx.send((i, status, output)).await;
+            });
+        }
+    }
 }
 
 async fn apply<T: TaintPort>(

@@ -31,6 +31,43 @@ pub struct LogSource {
     /// A text log file, followed across rotation and truncation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<FileSource>,
+    /// Checks run on an interval (NPD's custom plugins): each rule names a
+    /// command; exit 0 is OK, 1 a problem, anything else unknown; the
+    /// output (truncated) is the message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<PluginSource>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PluginSource {
+    #[serde(default = "default_interval")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub interval_seconds: u32,
+    #[serde(default = "default_plugin_timeout")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub timeout_seconds: u32,
+    /// Commands of this monitor that may run at once.
+    #[serde(default = "default_concurrency")]
+    #[schemars(range(min = 1, max = 64))]
+    pub concurrency: u32,
+    /// Characters of output kept for the message.
+    #[serde(default = "default_output")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub max_output_length: u32,
+}
+
+fn default_interval() -> u32 {
+    30
+}
+fn default_plugin_timeout() -> u32 {
+    5
+}
+fn default_concurrency() -> u32 {
+    3
+}
+fn default_output() -> u32 {
+    80
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
@@ -102,8 +139,13 @@ pub struct RuleSpec {
     pub condition: Option<String>,
     /// CamelCase reason, e.g. `OOMKilling`.
     pub reason: String,
-    /// A regular expression (Rust `regex` syntax) matched against each line.
+    /// Log monitors: a regular expression (Rust `regex` syntax) matched
+    /// against each line.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub pattern: String,
+    /// Plugin monitors: the command (argv) to run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
     /// The message; `$1`, `${name}` insert captures. Default: the line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
@@ -139,12 +181,18 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                 format!("monitor {:?} appears twice", m.name),
             ));
         }
-        if m.source.kmsg.is_some() == m.source.file.is_some() {
+        let sources = [
+            m.source.kmsg.is_some(),
+            m.source.file.is_some(),
+            m.source.plugin.is_some(),
+        ];
+        if sources.iter().filter(|s| **s).count() != 1 {
             problems.push(Problem::new(
                 format!("{at}.source"),
-                "set exactly one of kmsg or file",
+                "set exactly one of kmsg, file or plugin",
             ));
         }
+        let plugin = m.source.plugin.is_some();
         for (j, c) in m.conditions.iter().enumerate() {
             let cat = format!("{at}.conditions[{j}]");
             check_label_key(&c.type_, &format!("{cat}.type"), &mut problems);
@@ -175,6 +223,25 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
         }
         for (j, r) in m.rules.iter().enumerate() {
             let rat = format!("{at}.rules[{j}]");
+            match (plugin, r.pattern.is_empty(), r.command.is_empty()) {
+                (true, _, true) => problems.push(Problem::new(
+                    format!("{rat}.command"),
+                    "plugin rules run a command",
+                )),
+                (true, false, _) => problems.push(Problem::new(
+                    format!("{rat}.pattern"),
+                    "plugin rules take a command, not a pattern",
+                )),
+                (false, true, _) => problems.push(Problem::new(
+                    format!("{rat}.pattern"),
+                    "log rules need a pattern",
+                )),
+                (false, _, false) => problems.push(Problem::new(
+                    format!("{rat}.command"),
+                    "only plugin monitors run commands",
+                )),
+                _ => {}
+            }
             if !camel(&r.reason) {
                 problems.push(Problem::new(
                     format!("{rat}.reason"),
@@ -216,6 +283,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         condition: None,
         reason: reason.into(),
         pattern: pattern.into(),
+        command: Vec::new(),
         message: None,
         count: None,
     };
@@ -224,6 +292,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         condition: Some(condition.into()),
         reason: reason.into(),
         pattern: pattern.into(),
+        command: Vec::new(),
         message: None,
         count: None,
     };
@@ -234,6 +303,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
                 path: default_kmsg(),
             }),
             file: None,
+            plugin: None,
         },
         conditions: vec![
             ConditionSpec {

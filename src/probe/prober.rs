@@ -433,9 +433,21 @@ async fn grpc_health(
     }
 }
 
-async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberError> {
+/// How a command ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ran {
+    /// Exited (`None`: killed by a signal) with its output (stdout, or
+    /// stderr when stdout is empty), truncated.
+    Exited(Option<i32>, String),
+    TimedOut,
+}
+
+/// Runs a host command with a timeout, capturing its output (bounded, so a
+/// chatty command cannot exhaust memory). Shared by exec probes and plugin
+/// monitors.
+pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, ProberError> {
     let Some((program, args)) = command.split_first() else {
-        return Err(ProberError("exec probe without a command".into()));
+        return Err(ProberError("no command".into()));
     };
     let mut child = tokio::process::Command::new(program)
         .args(args)
@@ -454,30 +466,34 @@ async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberEr
         (status, out, err)
     };
     match tokio::time::timeout(timeout, run).await {
-        Err(_) => Ok(Outcome::failure(format!(
-            "timed out after {}s",
-            timeout.as_secs_f64()
-        ))),
+        Err(_) => Ok(Ran::TimedOut),
         Ok((Err(e), _, _)) => Err(ProberError(format!("waiting for {program}: {e}"))),
         Ok((Ok(status), out, err)) => {
             let mut output = String::from_utf8_lossy(&out).into_owned();
             if output.trim().is_empty() {
                 output = String::from_utf8_lossy(&err).into_owned();
             }
-            let output = truncate(&output);
-            if status.success() {
-                Ok(Outcome::success(output))
+            Ok(Ran::Exited(status.code(), truncate(&output)))
+        }
+    }
+}
+
+async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberError> {
+    match run_command(command, timeout).await? {
+        Ran::TimedOut => Ok(Outcome::failure(format!(
+            "timed out after {}s",
+            timeout.as_secs_f64()
+        ))),
+        Ran::Exited(Some(0), output) => Ok(Outcome::success(output)),
+        Ran::Exited(code, output) => {
+            let code = code
+                .map(|c| format!("exit code {c}"))
+                .unwrap_or_else(|| "killed by a signal".into());
+            Ok(Outcome::failure(if output.is_empty() {
+                code
             } else {
-                let code = status
-                    .code()
-                    .map(|c| format!("exit code {c}"))
-                    .unwrap_or_else(|| "killed by a signal".into());
-                Ok(Outcome::failure(if output.is_empty() {
-                    code
-                } else {
-                    format!("{code}: {output}")
-                }))
-            }
+                format!("{code}: {output}")
+            }))
         }
     }
 }

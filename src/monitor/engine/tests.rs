@@ -151,6 +151,7 @@ fn monitor() -> MonitorSpec {
         source: crate::policy::monitors::LogSource {
             kmsg: None,
             file: Some(crate::policy::monitors::FileSource { path: "/x".into() }),
+            plugin: None,
         },
         conditions: vec![ConditionSpec {
             type_: "AppBroken".into(),
@@ -170,6 +171,7 @@ fn monitor() -> MonitorSpec {
                 condition: Some("AppBroken".into()),
                 reason: "AppCrashed".into(),
                 pattern: r"app crashed: (?P<why>.+)".into(),
+                command: Vec::new(),
                 message: Some("The app crashed (${why}).".into()),
                 count: None,
             },
@@ -178,6 +180,7 @@ fn monitor() -> MonitorSpec {
                 condition: None,
                 reason: "FrequentRestarts".into(),
                 pattern: r"app restarted".into(),
+                command: Vec::new(),
                 message: None,
                 count: Some(CountSpec {
                     threshold: 3,
@@ -331,4 +334,50 @@ fn long_lines_are_truncated_in_messages() {
         panic!()
     };
     assert!(message.len() <= MESSAGE_LIMIT + 3);
+}
+
+#[test]
+fn plugin_results_set_and_clear_permanent_conditions() {
+    let mut m = monitor();
+    m.source = crate::policy::monitors::LogSource {
+        kmsg: None,
+        file: None,
+        plugin: Some(crate::policy::monitors::PluginSource {
+            interval_seconds: 30,
+            timeout_seconds: 5,
+            concurrency: 1,
+            max_output_length: 80,
+        }),
+    };
+    m.conditions[0].clear_pattern = None;
+    m.rules = vec![RuleSpec {
+        kind: ProblemKind::Permanent,
+        condition: Some("AppBroken".into()),
+        reason: "NtpUnsynced".into(),
+        pattern: String::new(),
+        command: vec!["/bin/check-ntp".into()],
+        message: None,
+        count: None,
+    }];
+    let mut e = Engine::new(&m, "m").unwrap();
+    e.current(t(0));
+    let a = e.on_plugin(0, PluginStatus::Problem, "offset 3.2s", t(1));
+    assert!(a.contains(&Action::Condition {
+        type_: "AppBroken".into(),
+        active: true,
+        reason: "NtpUnsynced".into(),
+        message: "offset 3.2s".into()
+    }));
+    assert!(
+        e.on_plugin(0, PluginStatus::Unknown, "", t(2)).is_empty(),
+        "unknown changes nothing"
+    );
+    let a = e.on_plugin(0, PluginStatus::Ok, "ok", t(3));
+    assert!(
+        matches!(&a[0], Action::Condition { active: false, message, .. } if message.contains("its check passes again"))
+    );
+    assert!(
+        e.on_plugin(9, PluginStatus::Problem, "", t(4)).is_empty(),
+        "no such rule"
+    );
 }

@@ -311,3 +311,117 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
         .delete(&policy, &DeleteParams::default())
         .await;
 }
+
+/// Writes one journal entry into a new journal file in `dir`, as a real
+/// journald would (systemd-journal-remote writes the same format).
+fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str) {
+    use std::process::{Command, Stdio};
+    let export = format!(
+        "__REALTIME_TIMESTAMP={}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={}\n_HOSTNAME=test\n\n",
+        1_700_000_000_000_000u64 + u64::from(n),
+        // journalctl --follow reads the current boot, as on a real node.
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .unwrap()
+            .trim()
+            .replace('-', "")
+    );
+    let mut child = Command::new("/lib/systemd/systemd-journal-remote")
+        .arg(format!("--output={}/remote-{n}.journal", dir.display()))
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("systemd-journal-remote is installed (e2e/setup installs it)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(export.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+}
+
+#[tokio::test]
+async fn journal_entries_of_one_identifier_set_a_condition() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "journal", &[]).await;
+    Api::<Node>::all(admin.clone())
+        .patch(
+            &node.name,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
+        )
+        .await
+        .unwrap();
+    let journal = TempDir::new("journal");
+    journal_entry(
+        &journal.path,
+        1,
+        "dockerd",
+        "old: returned error: readlink /var/lib/docker/overlay2/x: invalid argument",
+    );
+    let policy = unique_name("journal");
+    apply_policy(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "docker",
+            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "dockerd"}},
+            "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
+                            "message": "docker overlay2 is functioning properly"}],
+            "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
+                       "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(
+        Duration::from_secs(15),
+        "CorruptDockerOverlay2=False (old entries ignored)",
+        || async {
+            status(&admin, &node.name, "CorruptDockerOverlay2")
+                .await
+                .as_deref()
+                == Some("False")
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    journal_entry(
+        &journal.path,
+        2,
+        "containerd",
+        "returned error: readlink /var/lib/docker/overlay2/y: invalid argument",
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        status(&admin, &node.name, "CorruptDockerOverlay2")
+            .await
+            .as_deref(),
+        Some("False"),
+        "another identifier's entries do not count"
+    );
+    journal_entry(
+        &journal.path,
+        3,
+        "dockerd",
+        "returned error: readlink /var/lib/docker/overlay2/z: invalid argument",
+    );
+    eventually(
+        Duration::from_secs(10),
+        "CorruptDockerOverlay2=True",
+        || async {
+            status(&admin, &node.name, "CorruptDockerOverlay2")
+                .await
+                .as_deref()
+                == Some("True")
+        },
+    )
+    .await;
+    agent.stop().await;
+    let _ = Api::<NodeGuardPolicy>::all(admin)
+        .delete(&policy, &DeleteParams::default())
+        .await;
+}

@@ -346,7 +346,20 @@ async fn run_monitor<T: TaintPort>(
             path: f.path.clone(),
             source,
         }),
-        (None, None) => Ok(()),
+        (None, None) => match &spec.source.journald {
+            Some(j) => sources::spawn_journald(
+                j.clone(),
+                state.cursor.journal.clone(),
+                tx,
+                counters.clone(),
+                source_stop.clone(),
+            )
+            .map_err(|source| MonitorError::Source {
+                path: "journalctl".into(),
+                source,
+            }),
+            None => Ok(()),
+        },
     };
     let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
     if let Some(p) = &spec.source.plugin {

@@ -26,6 +26,9 @@ pub struct Cursor {
     /// The followed file's inode and the offset after the last line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<(u64, u64)>,
+    /// The journal cursor of the last entry processed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<String>,
 }
 
 /// One line for the engine, with the cursor after it.
@@ -43,13 +46,20 @@ pub struct SourceCounters {
     pub malformed: AtomicU64,
 }
 
-/// Stops the reader thread (at its next poll or record).
+/// Stops the reader thread (at its next poll or record; a journalctl child
+/// is killed).
 #[derive(Clone, Debug, Default)]
-pub struct StopFlag(Arc<AtomicBool>);
+pub struct StopFlag(Arc<AtomicBool>, Arc<std::sync::Mutex<Option<u32>>>);
 
 impl StopFlag {
     pub fn stop(&self) {
         self.0.store(true, Ordering::SeqCst);
+        if let Some(pid) = *self.1.lock().unwrap_or_else(|e| e.into_inner()) {
+            // SAFETY: signalling our own child process.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGTERM);
+            }
+        }
     }
     fn stopped(&self) -> bool {
         self.0.load(Ordering::SeqCst)
@@ -110,7 +120,7 @@ pub fn spawn_kmsg(
                             line: rec.message,
                             cursor: Cursor {
                                 kmsg_sequence: Some(rec.sequence),
-                                file: None,
+                                ..Default::default()
                             },
                         };
                         if !offer(&tx, &counters, item) {
@@ -215,8 +225,8 @@ pub fn spawn_file(
                         let item = Item {
                             line,
                             cursor: Cursor {
-                                kmsg_sequence: None,
                                 file: Some((inode, offset)),
+                                ..Default::default()
                             },
                         };
                         if !offer(&tx, &counters, item) {
@@ -234,6 +244,114 @@ pub fn spawn_file(
                         tracing::error!(path = %path.display(), error = %e, "log read failed; retrying");
                         std::thread::sleep(Duration::from_secs(1));
                     }
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// The text of a journal entry in `journalctl --output=json`: MESSAGE is a
+/// string, or an array of bytes when it is not valid UTF-8.
+pub fn journal_message(entry: &serde_json::Value) -> Option<String> {
+    match entry.get("MESSAGE")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(bytes) => {
+            let b: Vec<u8> = bytes
+                .iter()
+                .filter_map(|v| v.as_u64().map(|n| n as u8))
+                .collect();
+            Some(String::from_utf8_lossy(&b).into_owned())
+        }
+        _ => None,
+    }
+}
+
+/// Follows the journal with a supervised `journalctl --follow --output=json`
+/// child (restarted with a pause when it exits), resuming after the saved
+/// cursor; with none it starts at the end.
+///
+/// journalctl rather than a library binding: it reads every journal format
+/// the host's systemd writes (compression, compact mode) with no C
+/// dependency in the agent, and the cursor gives exact resumption.
+pub fn spawn_journald(
+    source: crate::policy::monitors::JournaldSource,
+    resume: Option<String>,
+    tx: mpsc::Sender<Item>,
+    counters: Arc<SourceCounters>,
+    stop: StopFlag,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("nodeguard-journal".into())
+        .spawn(move || {
+            let mut cursor = resume;
+            while !stop.stopped() {
+                let mut cmd = std::process::Command::new("journalctl");
+                cmd.args(["--follow", "--output=json", "--no-pager", "--quiet"]);
+                if let Some(d) = &source.directory {
+                    cmd.arg(format!("--directory={d}"));
+                }
+                if let Some(u) = &source.unit {
+                    cmd.arg(format!("--unit={u}"));
+                }
+                if let Some(i) = &source.identifier {
+                    cmd.arg(format!("--identifier={i}"));
+                }
+                match &cursor {
+                    Some(c) => cmd.arg(format!("--after-cursor={c}")),
+                    None => cmd.arg("--lines=0"),
+                };
+                cmd.stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+                let mut child = match cmd.spawn() {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot run journalctl; retrying in 5 s");
+                        std::thread::sleep(Duration::from_secs(5));
+                        continue;
+                    }
+                };
+                *stop.1.lock().unwrap_or_else(|e| e.into_inner()) = Some(child.id());
+                let reader =
+                    BufReader::with_capacity(64 * 1024, child.stdout.take().expect("piped"));
+                for line in reader.lines() {
+                    let Ok(line) = line else { break };
+                    let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
+                        counters.malformed.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let c = entry
+                        .get("__CURSOR")
+                        .and_then(|c| c.as_str())
+                        .map(str::to_string);
+                    if c.is_some() {
+                        cursor = c.clone();
+                    }
+                    let Some(message) = journal_message(&entry) else {
+                        counters.malformed.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let item = Item {
+                        line: message,
+                        cursor: Cursor {
+                            journal: c,
+                            ..Default::default()
+                        },
+                    };
+                    if !offer(&tx, &counters, item) {
+                        let _ = child.kill();
+                        return;
+                    }
+                }
+                let _ = child.kill();
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    use std::io::Read;
+                    let _ = (&mut e).take(4096).read_to_string(&mut err);
+                }
+                let _ = child.wait();
+                if !stop.stopped() {
+                    tracing::warn!(stderr = %err.trim(), "journalctl exited; restarting it in 1 s");
+                    std::thread::sleep(Duration::from_secs(1));
                 }
             }
         })?;
@@ -312,6 +430,15 @@ mod tests {
         .unwrap();
         assert_eq!(next(&mut rx).await.line, "while away");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn journal_messages_as_text_or_bytes() {
+        let e = serde_json::json!({"MESSAGE": "hello"});
+        assert_eq!(journal_message(&e).as_deref(), Some("hello"));
+        let e = serde_json::json!({"MESSAGE": [104, 105, 255]});
+        assert_eq!(journal_message(&e).as_deref(), Some("hi\u{fffd}"));
+        assert_eq!(journal_message(&serde_json::json!({"X": 1})), None);
     }
 
     #[tokio::test]

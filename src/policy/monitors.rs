@@ -31,11 +31,31 @@ pub struct LogSource {
     /// A text log file, followed across rotation and truncation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<FileSource>,
+    /// The systemd journal, read with `journalctl --follow --output=json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journald: Option<JournaldSource>,
     /// Checks run on an interval (NPD's custom plugins): each rule names a
     /// command; exit 0 is OK, 1 a problem, anything else unknown; the
     /// output (truncated) is the message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugin: Option<PluginSource>,
+}
+
+/// Which journal entries to read.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JournaldSource {
+    /// A journal directory (a host mount such as `/var/log/journal`);
+    /// default: the local journal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub directory: Option<String>,
+    /// Only entries of this systemd unit (`journalctl --unit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<String>,
+    /// Only entries with this SYSLOG_IDENTIFIER (`journalctl --identifier`),
+    /// as NPD's journald plugin `source`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identifier: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
@@ -184,12 +204,13 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
         let sources = [
             m.source.kmsg.is_some(),
             m.source.file.is_some(),
+            m.source.journald.is_some(),
             m.source.plugin.is_some(),
         ];
         if sources.iter().filter(|s| **s).count() != 1 {
             problems.push(Problem::new(
                 format!("{at}.source"),
-                "set exactly one of kmsg, file or plugin",
+                "set exactly one of kmsg, file, journald or plugin",
             ));
         }
         let plugin = m.source.plugin.is_some();
@@ -303,6 +324,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
                 path: default_kmsg(),
             }),
             file: None,
+            journald: None,
             plugin: None,
         },
         conditions: vec![

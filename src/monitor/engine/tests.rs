@@ -151,6 +151,7 @@ fn monitor() -> MonitorSpec {
         source: crate::policy::monitors::LogSource {
             kmsg: None,
             file: Some(crate::policy::monitors::FileSource { path: "/x".into() }),
+            journald: None,
             plugin: None,
         },
         conditions: vec![ConditionSpec {
@@ -342,6 +343,7 @@ fn plugin_results_set_and_clear_permanent_conditions() {
     m.source = crate::policy::monitors::LogSource {
         kmsg: None,
         file: None,
+        journald: None,
         plugin: Some(crate::policy::monitors::PluginSource {
             interval_seconds: 30,
             timeout_seconds: 5,

@@ -29,6 +29,17 @@ pub enum Command {
         #[arg(short = 'f', long = "filename", required = true, num_args = 1..)]
         files: Vec<PathBuf>,
     },
+    /// Convert node-problem-detector monitor configs (JSON) into a
+    /// NodeGuardPolicy printed as YAML; what cannot be expressed is listed
+    /// on stderr.
+    ImportNpd {
+        /// NPD monitor configs (system-log-monitor, custom-plugin-monitor).
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
+        /// metadata.name of the policy.
+        #[arg(long, default_value = "imported-npd")]
+        name: String,
+    },
     /// Print the version, git commit and compiler.
     Version,
 }

@@ -17,6 +17,7 @@ fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { files } => check(&files),
+        Command::ImportNpd { files, name } => import_npd(&files, &name),
         Command::Version => {
             println!("{}", nodeguard::version_string());
             Ok(ExitCode::SUCCESS)
@@ -85,6 +86,47 @@ async fn wait_for_signal() -> anyhow::Result<&'static str> {
     Ok(tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
+    })
+}
+
+fn import_npd(files: &[std::path::PathBuf], name: &str) -> anyhow::Result<ExitCode> {
+    let mut monitors = Vec::new();
+    for file in files {
+        let origin = file.display().to_string();
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("cannot read {origin}"))?;
+        let config: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{origin} is not valid JSON"))?;
+        let imported = policy::npd::import(&origin, &config);
+        for note in &imported.notes {
+            eprintln!("note: {note}");
+        }
+        monitors.extend(imported.monitors);
+    }
+    if monitors.is_empty() {
+        eprintln!("error: nothing could be imported");
+        return Ok(ExitCode::from(1));
+    }
+    let policy = NodeGuardPolicy::new(
+        name,
+        policy::NodeGuardPolicySpec {
+            monitors,
+            ..Default::default()
+        },
+    );
+    let mut value = serde_json::to_value(&policy)?;
+    if let Some(obj) = value.as_object_mut() {
+        obj.remove("status");
+    }
+    print!("{}", serde_saphyr::to_string(&value)?);
+    let problems = policy::validate(&policy);
+    for p in &problems {
+        eprintln!("warning: the imported policy has a problem: {p}");
+    }
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
     })
 }
 

@@ -87,3 +87,76 @@ fn version_and_help() {
         assert!(out.contains(flag), "run --help lacks {flag}:\n{out}");
     }
 }
+
+#[test]
+fn import_npd_converts_the_published_shapes_into_a_valid_policy() {
+    let fixtures = support::repo_root().join("tests/fixtures/npd");
+    let files: Vec<String> = [
+        "kernel-monitor.json",
+        "docker-monitor.json",
+        "systemd-monitor-counter.json",
+        "custom-plugin-monitor.json",
+    ]
+    .iter()
+    .map(|f| fixtures.join(f).display().to_string())
+    .collect();
+    let mut args = vec!["import-npd"];
+    args.extend(files.iter().map(String::as_str));
+    let (code, yaml, notes) = nodeguard(&args);
+    assert_eq!(code, 0, "{notes}");
+    // What could not be expressed is said.
+    assert!(notes.contains("--delay has no equivalent"), "{notes}");
+    assert!(notes.contains("lookback is not needed"), "{notes}");
+    // The policy passes the same validation as the agent's.
+    let dir = std::env::temp_dir().join(support::unique_name("npd"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("imported.yaml");
+    std::fs::write(&out, &yaml).unwrap();
+    let (code, text, _) = nodeguard(&["check", "-f", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}\n{yaml}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let monitors = &docs[0].policy.as_ref().unwrap().spec.monitors;
+    let names: Vec<&str> = monitors.iter().map(|m| m.name.as_str()).collect();
+    assert!(
+        names.contains(&"kernel-monitor") && names.contains(&"docker-monitor"),
+        "{names:?}"
+    );
+    let kernel = monitors
+        .iter()
+        .find(|m| m.name == "kernel-monitor")
+        .unwrap();
+    assert_eq!(kernel.rules.len(), 12);
+    assert!(kernel.source.kmsg.is_some());
+    let docker = monitors
+        .iter()
+        .find(|m| m.name == "docker-monitor")
+        .unwrap();
+    assert_eq!(
+        docker
+            .source
+            .journald
+            .as_ref()
+            .unwrap()
+            .identifier
+            .as_deref(),
+        Some("dockerd")
+    );
+    let kubelet = monitors
+        .iter()
+        .find(|m| {
+            m.conditions
+                .iter()
+                .any(|c| c.type_ == "FrequentKubeletRestart")
+        })
+        .unwrap();
+    let count = kubelet.rules[0].count.as_ref().unwrap();
+    assert_eq!((count.threshold, count.window_seconds), (5, 1200));
+    assert_eq!(kubelet.rules[0].pattern, "Started Kubernetes kubelet.");
+    let ntp = monitors
+        .iter()
+        .find(|m| m.name == "ntp-custom-plugin-monitor")
+        .unwrap();
+    assert_eq!(ntp.source.plugin.as_ref().unwrap().interval_seconds, 30);
+    assert_eq!(ntp.rules[1].command, ["./config/plugin/check_ntp.sh"]);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -8,6 +8,7 @@
 
 mod load;
 pub mod monitors;
+pub mod npd;
 pub mod probes;
 mod select;
 pub mod selector;

@@ -1,0 +1,382 @@
+//! `nodeguard import-npd`: node-problem-detector monitor configs (JSON) to
+//! `spec.monitors`, with a list of what could not be expressed.
+//!
+//! system-log-monitor configs (`kmsg`, `journald`, `filelog`) become log
+//! monitors with the same conditions and rules; custom-plugin-monitor
+//! configs become plugin monitors; rules that run NPD's `log-counter`
+//! become native counting rules on a journald monitor.
+
+use serde_json::Value;
+
+use super::monitors::{
+    ConditionSpec, CountSpec, FileSource, JournaldSource, KmsgSource, LogSource, MonitorSpec,
+    PluginSource, ProblemKind, RuleSpec,
+};
+
+/// The result of converting one NPD config.
+#[derive(Debug, Default)]
+pub struct Imported {
+    pub monitors: Vec<MonitorSpec>,
+    /// Everything that was dropped or changed, one sentence each.
+    pub notes: Vec<String>,
+}
+
+/// Seconds in a Go duration ("30s", "5m", "1h30m", "500ms" → 1).
+pub fn go_duration_seconds(s: &str) -> Option<u32> {
+    let mut total = 0f64;
+    let mut num = String::new();
+    let mut chars = s.trim().chars().peekable();
+    if s.trim().is_empty() {
+        return None;
+    }
+    while let Some(c) = chars.next() {
+        if c.is_ascii_digit() || c == '.' {
+            num.push(c);
+            continue;
+        }
+        let mut unit = c.to_string();
+        while let Some(n) = chars.peek() {
+            if n.is_ascii_alphabetic() {
+                unit.push(*n);
+                chars.next();
+            } else {
+                break;
+            }
+        }
+        let v: f64 = num.parse().ok()?;
+        num.clear();
+        total += v * match unit.as_str() {
+            "h" => 3600.0,
+            "m" => 60.0,
+            "s" => 1.0,
+            "ms" => 0.001,
+            "us" | "µs" => 0.000_001,
+            "ns" => 0.000_000_001,
+            _ => return None,
+        };
+    }
+    if !num.is_empty() {
+        return None;
+    }
+    Some(total.ceil().max(1.0) as u32)
+}
+
+/// A DNS label from an NPD `source` name.
+fn label(s: &str) -> String {
+    let l: String = s
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let l = l.trim_matches('-').to_string();
+    let mut l = if l.is_empty() {
+        "imported".to_string()
+    } else {
+        l
+    };
+    l.truncate(63);
+    l.trim_end_matches('-').to_string()
+}
+
+fn conditions(v: &Value) -> Vec<ConditionSpec> {
+    v.get("conditions")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            Some(ConditionSpec {
+                type_: c.get("type")?.as_str()?.to_string(),
+                reason: c.get("reason")?.as_str()?.to_string(),
+                message: c
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            })
+        })
+        .collect()
+}
+
+fn kind(rule: &Value) -> ProblemKind {
+    if rule.get("type").and_then(Value::as_str) == Some("permanent") {
+        ProblemKind::Permanent
+    } else {
+        ProblemKind::Temporary
+    }
+}
+
+/// Converts one NPD monitor config; `origin` names it in the notes.
+pub fn import(origin: &str, config: &Value) -> Imported {
+    let mut out = Imported::default();
+    let plugin = config.get("plugin").and_then(Value::as_str).unwrap_or("");
+    let name = label(
+        config
+            .get("source")
+            .and_then(Value::as_str)
+            .unwrap_or(origin),
+    );
+    let log_path = config.get("logPath").and_then(Value::as_str);
+    if config.get("lookback").is_some() {
+        out.notes.push(format!(
+            "{origin}: lookback is not needed: nodeguard resumes each source from its saved cursor and starts new ones at the end"
+        ));
+    }
+    let source = match plugin {
+        "kmsg" => LogSource {
+            kmsg: Some(KmsgSource {
+                path: log_path.unwrap_or("/dev/kmsg").to_string(),
+            }),
+            file: None,
+            journald: None,
+            plugin: None,
+        },
+        "journald" => LogSource {
+            kmsg: None,
+            file: None,
+            journald: Some(JournaldSource {
+                directory: log_path.map(str::to_string),
+                unit: None,
+                identifier: config
+                    .pointer("/pluginConfig/source")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+            }),
+            plugin: None,
+        },
+        "filelog" => {
+            if config.pointer("/pluginConfig/message").is_some() {
+                out.notes.push(format!(
+                    "{origin}: pluginConfig.message/timestamp extraction is not supported: rules match the whole line"
+                ));
+            }
+            LogSource {
+                kmsg: None,
+                file: Some(FileSource {
+                    path: log_path.unwrap_or_default().to_string(),
+                }),
+                journald: None,
+                plugin: None,
+            }
+        }
+        "custom" => return import_custom(origin, &name, config, out),
+        other => {
+            out.notes.push(format!(
+                "{origin}: plugin {other:?} is not supported; nothing imported"
+            ));
+            return out;
+        }
+    };
+    let rules = config
+        .get("rules")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|r| {
+            Some(RuleSpec {
+                kind: kind(r),
+                condition: r
+                    .get("condition")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                reason: r.get("reason")?.as_str()?.to_string(),
+                pattern: r.get("pattern")?.as_str()?.to_string(),
+                command: Vec::new(),
+                message: None,
+                count: None,
+            })
+        })
+        .collect();
+    out.monitors.push(MonitorSpec {
+        name,
+        source,
+        conditions: conditions(config),
+        rules,
+    });
+    out
+}
+
+/// `--flag=value` from a log-counter argument list.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .find_map(|a| a.strip_prefix(&format!("--{name}=")))
+}
+
+fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) -> Imported {
+    let pc = config.get("pluginConfig");
+    let get_s = |k: &str| {
+        pc.and_then(|p| p.get(k))
+            .and_then(Value::as_str)
+            .and_then(go_duration_seconds)
+    };
+    let get_n = |k: &str| {
+        pc.and_then(|p| p.get(k))
+            .and_then(Value::as_u64)
+            .map(|n| n as u32)
+    };
+    let plugin = PluginSource {
+        interval_seconds: get_s("invoke_interval").unwrap_or(30),
+        timeout_seconds: get_s("timeout").unwrap_or(5),
+        concurrency: get_n("concurrency").unwrap_or(3).clamp(1, 64),
+        max_output_length: get_n("max_output_length").unwrap_or(80).clamp(1, 4096),
+    };
+    let conds = conditions(config);
+    let mut plugin_rules = Vec::new();
+    let mut counters: Vec<MonitorSpec> = Vec::new();
+    for (i, r) in config
+        .get("rules")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let Some(reason) = r.get("reason").and_then(Value::as_str) else {
+            continue;
+        };
+        let path = r.get("path").and_then(Value::as_str).unwrap_or_default();
+        let args: Vec<String> = r
+            .get("args")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str().map(str::to_string))
+            .collect();
+        if path.ends_with("log-counter") {
+            // NPD's log-counter: N matches of a journal pattern in a window.
+            let (Some(pattern), Some(count)) = (flag(&args, "pattern"), flag(&args, "count"))
+            else {
+                out.notes.push(format!(
+                    "{origin}: rules[{i}] runs log-counter without --pattern/--count; skipped"
+                ));
+                continue;
+            };
+            let window = flag(&args, "lookback")
+                .and_then(go_duration_seconds)
+                .unwrap_or(1200);
+            if flag(&args, "delay").is_some() {
+                out.notes.push(format!(
+                    "{origin}: rules[{i}] log-counter --delay has no equivalent (nodeguard counts from when it starts reading)"
+                ));
+            }
+            let condition = r
+                .get("condition")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            let mon_name = label(&format!("{name}-{}", reason));
+            counters.push(MonitorSpec {
+                name: mon_name,
+                source: LogSource {
+                    kmsg: None,
+                    file: None,
+                    journald: Some(JournaldSource {
+                        directory: flag(&args, "journal-path").map(str::to_string),
+                        unit: None,
+                        identifier: flag(&args, "log-source").map(str::to_string),
+                    }),
+                    plugin: None,
+                },
+                conditions: conds
+                    .iter()
+                    .filter(|c| condition.as_ref() == Some(&c.type_))
+                    .cloned()
+                    .collect(),
+                rules: vec![RuleSpec {
+                    kind: kind(r),
+                    condition,
+                    reason: reason.to_string(),
+                    // log-counter patterns are regular expressions already.
+                    pattern: pattern.to_string(),
+                    command: Vec::new(),
+                    message: None,
+                    count: Some(CountSpec {
+                        threshold: count.parse().unwrap_or(1),
+                        window_seconds: window,
+                    }),
+                }],
+            });
+            continue;
+        }
+        if path.is_empty() {
+            out.notes
+                .push(format!("{origin}: rules[{i}] has no path; skipped"));
+            continue;
+        }
+        if r.get("timeout").is_some() {
+            out.notes.push(format!(
+                "{origin}: rules[{i}] timeout: nodeguard uses the monitor's timeoutSeconds for every rule"
+            ));
+        }
+        let mut command = vec![path.to_string()];
+        command.extend(args);
+        plugin_rules.push(RuleSpec {
+            kind: kind(r),
+            condition: r
+                .get("condition")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            reason: reason.to_string(),
+            pattern: String::new(),
+            command,
+            message: None,
+            count: None,
+        });
+    }
+    // Conditions go to the monitor whose rules set them.
+    let counted: Vec<String> = counters
+        .iter()
+        .flat_map(|m| m.conditions.iter().map(|c| c.type_.clone()))
+        .collect();
+    if !plugin_rules.is_empty() {
+        out.monitors.push(MonitorSpec {
+            name: name.to_string(),
+            source: LogSource {
+                kmsg: None,
+                file: None,
+                journald: None,
+                plugin: Some(plugin),
+            },
+            conditions: conds
+                .iter()
+                .filter(|c| !counted.contains(&c.type_))
+                .cloned()
+                .collect(),
+            rules: plugin_rules,
+        });
+    }
+    if pc
+        .and_then(|p| p.get("enable_message_change_based_condition_update"))
+        .is_some()
+    {
+        out.notes.push(format!(
+            "{origin}: enable_message_change_based_condition_update: nodeguard always updates a condition whose message changes"
+        ));
+    }
+    out.monitors.extend(counters);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(go_duration_seconds("30s"), Some(30));
+        assert_eq!(go_duration_seconds("5m"), Some(300));
+        assert_eq!(go_duration_seconds("1h30m"), Some(5400));
+        assert_eq!(go_duration_seconds("500ms"), Some(1));
+        assert_eq!(go_duration_seconds("20m0s"), Some(1200));
+        assert_eq!(go_duration_seconds("10"), None);
+        assert_eq!(go_duration_seconds("5x"), None);
+        assert_eq!(go_duration_seconds(""), None);
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(label("kernel-monitor"), "kernel-monitor");
+        assert_eq!(label("NTP custom_plugin"), "ntp-custom-plugin");
+        assert_eq!(label("---"), "imported");
+    }
+}

@@ -40,6 +40,9 @@ pub enum Command {
         #[arg(long, default_value = "imported-npd")]
         name: String,
     },
+    /// Print the default policy shipped with the chart (NPD's standard
+    /// monitors, kubelet and kube-proxy probes, kubelet-like shutdown).
+    DefaultPolicy,
     /// Print the version, git commit and compiler.
     Version,
 }

@@ -12,6 +12,18 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(args),
+        Command::DefaultPolicy => {
+            let mut value = serde_json::to_value(policy::defaults::default_policy())
+                .expect("a policy serializes");
+            if let Some(obj) = value.as_object_mut() {
+                obj.remove("status");
+            }
+            print!(
+                "{}",
+                serde_saphyr::to_string(&value).expect("a policy serializes to YAML")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Crd => {
             print!("{}", NodeGuardPolicy::crd_yaml());
             Ok(ExitCode::SUCCESS)

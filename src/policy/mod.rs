@@ -6,6 +6,7 @@
 //! prints the CRD generated from them and `crds/` holds that output.
 //! Capability issues add their own sections to [`NodeGuardPolicySpec`].
 
+pub mod defaults;
 mod load;
 pub mod monitors;
 pub mod npd;

@@ -1,0 +1,209 @@
+//! The default policy shipped with the chart: node-problem-detector's
+//! standard monitors and conditions, kubelet and kube-proxy health probes,
+//! graceful shutdown with common kubelet settings, the watchdog off.
+
+use super::monitors::{
+    ConditionSpec, CountSpec, JournaldSource, LogSource, MonitorSpec, ProblemKind, RuleSpec,
+    default_kernel_monitor,
+};
+use super::probes::ProbeSpec;
+use super::{NodeGuardPolicy, NodeGuardPolicySpec, ShutdownSpec};
+
+fn journald(identifier: &str) -> LogSource {
+    LogSource {
+        kmsg: None,
+        file: None,
+        journald: Some(JournaldSource {
+            directory: Some("/var/log/journal".into()),
+            unit: None,
+            identifier: Some(identifier.into()),
+        }),
+        plugin: None,
+    }
+}
+
+fn condition(type_: &str, reason: &str, message: &str, clear_after: Option<u32>) -> ConditionSpec {
+    ConditionSpec {
+        type_: type_.into(),
+        reason: reason.into(),
+        message: message.into(),
+        clear_after_seconds: clear_after,
+        clear_pattern: None,
+        taint: None,
+    }
+}
+
+fn rule(
+    kind: ProblemKind,
+    condition: Option<&str>,
+    reason: &str,
+    pattern: &str,
+    count: Option<(u32, u32)>,
+) -> RuleSpec {
+    RuleSpec {
+        kind,
+        condition: condition.map(str::to_string),
+        reason: reason.into(),
+        pattern: pattern.into(),
+        command: Vec::new(),
+        message: None,
+        count: count.map(|(threshold, window_seconds)| CountSpec {
+            threshold,
+            window_seconds,
+        }),
+    }
+}
+
+/// NPD's systemd-monitor-counter, natively: 5 restarts in 20 minutes.
+fn restart_counter() -> MonitorSpec {
+    let counted = |c: &str, reason: &str, pattern: &str| {
+        rule(
+            ProblemKind::Permanent,
+            Some(c),
+            reason,
+            pattern,
+            Some((5, 1200)),
+        )
+    };
+    MonitorSpec {
+        name: "systemd-restarts".into(),
+        source: journald("systemd"),
+        conditions: vec![
+            condition(
+                "FrequentKubeletRestart",
+                "NoFrequentKubeletRestart",
+                "kubelet is functioning properly",
+                Some(1200),
+            ),
+            condition(
+                "FrequentDockerRestart",
+                "NoFrequentDockerRestart",
+                "docker is functioning properly",
+                Some(1200),
+            ),
+            condition(
+                "FrequentContainerdRestart",
+                "NoFrequentContainerdRestart",
+                "containerd is functioning properly",
+                Some(1200),
+            ),
+        ],
+        rules: vec![
+            counted(
+                "FrequentKubeletRestart",
+                "FrequentKubeletRestart",
+                r"Started (Kubernetes kubelet|kubelet\.service)",
+            ),
+            counted(
+                "FrequentDockerRestart",
+                "FrequentDockerRestart",
+                r"Starting Docker Application Container Engine",
+            ),
+            counted(
+                "FrequentContainerdRestart",
+                "FrequentContainerdRestart",
+                r"Starting containerd container runtime",
+            ),
+        ],
+    }
+}
+
+/// NPD's docker-monitor.
+fn docker_monitor() -> MonitorSpec {
+    MonitorSpec {
+        name: "docker".into(),
+        source: journald("dockerd"),
+        conditions: vec![condition(
+            "CorruptDockerOverlay2",
+            "NoCorruptDockerOverlay2",
+            "docker overlay2 is functioning properly",
+            None,
+        )],
+        rules: vec![
+            rule(
+                ProblemKind::Temporary,
+                None,
+                "CorruptDockerImage",
+                r"Error trying v2 registry: failed to register layer: rename /var/lib/docker/image/(.+) /var/lib/docker/image/(.+): directory not empty.*",
+                None,
+            ),
+            rule(
+                ProblemKind::Permanent,
+                Some("CorruptDockerOverlay2"),
+                "CorruptDockerOverlay2",
+                r"returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*",
+                None,
+            ),
+        ],
+    }
+}
+
+fn probe(name: &str, url: &str, condition_type: &str) -> ProbeSpec {
+    serde_json::from_value(serde_json::json!({
+        "name": name, "http": {"url": url}, "conditionType": condition_type,
+        "periodSeconds": 10, "failureThreshold": 3,
+    }))
+    .expect("a valid probe")
+}
+
+/// The default policy's spec.
+pub fn default_spec() -> NodeGuardPolicySpec {
+    NodeGuardPolicySpec {
+        probes: vec![
+            probe(
+                "kubelet",
+                "http://127.0.0.1:10248/healthz",
+                "KubeletUnhealthy",
+            ),
+            probe(
+                "kube-proxy",
+                "http://127.0.0.1:10256/healthz",
+                "KubeProxyUnhealthy",
+            ),
+        ],
+        monitors: vec![
+            default_kernel_monitor(),
+            restart_counter(),
+            docker_monitor(),
+        ],
+        shutdown: Some(ShutdownSpec {
+            grace_period_seconds: Some(30),
+            critical_pods_grace_period_seconds: Some(10),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The default policy, named `default`.
+pub fn default_policy() -> NodeGuardPolicy {
+    NodeGuardPolicy::new("default", default_spec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_policy_is_valid_and_covers_npds_standard_conditions() {
+        let p = default_policy();
+        assert_eq!(crate::policy::validate(&p), vec![]);
+        let types: Vec<&str> = p
+            .spec
+            .monitors
+            .iter()
+            .flat_map(|m| m.conditions.iter().map(|c| c.type_.as_str()))
+            .collect();
+        for want in [
+            "KernelDeadlock",
+            "ReadonlyFilesystem",
+            "FrequentKubeletRestart",
+            "FrequentDockerRestart",
+            "FrequentContainerdRestart",
+            "CorruptDockerOverlay2",
+        ] {
+            assert!(types.contains(&want), "{want} missing from {types:?}");
+        }
+        assert!(p.spec.watchdog.is_none(), "watchdog off by default");
+    }
+}

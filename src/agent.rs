@@ -302,6 +302,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         reporter.clone(),
         KubeTaints::new(client.clone(), &config.node_name),
         config.state_dir.clone(),
+        config.system_bus_address.clone(),
         monitor_metrics,
         shutdown.clone(),
     ));

@@ -425,3 +425,116 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
         .delete(&policy, &DeleteParams::default())
         .await;
 }
+
+#[tokio::test]
+async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_cooldown() {
+    use support::dbus::{LogindPeer, PrivateBus, UnitState, now_usec};
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "service", &[]).await;
+    Api::<Node>::all(admin.clone())
+        .patch(
+            &node.name,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
+        )
+        .await
+        .unwrap();
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
+    peer.serve_unit(
+        "kubelet.service",
+        UnitState {
+            active: "active".into(),
+            sub: "running".into(),
+            started_usec: now_usec(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let policy = unique_name("service");
+    apply_policy(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "kubelet-service",
+            "source": {"systemd": {"unit": "kubelet.service", "intervalSeconds": 1, "repair": {"cooldownSeconds": 2}}},
+            "conditions": [{"type": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsHealthy", "message": "kubelet.service is active"}],
+            "rules": [{"type": "permanent", "condition": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsDown"}],
+        }]),
+    )
+    .await;
+    let address = bus.address.clone();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address)
+    })
+    .await;
+    eventually(
+        Duration::from_secs(15),
+        "KubeletServiceUnhealthy=False",
+        || async {
+            status(&admin, &node.name, "KubeletServiceUnhealthy")
+                .await
+                .as_deref()
+                == Some("False")
+        },
+    )
+    .await;
+    // It fails right after a (re)start: within the cooldown, no repair.
+    {
+        let mut s = peer.state.lock().unwrap();
+        let u = s.units.get_mut("kubelet.service").unwrap();
+        u.active = "failed".into();
+        u.sub = "failed".into();
+        u.started_usec = now_usec();
+    }
+    eventually(
+        Duration::from_secs(5),
+        "KubeletServiceUnhealthy=True",
+        || async {
+            node_conditions(&admin, &node.name, "KubeletServiceUnhealthy")
+                .await
+                .first()
+                .is_some_and(|c| {
+                    c.status == "True"
+                        && c.message
+                            .as_deref()
+                            .is_some_and(|m| m.contains("kubelet.service is failed"))
+                })
+        },
+    )
+    .await;
+    let kills = || peer.state.lock().unwrap().units["kubelet.service"].kills;
+    assert_eq!(
+        kills(),
+        0,
+        "not repaired within the cooldown since its start"
+    );
+    // Past the cooldown: repaired once, and the restarted unit is healthy.
+    eventually(Duration::from_secs(6), "repaired", || {
+        std::future::ready(kills() == 1)
+    })
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "KubeletServiceUnhealthy=False after the repair",
+        || async {
+            status(&admin, &node.name, "KubeletServiceUnhealthy")
+                .await
+                .as_deref()
+                == Some("False")
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(kills(), 1, "a healthy unit is not repaired again");
+    eventually(Duration::from_secs(10), "ServiceRepaired event", || async {
+        kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)])
+            .contains("ServiceRepaired")
+    })
+    .await;
+    agent.stop().await;
+    let _ = Api::<NodeGuardPolicy>::all(admin)
+        .delete(&policy, &DeleteParams::default())
+        .await;
+}

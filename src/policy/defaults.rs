@@ -19,6 +19,7 @@ fn journald(identifier: &str) -> LogSource {
             identifier: Some(identifier.into()),
         }),
         plugin: None,
+        systemd: None,
     }
 }
 

@@ -31,6 +31,10 @@ pub struct LogSource {
     /// A text log file, followed across rotation and truncation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<FileSource>,
+    /// A systemd unit's health over D-Bus (ActiveState, restarts, uptime),
+    /// with an optional HTTP health endpoint and optional repair.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub systemd: Option<SystemdUnitSource>,
     /// The systemd journal, read with `journalctl --follow --output=json`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journald: Option<JournaldSource>,
@@ -39,6 +43,41 @@ pub struct LogSource {
     /// output (truncated) is the message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugin: Option<PluginSource>,
+}
+
+/// A service checked like node-problem-detector's health checker.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SystemdUnitSource {
+    /// The unit, e.g. `kubelet.service`.
+    pub unit: String,
+    #[serde(default = "default_service_interval")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub interval_seconds: u32,
+    /// Also require this URL to answer 2xx (e.g. the kubelet's healthz).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_url: Option<String>,
+    /// Repair an unhealthy unit by killing its main process (systemd restarts
+    /// it), only once it has run for `cooldownSeconds` since its last start,
+    /// so a unit that fails at start is never killed in a loop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repair: Option<RepairSpec>,
+}
+
+fn default_service_interval() -> u32 {
+    10
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RepairSpec {
+    #[serde(default = "default_cooldown")]
+    #[schemars(range(min = 1))]
+    pub cooldown_seconds: u32,
+}
+
+fn default_cooldown() -> u32 {
+    600
 }
 
 /// Which journal entries to read.
@@ -206,11 +245,12 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
             m.source.file.is_some(),
             m.source.journald.is_some(),
             m.source.plugin.is_some(),
+            m.source.systemd.is_some(),
         ];
         if sources.iter().filter(|s| **s).count() != 1 {
             problems.push(Problem::new(
                 format!("{at}.source"),
-                "set exactly one of kmsg, file, journald or plugin",
+                "set exactly one of kmsg, file, journald, plugin or systemd",
             ));
         }
         let plugin = m.source.plugin.is_some();
@@ -244,20 +284,20 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
         }
         for (j, r) in m.rules.iter().enumerate() {
             let rat = format!("{at}.rules[{j}]");
-            match (plugin, r.pattern.is_empty(), r.command.is_empty()) {
-                (true, _, true) => problems.push(Problem::new(
-                    format!("{rat}.command"),
-                    "plugin rules run a command",
+            let service = m.source.systemd.is_some();
+            match (plugin, service, r.pattern.is_empty(), r.command.is_empty()) {
+                (_, true, false, _) | (_, true, _, false) => problems.push(Problem::new(
+                    rat.clone(),
+                    "systemd monitor rules take neither pattern nor command: they name the reason and condition of an unhealthy unit",
                 )),
-                (true, false, _) => problems.push(Problem::new(
+                (_, true, _, _) => {}
+                (true, _, _, true) => problems.push(Problem::new(format!("{rat}.command"), "plugin rules run a command")),
+                (true, _, false, _) => problems.push(Problem::new(
                     format!("{rat}.pattern"),
                     "plugin rules take a command, not a pattern",
                 )),
-                (false, true, _) => problems.push(Problem::new(
-                    format!("{rat}.pattern"),
-                    "log rules need a pattern",
-                )),
-                (false, _, false) => problems.push(Problem::new(
+                (false, _, true, _) => problems.push(Problem::new(format!("{rat}.pattern"), "log rules need a pattern")),
+                (false, _, _, false) => problems.push(Problem::new(
                     format!("{rat}.command"),
                     "only plugin monitors run commands",
                 )),
@@ -326,6 +366,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
             file: None,
             journald: None,
             plugin: None,
+            systemd: None,
         },
         conditions: vec![
             ConditionSpec {

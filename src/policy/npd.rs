@@ -132,6 +132,7 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             file: None,
             journald: None,
             plugin: None,
+            systemd: None,
         },
         "journald" => LogSource {
             kmsg: None,
@@ -145,6 +146,7 @@ pub fn import(origin: &str, config: &Value) -> Imported {
                     .map(str::to_string),
             }),
             plugin: None,
+            systemd: None,
         },
         "filelog" => {
             if config.pointer("/pluginConfig/message").is_some() {
@@ -159,6 +161,7 @@ pub fn import(origin: &str, config: &Value) -> Imported {
                 }),
                 journald: None,
                 plugin: None,
+                systemd: None,
             }
         }
         "custom" => return import_custom(origin, &name, config, out),
@@ -276,6 +279,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                         identifier: flag(&args, "log-source").map(str::to_string),
                     }),
                     plugin: None,
+                    systemd: None,
                 },
                 conditions: conds
                     .iter()
@@ -336,6 +340,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                 file: None,
                 journald: None,
                 plugin: Some(plugin),
+                systemd: None,
             },
             conditions: conds
                 .iter()

@@ -107,6 +107,91 @@ pub struct LogindState {
     pub inhibitors: Vec<Inhibitor>,
     pub drop_in_dir: Option<PathBuf>,
     pub reloads: usize,
+    /// Units the systemd peer knows, by name.
+    pub units: std::collections::BTreeMap<String, UnitState>,
+}
+
+/// A unit as the systemd peer reports it.
+#[derive(Clone, Debug, Default)]
+pub struct UnitState {
+    pub active: String,
+    pub sub: String,
+    pub started_usec: u64,
+    pub restarts: u32,
+    /// KillUnit calls for it.
+    pub kills: u32,
+}
+
+pub fn now_usec() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// systemd's object path for a unit name.
+pub fn unit_path(name: &str) -> String {
+    let mut p = String::from("/org/freedesktop/systemd1/unit/");
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() {
+            p.push(b as char);
+        } else {
+            p.push_str(&format!("_{b:02x}"));
+        }
+    }
+    p
+}
+
+struct UnitIface(SharedLogind, String);
+
+#[zbus::interface(name = "org.freedesktop.systemd1.Unit")]
+impl UnitIface {
+    #[zbus(property, name = "ActiveState")]
+    fn active_state(&self) -> String {
+        self.0
+            .lock()
+            .unwrap()
+            .units
+            .get(&self.1)
+            .map(|u| u.active.clone())
+            .unwrap_or_default()
+    }
+    #[zbus(property, name = "SubState")]
+    fn sub_state(&self) -> String {
+        self.0
+            .lock()
+            .unwrap()
+            .units
+            .get(&self.1)
+            .map(|u| u.sub.clone())
+            .unwrap_or_default()
+    }
+    #[zbus(property, name = "InactiveExitTimestamp")]
+    fn inactive_exit_timestamp(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .units
+            .get(&self.1)
+            .map(|u| u.started_usec)
+            .unwrap_or(0)
+    }
+}
+
+struct ServiceIface(SharedLogind, String);
+
+#[zbus::interface(name = "org.freedesktop.systemd1.Service")]
+impl ServiceIface {
+    #[zbus(property, name = "NRestarts")]
+    fn n_restarts(&self) -> u32 {
+        self.0
+            .lock()
+            .unwrap()
+            .units
+            .get(&self.1)
+            .map(|u| u.restarts)
+            .unwrap_or(0)
+    }
 }
 
 impl LogindState {
@@ -202,9 +287,27 @@ struct SystemdManager(SharedLogind);
 
 #[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
 impl SystemdManager {
+    fn get_unit(&self, name: String) -> zbus::fdo::Result<zbus::zvariant::OwnedObjectPath> {
+        if self.0.lock().unwrap().units.contains_key(&name) {
+            Ok(zbus::zvariant::OwnedObjectPath::try_from(unit_path(&name)).unwrap())
+        } else {
+            Err(zbus::fdo::Error::Failed(format!("Unit {name} not loaded.")))
+        }
+    }
+
     fn kill_unit(&self, name: String, whom: String, signal: i32) -> zbus::fdo::Result<()> {
+        let mut s = self.0.lock().unwrap();
+        if let Some(u) = s.units.get_mut(&name) {
+            // Like systemd with Restart=always: killed, then started again.
+            u.kills += 1;
+            u.restarts += 1;
+            u.active = "active".into();
+            u.sub = "running".into();
+            u.started_usec = now_usec();
+            return Ok(());
+        }
         if name == "systemd-logind.service" && whom == "main" && signal == libc::SIGHUP {
-            self.0.lock().unwrap().reload();
+            s.reload();
             Ok(())
         } else {
             Err(zbus::fdo::Error::Failed(format!(
@@ -248,6 +351,30 @@ impl LogindPeer {
         };
         peer.come_back().await;
         peer
+    }
+
+    /// Serves a unit on the systemd peer.
+    pub async fn serve_unit(&self, name: &str, state: UnitState) {
+        self.state
+            .lock()
+            .unwrap()
+            .units
+            .insert(name.to_string(), state);
+        let server = self._systemd.object_server();
+        server
+            .at(
+                unit_path(name),
+                UnitIface(self.state.clone(), name.to_string()),
+            )
+            .await
+            .unwrap();
+        server
+            .at(
+                unit_path(name),
+                ServiceIface(self.state.clone(), name.to_string()),
+            )
+            .await
+            .unwrap();
     }
 
     /// logind (re)appears on the bus; earlier inhibitors are forgotten, as

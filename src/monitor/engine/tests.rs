@@ -153,6 +153,7 @@ fn monitor() -> MonitorSpec {
             file: Some(crate::policy::monitors::FileSource { path: "/x".into() }),
             journald: None,
             plugin: None,
+            systemd: None,
         },
         conditions: vec![ConditionSpec {
             type_: "AppBroken".into(),
@@ -350,6 +351,7 @@ fn plugin_results_set_and_clear_permanent_conditions() {
             concurrency: 1,
             max_output_length: 80,
         }),
+        systemd: None,
     };
     m.conditions[0].clear_pattern = None;
     m.rules = vec![RuleSpec {

@@ -287,9 +287,9 @@ struct SystemdManager(SharedLogind);
 
 #[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
 impl SystemdManager {
-    fn get_unit(&self, name: String) -> zbus::fdo::Result<zbus::zvariant::OwnedObjectPath> {
+    fn get_unit(&self, name: String) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
         if self.0.lock().unwrap().units.contains_key(&name) {
-            Ok(zbus::zvariant::OwnedObjectPath::try_from(unit_path(&name)).unwrap())
+            Ok(zbus::OwnedObjectPath::try_from(unit_path(&name)).unwrap())
         } else {
             Err(zbus::fdo::Error::Failed(format!("Unit {name} not loaded.")))
         }

@@ -218,3 +218,38 @@ async fn eligibility_turns_healthz_503_while_livez_stays_200() {
     .await;
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn the_api_server_rejects_cross_field_mistakes_naming_the_field() {
+    let admin = admin_client().await;
+    let api: Api<kube::api::DynamicObject> = Api::all_with(
+        admin.clone(),
+        &kube::api::ApiResource::erase::<NodeGuardPolicy>(&()),
+    );
+    let bad: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+        "metadata": {"name": unique_name("cel")},
+        "spec": {
+            "nodeSelector": {"matchExpressions": [{"key": "pool", "operator": "Equals", "values": ["a"]}]},
+            "shutdown": {"gracePeriodSeconds": 30, "gracePeriodByPriority": [{"priority": 0, "gracePeriodSeconds": 5}]},
+            "probes": [{"name": "x", "http": {"url": "http://x"}, "tcp": {"port": 1}, "conditionType": "X"}],
+            "monitors": [{"name": "m", "source": {"kmsg": {}, "file": {"path": "/x"}},
+                          "rules": [{"type": "permanent", "reason": "R", "pattern": "x"}]}],
+        },
+    }))
+    .unwrap();
+    let err = api
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "spec.nodeSelector: Invalid value",
+        "spec.shutdown: Invalid value",
+        "spec.probes[0]: Invalid value",
+        "spec.monitors[0].source: Invalid value",
+        "spec.monitors[0].rules[0].condition: Invalid value",
+    ] {
+        assert!(err.contains(want), "{want} missing in: {err}");
+    }
+}

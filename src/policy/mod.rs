@@ -70,6 +70,13 @@ pub enum PolicyError {
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.nodeSelector) || !has(self.nodeSelector.matchExpressions) || self.nodeSelector.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])",
+        "message": "nodeSelector.matchExpressions[].operator must be In, NotIn, Exists or DoesNotExist",
+        "fieldPath": ".nodeSelector"
+    }
+]))]
 pub struct NodeGuardPolicySpec {
     /// Nodes this policy applies to, matched against the Node's labels.
     /// An absent or empty selector selects every node.
@@ -132,6 +139,16 @@ pub enum Escalation {
 /// pods by priority group (lowest first) through the Eviction API.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!(has(self.gracePeriodByPriority) && size(self.gracePeriodByPriority) > 0 && (has(self.gracePeriodSeconds) || has(self.criticalPodsGracePeriodSeconds)))",
+        "message": "set either gracePeriodByPriority or gracePeriodSeconds/criticalPodsGracePeriodSeconds, not both"
+    },
+    {
+        "rule": "(has(self.gracePeriodByPriority) && size(self.gracePeriodByPriority) > 0) || has(self.gracePeriodSeconds)",
+        "message": "no grace periods: set gracePeriodByPriority, or gracePeriodSeconds (with criticalPodsGracePeriodSeconds)"
+    }
+]))]
 pub struct ShutdownSpec {
     /// Priority groups, like the kubelet's shutdownGracePeriodByPodPriority.
     /// Their periods add up to the inhibit delay nodeguard asks logind for.

@@ -21,9 +21,15 @@ pub struct MonitorSpec {
     pub rules: Vec<RuleSpec>,
 }
 
-/// Exactly one of `kmsg` or `file`.
+/// Exactly one source.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "[has(self.kmsg), has(self.file), has(self.journald), has(self.plugin), has(self.systemd)].filter(x, x).size() == 1",
+        "message": "set exactly one of kmsg, file, journald, plugin or systemd"
+    }
+]))]
 pub struct LogSource {
     /// The kernel log (`/dev/kmsg`-format records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,6 +196,13 @@ pub enum ProblemKind {
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "self.type == 'temporary' ? !has(self.condition) : has(self.condition)",
+        "message": "permanent rules name the condition they set; temporary rules set none",
+        "fieldPath": ".condition"
+    }
+]))]
 pub struct RuleSpec {
     #[serde(rename = "type")]
     pub kind: ProblemKind,

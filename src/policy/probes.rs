@@ -11,6 +11,21 @@ use super::selector::{Selector, check_label_key, is_dns_subdomain};
 /// One probe.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "[has(self.http), has(self.tcp), has(self.grpc), has(self.exec)].filter(x, x).size() == 1",
+        "message": "set exactly one of http, tcp, grpc, exec"
+    },
+    {
+        "rule": "has(self.pods) ? has(self.readinessGate) : has(self.conditionType)",
+        "message": "node probes need conditionType; pod probes need readinessGate"
+    },
+    {
+        "rule": "self.role == 'Readiness' || self.successThreshold == 1",
+        "message": "successThreshold must be 1 for Liveness and Startup probes",
+        "fieldPath": ".successThreshold"
+    }
+]))]
 pub struct ProbeSpec {
     /// Unique within the policy; lowercase letters, digits and '-'.
     pub name: String,

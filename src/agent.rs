@@ -27,7 +27,9 @@ use crate::k8s::watch::{Snapshot, publish_objects};
 use crate::monitor::{MonitorMetrics, run_monitors};
 use crate::policy::monitors::MonitorSpec;
 use crate::policy::probes::ProbeSpec;
-use crate::policy::{NodeGuardPolicy, Selection, WatchdogMode, WatchdogSpec, select};
+use crate::policy::{
+    NodeGuardPolicy, Selection, WatchdogMode, WatchdogSpec, select_with_last_good,
+};
 use crate::probe::{KubePodConditions, ProbeHandle, ProbeMetrics, run_probe_manager};
 use crate::report::{
     Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer,
@@ -350,6 +352,7 @@ struct NodeStateLoop {
 /// and what the condition writer observes of the Node.
 async fn node_state_loop(mut s: NodeStateLoop) {
     let mut last_selection: Option<Selection> = None;
+    let mut last_good = std::collections::BTreeMap::new();
     loop {
         let node_snapshot = s.node.borrow_and_update().clone();
         let policy_snapshot = s.policies.borrow_and_update().clone();
@@ -361,7 +364,11 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 .as_ref()
                 .and_then(|n| n.metadata.labels.clone())
                 .unwrap_or_default();
-            let selection = select(policies.values().map(|p| p.as_ref()), &labels);
+            let selection = select_with_last_good(
+                policies.values().map(|p| p.as_ref()),
+                &labels,
+                &mut last_good,
+            );
             if last_selection.as_ref() != Some(&selection) {
                 report_selection(&s.reporter, &s.node_name, &selection);
                 if selection
@@ -469,8 +476,14 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
             1 => String::new(),
             n => format!(" {} other invalid policies are ignored too.", n - 1),
         };
+        let fate = match selection.kept.get(name) {
+            Some(generation) => {
+                format!("its last valid generation ({generation}) stays in force on this node")
+            }
+            None => "it is ignored on this node".to_string(),
+        };
         let message = format!(
-            "NodeGuardPolicy {name} is invalid and ignored on this node: {first}{more}. Fix it and check with `nodeguard check -f`.{others}"
+            "NodeGuardPolicy {name} is invalid and {fate}: {first}{more}. Fix it and check with `nodeguard check -f`.{others}"
         );
         tracing::warn!(%node, policy = %name, problems = ?problems.iter().map(ToString::to_string).collect::<Vec<_>>(), "invalid policy ignored");
         reporter.event(

@@ -21,7 +21,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use load::{PolicyDocument, load_policies};
-pub use select::{Selection, select};
+pub use select::{Selection, select, select_with_last_good};
 pub use selector::Selector;
 pub use validate::{Problem, validate};
 pub use validate::{validate_shutdown, validate_watchdog};

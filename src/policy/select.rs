@@ -12,6 +12,9 @@ pub struct Selection {
     /// Invalid policies that match the node, or whose selector cannot be
     /// read (they might), with their problems. They are not applied.
     pub invalid: Vec<(String, Vec<Problem>)>,
+    /// Invalid policies whose last valid generation stays in force
+    /// instead: name → that generation.
+    pub kept: BTreeMap<String, i64>,
     /// Taint keys that make the node ineligible, besides the autoscaler's.
     pub ineligible_taints: Vec<String>,
     /// Probes of all applied policies; a name taken by an earlier policy
@@ -76,6 +79,44 @@ impl<T: Clone + PartialEq> FirstWins<T> {
 /// Selects the policies for a node with `labels`. Applied policies combine
 /// by union (sorted, without duplicates); issue-specific sections add their
 /// own merge rules.
+/// Like [`select`], but an invalid policy that was valid before keeps its
+/// last good version in force (and is still reported invalid). `last_good`
+/// is updated: valid policies are remembered, deleted ones forgotten.
+pub fn select_with_last_good<'a>(
+    policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
+    labels: &BTreeMap<String, String>,
+    last_good: &mut BTreeMap<String, NodeGuardPolicy>,
+) -> Selection {
+    let policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
+    last_good.retain(|name, _| {
+        policies
+            .iter()
+            .any(|p| p.metadata.name.as_deref() == Some(name.as_str()))
+    });
+    let mut effective: Vec<NodeGuardPolicy> = Vec::new();
+    let mut replaced: Vec<(String, Vec<Problem>, i64)> = Vec::new();
+    for p in policies {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let problems = validate(p);
+        if problems.is_empty() {
+            last_good.insert(name, p.clone());
+            effective.push(p.clone());
+        } else if let Some(good) = last_good.get(&name) {
+            replaced.push((name, problems, good.metadata.generation.unwrap_or_default()));
+            effective.push(good.clone());
+        } else {
+            effective.push(p.clone());
+        }
+    }
+    let mut out = select(effective.iter(), labels);
+    for (name, problems, generation) in replaced {
+        out.invalid.push((name.clone(), problems));
+        out.kept.insert(name, generation);
+    }
+    out.invalid.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
 pub fn select<'a>(
     policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
     labels: &BTreeMap<String, String>,
@@ -216,5 +257,89 @@ mod tests {
             s.ineligible_taints.is_empty(),
             "nothing from invalid policies"
         );
+    }
+
+    #[test]
+    fn the_first_watchdog_section_by_name_wins_and_differences_are_conflicts() {
+        use crate::policy::{WatchdogMode, WatchdogSpec};
+        let with = |name: &str, mode: WatchdogMode| {
+            let mut p = policy(name, &[], &[]);
+            p.spec.watchdog = Some(WatchdogSpec {
+                mode,
+                ..Default::default()
+            });
+            p
+        };
+        let s = select(
+            &[
+                with("b", WatchdogMode::Device),
+                with("a", WatchdogMode::Systemd),
+                with("c", WatchdogMode::Systemd),
+            ],
+            &labels(&[]),
+        );
+        assert_eq!(s.watchdog.unwrap().mode, WatchdogMode::Systemd);
+        assert_eq!(
+            s.conflicts,
+            vec![(
+                "spec.watchdog".to_string(),
+                "a".to_string(),
+                vec!["b".to_string()]
+            )]
+        );
+    }
+
+    #[test]
+    fn an_invalid_update_keeps_the_last_good_generation() {
+        let mut last_good = BTreeMap::new();
+        let mut good = policy("p", &[], &["a.io/t"]);
+        good.metadata.generation = Some(1);
+        let s = select_with_last_good([&good], &labels(&[]), &mut last_good);
+        assert_eq!(s.applied, ["p"]);
+        let mut bad = policy("p", &[], &["Not A Key"]);
+        bad.metadata.generation = Some(2);
+        let s = select_with_last_good([&bad], &labels(&[]), &mut last_good);
+        assert_eq!(s.applied, ["p"], "generation 1 stays in force");
+        assert_eq!(s.ineligible_taints, ["a.io/t"]);
+        assert_eq!(s.invalid.len(), 1);
+        assert_eq!(s.kept.get("p"), Some(&1));
+        // Never valid: not applied at all.
+        let mut fresh = BTreeMap::new();
+        let s = select_with_last_good([&bad], &labels(&[]), &mut fresh);
+        assert!(s.applied.is_empty() && s.kept.is_empty() && s.invalid.len() == 1);
+        // Deleted: forgotten.
+        let none: [&NodeGuardPolicy; 0] = [];
+        select_with_last_good(none, &labels(&[]), &mut last_good);
+        assert!(last_good.is_empty());
+    }
+
+    #[test]
+    fn probes_and_monitors_add_up_and_duplicate_names_conflict() {
+        let mut a = policy("a", &[], &[]);
+        a.spec.probes = vec![
+            serde_json::from_value(serde_json::json!(
+            {"name": "kubelet", "tcp": {"port": 1}, "conditionType": "A"}))
+            .unwrap(),
+        ];
+        let mut b = policy("b", &[], &[]);
+        b.spec.probes = vec![
+            serde_json::from_value(
+                serde_json::json!({"name": "kubelet", "tcp": {"port": 2}, "conditionType": "B"}),
+            )
+            .unwrap(),
+            serde_json::from_value(
+                serde_json::json!({"name": "proxy", "tcp": {"port": 3}, "conditionType": "C"}),
+            )
+            .unwrap(),
+        ];
+        let s = select(&[b, a], &labels(&[]));
+        let names: Vec<&str> = s.probes.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["kubelet", "proxy"]);
+        assert_eq!(
+            s.probes[0].condition_type.as_deref(),
+            Some("A"),
+            "policy a wins by name"
+        );
+        assert_eq!(s.conflicts[0].0, "spec.probes[kubelet]");
     }
 }

@@ -1,0 +1,218 @@
+//! Policy lifecycle against the real control plane: an invalid update keeps
+//! the last good generation running and says so; fixing it clears that;
+//! agents on differently labelled nodes get different policies; relabelling
+//! a node drops the conditions of a policy that no longer selects it.
+
+mod support;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::{Api, Client};
+use nodeguard::policy::NodeGuardPolicy;
+use support::*;
+
+async fn apply(admin: &Client, name: &str, spec: serde_json::Value) {
+    let api: Api<NodeGuardPolicy> = Api::all(admin.clone());
+    let p: NodeGuardPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+        "metadata": {"name": name}, "spec": spec,
+    }))
+    .unwrap();
+    api.patch(
+        name,
+        &PatchParams::apply("nodeguard-tests").force(),
+        &Patch::Apply(&p),
+    )
+    .await
+    .unwrap();
+}
+
+async fn label(admin: &Client, node: &str, key: &str, value: &str) {
+    Api::<Node>::all(admin.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {key: value}}})),
+        )
+        .await
+        .unwrap();
+}
+
+async fn condition(admin: &Client, node: &str, t: &str) -> Option<(String, String, String)> {
+    node_conditions(admin, node, t).await.first().map(|c| {
+        (
+            c.status.clone(),
+            c.reason.clone().unwrap_or_default(),
+            c.message.clone().unwrap_or_default(),
+        )
+    })
+}
+
+#[tokio::test]
+async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "lastgood", &[]).await;
+    let key = unique_name("sel");
+    label(&admin, &node.name, "nodeguard.io/test-policy", &key).await;
+    let logs = TempDir::new("lastgood");
+    let log = logs.path.join("app.log");
+    std::fs::write(&log, "").unwrap();
+    let spec = |pattern: &str| {
+        serde_json::json!({
+            "nodeSelector": {"matchLabels": {"nodeguard.io/test-policy": key}},
+            "monitors": [{"name": "app", "source": {"file": {"path": log.display().to_string()}},
+                "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine."}],
+                "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": pattern}]}],
+        })
+    };
+    let name = unique_name("lastgood");
+    apply(&admin, &name, spec("app crashed")).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(Duration::from_secs(15), "policy in force", || async {
+        condition(&admin, &node.name, "AppBroken")
+            .await
+            .is_some_and(|c| c.0 == "False")
+            && condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|c| c.0 == "False")
+    })
+    .await;
+
+    // A broken regular expression passes the schema (it is a string).
+    apply(&admin, &name, spec("app crashed (")).await;
+    let t0 = Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "NodeGuardPolicyInvalid=True",
+        || async {
+            condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|c| {
+                    c.0 == "True" && c.2.contains("last valid generation (1) stays in force")
+                })
+        },
+    )
+    .await;
+    eprintln!(
+        "invalid policy reported {:?} after the update",
+        t0.elapsed()
+    );
+    let (_, _, msg) = condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+        .await
+        .unwrap();
+    assert!(msg.contains("spec.monitors[0].rules[0].pattern"), "{msg}");
+    eventually(Duration::from_secs(10), "PolicyInvalid event", || async {
+        kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)])
+            .contains("PolicyInvalid")
+    })
+    .await;
+    // The last good generation still runs: its monitor still works.
+    let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    writeln!(f, "app crashed").unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "AppBroken=True from the kept generation",
+        || async {
+            condition(&admin, &node.name, "AppBroken")
+                .await
+                .is_some_and(|c| c.0 == "True")
+        },
+    )
+    .await;
+    // Fixed: the invalid condition clears.
+    apply(&admin, &name, spec("app (crashed|died)")).await;
+    eventually(
+        Duration::from_secs(5),
+        "NodeGuardPolicyInvalid=False",
+        || async {
+            condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|c| c.0 == "False")
+        },
+    )
+    .await;
+    agent.stop().await;
+    let _ = Api::<NodeGuardPolicy>::all(admin)
+        .delete(&name, &DeleteParams::default())
+        .await;
+}
+
+#[tokio::test]
+async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
+    let admin = admin_client().await;
+    let tier = unique_name("tier");
+    let a = TestNode::create(&admin, "tier-a", &[]).await;
+    let b = TestNode::create(&admin, "tier-b", &[]).await;
+    label(&admin, &a.name, &format!("nodeguard.io/{tier}"), "a").await;
+    label(&admin, &b.name, &format!("nodeguard.io/{tier}"), "b").await;
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    let policy = |value: &str, cond: &str| {
+        serde_json::json!({
+            "nodeSelector": {"matchLabels": {format!("nodeguard.io/{tier}"): value}},
+            "probes": [{"name": format!("probe-{value}"), "tcp": {"port": port}, "periodSeconds": 1, "conditionType": cond}],
+        })
+    };
+    let (pa, pb) = (unique_name("pa"), unique_name("pb"));
+    apply(&admin, &pa, policy("a", "TierAProbeFailing")).await;
+    apply(&admin, &pb, policy("b", "TierBProbeFailing")).await;
+    let (agent_a, _sa) = start_agent(admin.clone(), &a.name).await;
+    let (agent_b, _sb) = start_agent(admin.clone(), &b.name).await;
+    eventually(
+        Duration::from_secs(15),
+        "each node has its own policy's condition",
+        || async {
+            condition(&admin, &a.name, "TierAProbeFailing")
+                .await
+                .is_some()
+                && condition(&admin, &b.name, "TierBProbeFailing")
+                    .await
+                    .is_some()
+        },
+    )
+    .await;
+    assert!(
+        condition(&admin, &a.name, "TierBProbeFailing")
+            .await
+            .is_none()
+    );
+    assert!(
+        condition(&admin, &b.name, "TierAProbeFailing")
+            .await
+            .is_none()
+    );
+
+    label(&admin, &a.name, &format!("nodeguard.io/{tier}"), "b").await;
+    let t0 = Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "node A dropped policy a's condition",
+        || async {
+            condition(&admin, &a.name, "TierAProbeFailing")
+                .await
+                .is_none()
+        },
+    )
+    .await;
+    eprintln!("relabel to condition removed: {:?}", t0.elapsed());
+    eventually(
+        Duration::from_secs(5),
+        "node A now runs policy b",
+        || async {
+            condition(&admin, &a.name, "TierBProbeFailing")
+                .await
+                .is_some()
+        },
+    )
+    .await;
+    agent_a.stop().await;
+    agent_b.stop().await;
+    for p in [pa, pb] {
+        let _ = Api::<NodeGuardPolicy>::all(admin.clone())
+            .delete(&p, &DeleteParams::default())
+            .await;
+    }
+}

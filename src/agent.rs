@@ -67,6 +67,9 @@ pub struct AgentConfig {
     pub system_bus_address: Option<String>,
     /// This boot's id (to tell a restart of the agent from a reboot).
     pub boot_id: String,
+    /// Namespace of the Lease that elects the one agent writing the
+    /// policies' status (the DaemonSet's namespace).
+    pub lease_namespace: String,
 }
 
 impl AgentConfig {
@@ -85,6 +88,7 @@ impl AgentConfig {
             systemd_watchdog: None,
             system_bus_address: None,
             boot_id: shutdown::state::current_boot_id(),
+            lease_namespace: "default".into(),
         }
     }
 }
@@ -306,6 +310,13 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         config.state_dir.clone(),
         config.system_bus_address.clone(),
         monitor_metrics,
+        shutdown.clone(),
+    ));
+    tasks.spawn(crate::k8s::policy_status::run_policy_status(
+        client.clone(),
+        config.lease_namespace.clone(),
+        config.node_name.clone(),
+        policy_rx.clone(),
         shutdown.clone(),
     ));
     let probe_handle = ProbeHandle::default();

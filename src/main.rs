@@ -79,6 +79,11 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.report.heartbeat = std::time::Duration::from_secs(args.condition_heartbeat_seconds);
         config.notify_socket = notify_socket;
         config.systemd_watchdog = systemd_watchdog;
+        if let Ok(ns) = std::env::var("POD_NAMESPACE")
+            && !ns.is_empty()
+        {
+            config.lease_namespace = ns;
+        }
         config.system_bus_address = std::env::var("DBUS_SYSTEM_BUS_ADDRESS")
             .ok()
             .filter(|a| !a.is_empty());

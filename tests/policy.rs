@@ -216,3 +216,74 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
             .await;
     }
 }
+
+#[tokio::test]
+async fn one_elected_agent_writes_accepted_and_observed_generation() {
+    use k8s_openapi::api::core::v1::Namespace;
+    let admin = admin_client().await;
+    let ns = unique_name("lease");
+    let nsobj: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap();
+    Api::<Namespace>::all(admin.clone())
+        .create(&kube::api::PostParams::default(), &nsobj)
+        .await
+        .unwrap();
+    let node = TestNode::create(&admin, "status", &[]).await;
+    let good = unique_name("good");
+    let bad = unique_name("bad");
+    let never = serde_json::json!({"matchLabels": {"nodeguard.io/none": "none"}});
+    apply(&admin, &good, serde_json::json!({"nodeSelector": never})).await;
+    apply(
+        &admin,
+        &bad,
+        serde_json::json!({"nodeSelector": never, "monitors": [{"name": "m", "source": {"file": {"path": "/x"}},
+            "rules": [{"type": "temporary", "reason": "Oops", "pattern": "("}]}]}),
+    )
+    .await;
+    let ns2 = ns.clone();
+    let (agent, _state) =
+        start_agent_with(admin.clone(), &node.name, move |c| c.lease_namespace = ns2).await;
+    let api: Api<NodeGuardPolicy> = Api::all(admin.clone());
+    let accepted = |p: &NodeGuardPolicy| {
+        p.status.as_ref().and_then(|s| {
+            let c = s.conditions.iter().find(|c| c.type_ == "Accepted")?;
+            Some((c.status.clone(), c.reason.clone(), s.observed_generation))
+        })
+    };
+    eventually(Duration::from_secs(20), "status written", || async {
+        let g = api.get(&good).await.unwrap();
+        let b = api.get(&bad).await.unwrap();
+        accepted(&g) == Some(("True".into(), "Valid".into(), Some(1)))
+            && accepted(&b) == Some(("False".into(), "Invalid".into(), Some(1)))
+    })
+    .await;
+    let out = kubectl(&["get", "ngp", &good, &bad]);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with(&good) && l.contains("True") && l.contains("Valid")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with(&bad) && l.contains("False") && l.contains("Invalid")),
+        "{out}"
+    );
+    eprintln!("{out}");
+    let lease = kubectl(&[
+        "-n",
+        &ns,
+        "get",
+        "lease",
+        "nodeguard-policy-status",
+        "-o",
+        "jsonpath={.spec.holderIdentity}",
+    ]);
+    assert_eq!(lease, node.name, "the writer holds the lease");
+    agent.stop().await;
+    for p in [good, bad] {
+        let _ = api.delete(&p, &DeleteParams::default()).await;
+    }
+    let _ = Api::<Namespace>::all(admin)
+        .delete(&ns, &DeleteParams::default())
+        .await;
+}

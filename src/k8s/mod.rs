@@ -3,6 +3,7 @@
 //! `kube` crate inside this crate.)
 
 pub mod node;
+pub mod policy_status;
 pub mod status;
 pub mod taints;
 pub mod watch;

@@ -1,0 +1,233 @@
+//! The policies' status: `observedGeneration` and an `Accepted` condition,
+//! written by one agent at a time (a coordination.k8s.io Lease), only when
+//! they change, so thousands of agents do not fight over the same object.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::status::FIELD_MANAGER;
+use super::watch::Snapshot;
+use crate::policy::{NodeGuardPolicy, validate};
+
+pub const LEASE_NAME: &str = "nodeguard-policy-status";
+const LEASE_SECONDS: i32 = 30;
+const RENEW: Duration = Duration::from_secs(10);
+
+/// What the status of a policy should say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    pub generation: i64,
+    pub accepted: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+/// The verdict for one policy (pure).
+pub fn verdict(p: &NodeGuardPolicy) -> Verdict {
+    let problems = validate(p);
+    let generation = p.metadata.generation.unwrap_or_default();
+    match problems.first() {
+        None => Verdict {
+            generation,
+            accepted: true,
+            reason: "Valid".into(),
+            message: "The policy is valid; agents on the nodes it selects apply it.".into(),
+        },
+        Some(first) => Verdict {
+            generation,
+            accepted: false,
+            reason: "Invalid".into(),
+            message: format!(
+                "{first}{}. Agents keep the last valid generation, if any.",
+                if problems.len() > 1 {
+                    format!(" (and {} more)", problems.len() - 1)
+                } else {
+                    String::new()
+                }
+            ),
+        },
+    }
+}
+
+/// Whether the status already says this.
+pub fn up_to_date(p: &NodeGuardPolicy, v: &Verdict) -> bool {
+    let Some(status) = &p.status else {
+        return false;
+    };
+    status.observed_generation == Some(v.generation)
+        && status.conditions.iter().any(|c| {
+            c.type_ == "Accepted"
+                && c.status == if v.accepted { "True" } else { "False" }
+                && c.reason == v.reason
+                && c.message == v.message
+                && c.observed_generation == Some(v.generation)
+        })
+}
+
+/// Tries to hold the lease; `true` while this agent is the writer.
+async fn hold_lease(leases: &Api<Lease>, me: &str) -> Result<bool, kube::Error> {
+    let now = MicroTime(jiff::Timestamp::now());
+    let fresh = |rv: Option<String>, transitions: i32| -> Lease {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": LEASE_NAME, "resourceVersion": rv},
+            "spec": {"holderIdentity": me, "leaseDurationSeconds": LEASE_SECONDS,
+                     "acquireTime": now, "renewTime": now, "leaseTransitions": transitions},
+        }))
+        .expect("a lease")
+    };
+    match leases.get_opt(LEASE_NAME).await? {
+        None => match leases.create(&PostParams::default(), &fresh(None, 0)).await {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            Err(e) => Err(e),
+        },
+        Some(lease) => {
+            let spec = lease.spec.clone().unwrap_or_default();
+            let mine = spec.holder_identity.as_deref() == Some(me);
+            let expired = spec.renew_time.as_ref().is_none_or(|t| {
+                jiff::Timestamp::now().duration_since(t.0).as_secs() > i64::from(LEASE_SECONDS)
+            });
+            if !mine && !expired {
+                return Ok(false);
+            }
+            let mut next = fresh(
+                lease.metadata.resource_version.clone(),
+                spec.lease_transitions.unwrap_or(0) + i32::from(!mine),
+            );
+            if mine && let Some(s) = next.spec.as_mut() {
+                s.acquire_time = spec.acquire_time.clone();
+            }
+            match leases
+                .replace(LEASE_NAME, &PostParams::default(), &next)
+                .await
+            {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+    }
+}
+
+/// The status writer loop.
+pub async fn run_policy_status(
+    client: Client,
+    lease_namespace: String,
+    me: String,
+    mut policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
+    stop: CancellationToken,
+) {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &lease_namespace);
+    let api: Api<NodeGuardPolicy> = Api::all(client);
+    let mut leader = false;
+    let mut written: BTreeMap<String, Verdict> = BTreeMap::new();
+    let mut renew = tokio::time::interval(RENEW);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = renew.tick() => {
+                match hold_lease(&leases, &me).await {
+                    Ok(now_leader) => {
+                        if now_leader != leader {
+                            tracing::info!(leader = now_leader, lease = %format!("{lease_namespace}/{LEASE_NAME}"), "policy status writer");
+                            written.clear();
+                        }
+                        leader = now_leader;
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cannot hold the policy status lease");
+                        leader = false;
+                    }
+                }
+            }
+            r = policies.changed() => if r.is_err() { return },
+        }
+        if !leader {
+            continue;
+        }
+        let snapshot: Vec<Arc<NodeGuardPolicy>> = policies
+            .borrow_and_update()
+            .as_ref()
+            .map(|s| s.values().cloned().collect())
+            .unwrap_or_default();
+        for p in snapshot {
+            let name = p.metadata.name.clone().unwrap_or_default();
+            let v = verdict(&p);
+            if up_to_date(&p, &v) || written.get(&name) == Some(&v) {
+                continue;
+            }
+            let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now());
+            let body = serde_json::json!({
+                "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+                "metadata": {"name": name},
+                "status": {
+                    "observedGeneration": v.generation,
+                    "conditions": [{
+                        "type": "Accepted",
+                        "status": if v.accepted { "True" } else { "False" },
+                        "reason": v.reason,
+                        "message": v.message,
+                        "observedGeneration": v.generation,
+                        "lastTransitionTime": now,
+                    }],
+                },
+            });
+            match api
+                .patch_status(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+            {
+                Ok(_) => {
+                    written.insert(name, v);
+                }
+                Err(e) => {
+                    tracing::warn!(policy = %name, error = %e, "cannot write the policy status")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_and_freshness() {
+        let mut p = NodeGuardPolicy::new("p", Default::default());
+        p.metadata.generation = Some(3);
+        let v = verdict(&p);
+        assert!(v.accepted && v.generation == 3 && v.reason == "Valid");
+        assert!(!up_to_date(&p, &v));
+        p.status = Some(crate::policy::NodeGuardPolicyStatus {
+            observed_generation: Some(3),
+            conditions: vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+                type_: "Accepted".into(),
+                status: "True".into(),
+                reason: v.reason.clone(),
+                message: v.message.clone(),
+                observed_generation: Some(3),
+                last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    jiff::Timestamp::now(),
+                ),
+            }],
+        });
+        assert!(up_to_date(&p, &v));
+        p.metadata.namespace = Some("x".into());
+        let bad = verdict(&p);
+        assert!(!bad.accepted && bad.message.contains("metadata.namespace"));
+        assert!(!up_to_date(&p, &bad));
+    }
+}

@@ -223,6 +223,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let (probes_tx, probes_rx) = watch::channel(Vec::new());
     let (monitors_tx, monitors_rx) = watch::channel(Vec::new());
     tasks.spawn(node_state_loop(NodeStateLoop {
+        client: client.clone(),
         monitors: monitors_tx,
         probes: probes_tx,
         watchdog: watchdog_tx,
@@ -345,6 +346,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
 }
 
 struct NodeStateLoop {
+    client: Client,
     monitors: watch::Sender<Vec<MonitorSpec>>,
     probes: watch::Sender<Vec<ProbeSpec>>,
     watchdog: watch::Sender<Option<WatchdogSpec>>,
@@ -382,6 +384,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
             );
             if last_selection.as_ref() != Some(&selection) {
                 report_selection(&s.reporter, &s.node_name, &selection);
+                annotate_effective(&s, node.as_deref(), &selection);
                 if selection
                     .watchdog
                     .as_ref()
@@ -429,6 +432,60 @@ async fn node_state_loop(mut s: NodeStateLoop) {
             r = s.policies.changed() => if r.is_err() { return },
         }
     }
+}
+
+/// The annotation that shows which policies (and generations) are in force
+/// on a node.
+pub const EFFECTIVE_ANNOTATION: &str = "nodeguard.io/effective-policies";
+
+/// `name@generation` of each applied policy, comma-separated, sorted.
+pub fn effective_value(selection: &Selection) -> String {
+    let mut v: Vec<String> = selection
+        .applied
+        .iter()
+        .map(|n| {
+            let g = selection
+                .kept
+                .get(n)
+                .or(selection.generations.get(n))
+                .copied()
+                .unwrap_or_default();
+            format!("{n}@{g}")
+        })
+        .collect();
+    v.sort();
+    v.join(",")
+}
+
+fn annotate_effective(s: &NodeStateLoop, node: Option<&Node>, selection: &Selection) {
+    let value = effective_value(selection);
+    let current = node
+        .and_then(|n| n.metadata.annotations.as_ref())
+        .and_then(|a| a.get(EFFECTIVE_ANNOTATION));
+    if node.is_none() || current == Some(&value) {
+        return;
+    }
+    let (client, name) = (s.client.clone(), s.node_name.clone());
+    tokio::spawn(async move {
+        let nodes: Api<Node> = Api::all(client);
+        let patch = serde_json::json!({"metadata": {"annotations": {EFFECTIVE_ANNOTATION: value}}});
+        for attempt in 1..=3 {
+            match nodes
+                .patch(
+                    &name,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(&patch),
+                )
+                .await
+            {
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::debug!(attempt, error = %e, "cannot annotate the node with its effective policies");
+                    tokio::time::sleep(Duration::from_millis(500 * attempt)).await;
+                }
+            }
+        }
+    });
 }
 
 fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[String]) {

@@ -208,6 +208,22 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
         },
     )
     .await;
+    let want = format!("{pb}@1");
+    let annotation = || async {
+        Api::<Node>::all(admin.clone())
+            .get(&a.name)
+            .await
+            .unwrap()
+            .metadata
+            .annotations
+            .and_then(|m| m.get("nodeguard.io/effective-policies").cloned())
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the effective-policies annotation follows",
+        || async { annotation().await.as_deref() == Some(want.as_str()) },
+    )
+    .await;
     agent_a.stop().await;
     agent_b.stop().await;
     for p in [pa, pb] {

@@ -9,6 +9,8 @@ use super::{NodeGuardPolicy, Problem, Selector, validate};
 pub struct Selection {
     /// Valid policies whose selector matches, by name.
     pub applied: Vec<String>,
+    /// The generation of each applied policy (for the Node's annotation).
+    pub generations: BTreeMap<String, i64>,
     /// Invalid policies that match the node, or whose selector cannot be
     /// read (they might), with their problems. They are not applied.
     pub invalid: Vec<(String, Vec<Problem>)>,
@@ -74,6 +76,50 @@ impl<T: Clone + PartialEq> FirstWins<T> {
         }
         self.value
     }
+}
+
+/// Two sources (probes, monitors) setting the same condition type would
+/// overwrite each other: the first (by policy name, then order) keeps it,
+/// the later source is dropped and the conflict reported.
+fn drop_condition_conflicts(out: &mut Selection) {
+    let mut owner: BTreeMap<String, String> = BTreeMap::new();
+    let mut conflicts = Vec::new();
+    out.probes.retain(|p| {
+        let Some(t) = p.condition_type.clone().filter(|_| p.pods.is_none()) else {
+            return true;
+        };
+        let me = format!("probe {}", p.name);
+        match owner.get(&t) {
+            Some(first) => {
+                conflicts.push((format!("condition {t}"), first.clone(), vec![me]));
+                false
+            }
+            None => {
+                owner.insert(t, me);
+                true
+            }
+        }
+    });
+    out.monitors.retain(|m| {
+        let me = format!("monitor {}", m.name);
+        let clash = m
+            .conditions
+            .iter()
+            .find_map(|c| owner.get(&c.type_).map(|f| (c.type_.clone(), f.clone())));
+        match clash {
+            Some((t, first)) => {
+                conflicts.push((format!("condition {t}"), first, vec![me]));
+                false
+            }
+            None => {
+                for c in &m.conditions {
+                    owner.insert(c.type_.clone(), me.clone());
+                }
+                true
+            }
+        }
+    });
+    out.conflicts.extend(conflicts);
 }
 
 /// Selects the policies for a node with `labels`. Applied policies combine
@@ -171,6 +217,8 @@ pub fn select<'a>(
                 }
                 watchdog.offer(&name, p.spec.watchdog.as_ref());
                 shutdown.offer(&name, p.spec.shutdown.as_ref());
+                out.generations
+                    .insert(name.clone(), p.metadata.generation.unwrap_or_default());
                 out.applied.push(name);
             }
             (false, Some(true) | None) => out.invalid.push((name, problems)),
@@ -179,6 +227,7 @@ pub fn select<'a>(
     }
     out.ineligible_taints.sort();
     out.ineligible_taints.dedup();
+    drop_condition_conflicts(&mut out);
     out.shutdown = shutdown.finish("spec.shutdown", &mut out.conflicts);
     out.watchdog = watchdog.finish("spec.watchdog", &mut out.conflicts);
     out
@@ -341,5 +390,35 @@ mod tests {
             "policy a wins by name"
         );
         assert_eq!(s.conflicts[0].0, "spec.probes[kubelet]");
+    }
+
+    #[test]
+    fn two_sources_of_one_condition_type_conflict_and_the_later_is_dropped() {
+        let mut a = policy("a", &[], &[]);
+        a.spec.probes = vec![
+            serde_json::from_value(serde_json::json!(
+            {"name": "kubelet", "tcp": {"port": 1}, "conditionType": "KubeletUnhealthy"}))
+            .unwrap(),
+        ];
+        let mut b = policy("b", &[], &[]);
+        b.spec.monitors = vec![
+            serde_json::from_value(serde_json::json!({
+            "name": "k", "source": {"file": {"path": "/x"}},
+            "conditions": [{"type": "KubeletUnhealthy", "reason": "Fine", "message": "fine"}],
+            "rules": []}))
+            .unwrap(),
+        ];
+        let s = select(&[a, b], &labels(&[]));
+        assert_eq!(s.probes.len(), 1);
+        assert!(s.monitors.is_empty(), "the later source is dropped");
+        assert_eq!(
+            s.conflicts,
+            vec![(
+                "condition KubeletUnhealthy".to_string(),
+                "probe kubelet".to_string(),
+                vec!["monitor k".to_string()]
+            )]
+        );
+        assert_eq!(s.generations.len(), 2);
     }
 }

@@ -10,12 +10,10 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::DeleteParams;
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::*;
-
-const TEST_LABEL: &str = "nodeguard.io/test-node";
 
 fn append(path: &std::path::Path, line: &str) {
     let mut f = std::fs::OpenOptions::new()
@@ -26,28 +24,17 @@ fn append(path: &std::path::Path, line: &str) {
     writeln!(f, "{line}").unwrap();
 }
 
-async fn apply_policy(admin: &Client, name: &str, node: &str, monitors: serde_json::Value) {
-    let api: Api<NodeGuardPolicy> = Api::all(admin.clone());
-    let p: NodeGuardPolicy = serde_json::from_value(serde_json::json!({
-        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
-        "metadata": {"name": name},
-        "spec": {"nodeSelector": {"matchLabels": {TEST_LABEL: node}}, "monitors": monitors},
-    }))
-    .unwrap();
-    api.patch(
+async fn apply_monitors(admin: &Client, name: &str, node: &str, monitors: serde_json::Value) {
+    apply_policy(
+        admin,
         name,
-        &PatchParams::apply("nodeguard-tests").force(),
-        &Patch::Apply(&p),
+        serde_json::json!({"nodeSelector": selecting(node), "monitors": monitors}),
     )
-    .await
-    .unwrap();
+    .await;
 }
 
 async fn status(admin: &Client, node: &str, t: &str) -> Option<String> {
-    node_conditions(admin, node, t)
-        .await
-        .first()
-        .map(|c| c.status.clone())
+    condition_status(admin, node, t).await
 }
 
 async fn has_taint(admin: &Client, node: &str, key: &str) -> bool {
@@ -63,15 +50,7 @@ async fn has_taint(admin: &Client, node: &str, key: &str) -> bool {
 #[tokio::test]
 async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
     let admin = admin_client().await;
-    let node = TestNode::create(&admin, "monitor", &[]).await;
-    Api::<Node>::all(admin.clone())
-        .patch(
-            &node.name,
-            &PatchParams::default(),
-            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
-        )
-        .await
-        .unwrap();
+    let node = TestNode::selectable(&admin, "monitor").await;
     let logs = TempDir::new("logs");
     let app_log = logs.path.join("app.log");
     let kmsg = logs.path.join("kmsg");
@@ -96,7 +75,7 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
                    "pattern": "task docker:\\w+ blocked for more than \\w+ seconds\\."}],
     });
     let policy = unique_name("monitors");
-    apply_policy(
+    apply_monitors(
         &admin,
         &policy,
         &node.name,
@@ -207,7 +186,7 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
     .await;
 
     // Removing the kernel monitor removes its condition.
-    apply_policy(&admin, &policy, &node.name, serde_json::json!([app])).await;
+    apply_monitors(&admin, &policy, &node.name, serde_json::json!([app])).await;
     eventually(Duration::from_secs(5), "KernelDeadlock removed", || async {
         status(&admin, &node.name, "KernelDeadlock").await.is_none()
     })
@@ -251,15 +230,7 @@ async fn a_bad_regex_is_reported_by_check_with_its_path() {
 #[tokio::test]
 async fn a_plugin_check_sets_and_clears_its_condition() {
     let admin = admin_client().await;
-    let node = TestNode::create(&admin, "plugin", &[]).await;
-    Api::<Node>::all(admin.clone())
-        .patch(
-            &node.name,
-            &PatchParams::default(),
-            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
-        )
-        .await
-        .unwrap();
+    let node = TestNode::selectable(&admin, "plugin").await;
     let dir = TempDir::new("plugin");
     let flag = dir.path.join("broken");
     let script = format!(
@@ -267,7 +238,7 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
         flag.display()
     );
     let policy = unique_name("plugin");
-    apply_policy(
+    apply_monitors(
         &admin,
         &policy,
         &node.name,
@@ -345,15 +316,7 @@ fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str)
 #[tokio::test]
 async fn journal_entries_of_one_identifier_set_a_condition() {
     let admin = admin_client().await;
-    let node = TestNode::create(&admin, "journal", &[]).await;
-    Api::<Node>::all(admin.clone())
-        .patch(
-            &node.name,
-            &PatchParams::default(),
-            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
-        )
-        .await
-        .unwrap();
+    let node = TestNode::selectable(&admin, "journal").await;
     let journal = TempDir::new("journal");
     journal_entry(
         &journal.path,
@@ -362,7 +325,7 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
         "old: returned error: readlink /var/lib/docker/overlay2/x: invalid argument",
     );
     let policy = unique_name("journal");
-    apply_policy(
+    apply_monitors(
         &admin,
         &policy,
         &node.name,
@@ -430,15 +393,7 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
 async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_cooldown() {
     use support::dbus::{LogindPeer, PrivateBus, UnitState, now_usec};
     let admin = admin_client().await;
-    let node = TestNode::create(&admin, "service", &[]).await;
-    Api::<Node>::all(admin.clone())
-        .patch(
-            &node.name,
-            &PatchParams::default(),
-            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}})),
-        )
-        .await
-        .unwrap();
+    let node = TestNode::selectable(&admin, "service").await;
     let bus = PrivateBus::start();
     let peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
     peer.serve_unit(
@@ -452,7 +407,7 @@ async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_coo
     )
     .await;
     let policy = unique_name("service");
-    apply_policy(
+    apply_monitors(
         &admin,
         &policy,
         &node.name,

@@ -9,37 +9,10 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::DeleteParams;
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::*;
-
-async fn apply(admin: &Client, name: &str, spec: serde_json::Value) {
-    let api: Api<NodeGuardPolicy> = Api::all(admin.clone());
-    let p: NodeGuardPolicy = serde_json::from_value(serde_json::json!({
-        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
-        "metadata": {"name": name}, "spec": spec,
-    }))
-    .unwrap();
-    api.patch(
-        name,
-        &PatchParams::apply("nodeguard-tests").force(),
-        &Patch::Apply(&p),
-    )
-    .await
-    .unwrap();
-}
-
-async fn label(admin: &Client, node: &str, key: &str, value: &str) {
-    Api::<Node>::all(admin.clone())
-        .patch(
-            node,
-            &PatchParams::default(),
-            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {key: value}}})),
-        )
-        .await
-        .unwrap();
-}
 
 async fn condition(admin: &Client, node: &str, t: &str) -> Option<(String, String, String)> {
     node_conditions(admin, node, t).await.first().map(|c| {
@@ -56,7 +29,7 @@ async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "lastgood", &[]).await;
     let key = unique_name("sel");
-    label(&admin, &node.name, "nodeguard.io/test-policy", &key).await;
+    label_node(&admin, &node.name, "nodeguard.io/test-policy", &key).await;
     let logs = TempDir::new("lastgood");
     let log = logs.path.join("app.log");
     std::fs::write(&log, "").unwrap();
@@ -69,7 +42,7 @@ async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {
         })
     };
     let name = unique_name("lastgood");
-    apply(&admin, &name, spec("app crashed")).await;
+    apply_policy(&admin, &name, spec("app crashed")).await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
     eventually(Duration::from_secs(15), "policy in force", || async {
         condition(&admin, &node.name, "AppBroken")
@@ -82,7 +55,7 @@ async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {
     .await;
 
     // A broken regular expression passes the schema (it is a string).
-    apply(&admin, &name, spec("app crashed (")).await;
+    apply_policy(&admin, &name, spec("app crashed (")).await;
     let t0 = Instant::now();
     eventually(
         Duration::from_secs(5),
@@ -123,7 +96,7 @@ async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {
     )
     .await;
     // Fixed: the invalid condition clears.
-    apply(&admin, &name, spec("app (crashed|died)")).await;
+    apply_policy(&admin, &name, spec("app (crashed|died)")).await;
     eventually(
         Duration::from_secs(5),
         "NodeGuardPolicyInvalid=False",
@@ -146,8 +119,8 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
     let tier = unique_name("tier");
     let a = TestNode::create(&admin, "tier-a", &[]).await;
     let b = TestNode::create(&admin, "tier-b", &[]).await;
-    label(&admin, &a.name, &format!("nodeguard.io/{tier}"), "a").await;
-    label(&admin, &b.name, &format!("nodeguard.io/{tier}"), "b").await;
+    label_node(&admin, &a.name, &format!("nodeguard.io/{tier}"), "a").await;
+    label_node(&admin, &b.name, &format!("nodeguard.io/{tier}"), "b").await;
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = tcp.local_addr().unwrap().port();
     let policy = |value: &str, cond: &str| {
@@ -157,8 +130,8 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
         })
     };
     let (pa, pb) = (unique_name("pa"), unique_name("pb"));
-    apply(&admin, &pa, policy("a", "TierAProbeFailing")).await;
-    apply(&admin, &pb, policy("b", "TierBProbeFailing")).await;
+    apply_policy(&admin, &pa, policy("a", "TierAProbeFailing")).await;
+    apply_policy(&admin, &pb, policy("b", "TierBProbeFailing")).await;
     let (agent_a, _sa) = start_agent(admin.clone(), &a.name).await;
     let (agent_b, _sb) = start_agent(admin.clone(), &b.name).await;
     eventually(
@@ -185,7 +158,7 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
             .is_none()
     );
 
-    label(&admin, &a.name, &format!("nodeguard.io/{tier}"), "b").await;
+    label_node(&admin, &a.name, &format!("nodeguard.io/{tier}"), "b").await;
     let t0 = Instant::now();
     eventually(
         Duration::from_secs(5),
@@ -248,8 +221,8 @@ async fn one_elected_agent_writes_accepted_and_observed_generation() {
     let good = unique_name("good");
     let bad = unique_name("bad");
     let never = serde_json::json!({"matchLabels": {"nodeguard.io/none": "none"}});
-    apply(&admin, &good, serde_json::json!({"nodeSelector": never})).await;
-    apply(
+    apply_policy(&admin, &good, serde_json::json!({"nodeSelector": never})).await;
+    apply_policy(
         &admin,
         &bad,
         serde_json::json!({"nodeSelector": never, "monitors": [{"name": "m", "source": {"file": {"path": "/x"}},

@@ -10,13 +10,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::*;
-
-const TEST_LABEL: &str = "nodeguard.io/test-node";
 
 /// An HTTP server whose /healthz answers 200 or 503.
 async fn http_server(healthy: Arc<AtomicBool>) -> SocketAddr {
@@ -70,38 +68,16 @@ fn tokio_stream_compat(
 }
 
 async fn labelled_node(admin: &Client, prefix: &str) -> TestNode {
-    let node = TestNode::create(admin, prefix, &[]).await;
-    let nodes: Api<Node> = Api::all(admin.clone());
-    let label = serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}});
-    nodes
-        .patch(&node.name, &PatchParams::default(), &Patch::Merge(&label))
-        .await
-        .unwrap();
-    node
+    TestNode::selectable(admin, prefix).await
 }
 
-async fn apply_policy(admin: &Client, name: &str, node: &str, probes: serde_json::Value) {
-    let api: Api<NodeGuardPolicy> = Api::all(admin.clone());
-    let p: NodeGuardPolicy = serde_json::from_value(serde_json::json!({
-        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
-        "metadata": {"name": name},
-        "spec": {"nodeSelector": {"matchLabels": {TEST_LABEL: node}}, "probes": probes},
-    }))
-    .unwrap();
-    api.patch(
+async fn apply_probes(admin: &Client, name: &str, node: &str, probes: serde_json::Value) {
+    apply_policy(
+        admin,
         name,
-        &PatchParams::apply("nodeguard-tests").force(),
-        &Patch::Apply(&p),
+        serde_json::json!({"nodeSelector": selecting(node), "probes": probes}),
     )
-    .await
-    .unwrap();
-}
-
-async fn condition_status(admin: &Client, node: &str, type_: &str) -> Option<String> {
-    node_conditions(admin, node, type_)
-        .await
-        .first()
-        .map(|c| c.status.clone())
+    .await;
 }
 
 #[tokio::test]
@@ -114,7 +90,7 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
     let tcp_port = tcp.local_addr().unwrap().port();
     let (grpc, grpc_health) = grpc_server().await;
     let policy = unique_name("probes");
-    apply_policy(
+    apply_probes(
         &admin,
         &policy,
         &node.name,
@@ -193,7 +169,7 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
     assert!(metrics.contains("nodeguard_probe_duration_seconds_bucket{"));
 
     // Removing a probe from the policy removes its condition.
-    apply_policy(
+    apply_probes(
         &admin,
         &policy,
         &node.name,
@@ -260,7 +236,7 @@ async fn a_pod_readiness_gate_follows_its_probe() {
         .await
         .unwrap();
     let policy = unique_name("gate");
-    apply_policy(
+    apply_probes(
         &admin,
         &policy,
         &node.name,
@@ -327,7 +303,7 @@ async fn changing_one_probe_restarts_only_its_worker() {
             {"name": "b", "tcp": {"port": port}, "periodSeconds": period_b, "conditionType": "ProbeBUnhealthy"},
         ])
     };
-    apply_policy(&admin, &policy, &node.name, probes(5)).await;
+    apply_probes(&admin, &policy, &node.name, probes(5)).await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
     let key = |p: &str| (p.to_string(), "node".to_string());
     eventually(Duration::from_secs(15), "two workers", || {
@@ -335,7 +311,7 @@ async fn changing_one_probe_restarts_only_its_worker() {
     })
     .await;
     let before = agent.probes.workers();
-    apply_policy(&admin, &policy, &node.name, probes(7)).await;
+    apply_probes(&admin, &policy, &node.name, probes(7)).await;
     eventually(Duration::from_secs(10), "worker b restarted", || {
         let w = agent.probes.workers();
         std::future::ready(

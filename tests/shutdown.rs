@@ -21,8 +21,6 @@ use nodeguard::policy::NodeGuardPolicy;
 use support::dbus::{LogindPeer, PrivateBus};
 use support::*;
 
-const TEST_LABEL: &str = "nodeguard.io/test-node";
-
 async fn ensure_priority_class(client: &Client, name: &str, value: i32) {
     let pcs: Api<PriorityClass> = Api::all(client.clone());
     let pc: PriorityClass = serde_json::from_value(serde_json::json!({
@@ -111,18 +109,16 @@ async fn shutdown_policy(
     groups: serde_json::Value,
 ) -> String {
     let name = unique_name("shutdown");
-    let api: Api<NodeGuardPolicy> = Api::all(client.clone());
-    let p: NodeGuardPolicy = serde_json::from_value(serde_json::json!({
-        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"matchLabels": {TEST_LABEL: node}},
+    apply_policy(
+        client,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(node),
             "shutdown": {"gracePeriodByPriority": groups, "logindDropInDir": drop_in.display().to_string(),
                          "safetyMarginSeconds": 2, "escalateAfterPercent": 50},
-        },
-    }))
-    .unwrap();
-    api.create(&PostParams::default(), &p).await.unwrap();
+        }),
+    )
+    .await;
     name
 }
 
@@ -158,13 +154,7 @@ struct Setup {
 
 async fn setup(prefix: &str, logind_delay: Duration, groups: serde_json::Value) -> Setup {
     let admin = admin_client().await;
-    let node = TestNode::create(&admin, prefix, &[]).await;
-    let nodes: Api<Node> = Api::all(admin.clone());
-    let label = serde_json::json!({"metadata": {"labels": {TEST_LABEL: node.name}}});
-    nodes
-        .patch(&node.name, &PatchParams::default(), &Patch::Merge(&label))
-        .await
-        .unwrap();
+    let node = TestNode::selectable(&admin, prefix).await;
     let bus = PrivateBus::start();
     let drop_in = TempDir::new("logind.conf.d");
     let peer = LogindPeer::start(&bus.address, logind_delay, Some(&drop_in.path)).await;

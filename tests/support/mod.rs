@@ -368,3 +368,57 @@ pub fn init_logs() {
             .try_init();
     });
 }
+
+/// The label the policy tests select their node by (value: the node's name).
+pub const TEST_NODE_LABEL: &str = "nodeguard.io/test-node";
+
+impl TestNode {
+    /// A node labelled so a policy can select it alone (see [`selecting`]).
+    pub async fn selectable(client: &Client, prefix: &str) -> TestNode {
+        let node = TestNode::create(client, prefix, &[]).await;
+        label_node(client, &node.name, TEST_NODE_LABEL, &node.name).await;
+        node
+    }
+}
+
+/// A nodeSelector that matches only `node` (made by [`TestNode::selectable`]).
+pub fn selecting(node: &str) -> serde_json::Value {
+    serde_json::json!({"matchLabels": {TEST_NODE_LABEL: node}})
+}
+
+/// Sets one label on a Node.
+pub async fn label_node(client: &Client, node: &str, key: &str, value: &str) {
+    Api::<Node>::all(client.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"labels": {key: value}}})),
+        )
+        .await
+        .expect("label the test node");
+}
+
+/// Creates or updates a policy (server-side apply) with `spec`.
+pub async fn apply_policy(client: &Client, name: &str, spec: serde_json::Value) {
+    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(client.clone());
+    let p: nodeguard::policy::NodeGuardPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+        "metadata": {"name": name}, "spec": spec,
+    }))
+    .expect("a policy");
+    api.patch(
+        name,
+        &PatchParams::apply("nodeguard-tests").force(),
+        &Patch::Apply(&p),
+    )
+    .await
+    .expect("apply the test policy");
+}
+
+/// Status of a Node condition, if present.
+pub async fn condition_status(client: &Client, node: &str, type_: &str) -> Option<String> {
+    node_conditions(client, node, type_)
+        .await
+        .first()
+        .map(|c| c.status.clone())
+}

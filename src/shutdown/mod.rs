@@ -265,71 +265,14 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 r = config.changed() => if r.is_err() { return },
             }
         };
-        tracing::debug!("connecting to systemd-logind");
-        let port = match logind.connect().await {
-            Ok(p) => p,
-            Err(e) => {
-                report_unavailable(
-                    &ctx,
-                    &mut failing_since,
-                    "LogindUnavailable",
-                    &format!(
-                        "nodeguard cannot reach systemd-logind on the system bus ({e}); without it a shutdown would not wait for pods. Mount /run/dbus/system_bus_socket and check that logind runs."
-                    ),
-                );
+        let (port, events, delay_max, lock) = match connect_and_arm(&ctx, &logind, &cfg).await {
+            Ok(parts) => parts,
+            Err((reason, message)) => {
+                report_unavailable(&ctx, &mut failing_since, reason, &message);
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = sleep(backoff) => {}
                 }
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                continue;
-            }
-        };
-        tracing::debug!("connected to the system bus");
-        let events = match port.events().await {
-            Ok(e) => e,
-            Err(e) => {
-                report_unavailable(
-                    &ctx,
-                    &mut failing_since,
-                    "LogindUnavailable",
-                    &format!(
-                        "nodeguard cannot subscribe to systemd-logind's signals ({e}); a shutdown would not wait for pods."
-                    ),
-                );
-                sleep(backoff).await;
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                continue;
-            }
-        };
-        let delay_max = match ensure_delay(&ctx, &port, &cfg).await {
-            Ok(d) => d,
-            Err(e) => {
-                report_unavailable(
-                    &ctx,
-                    &mut failing_since,
-                    "LogindUnavailable",
-                    &format!(
-                        "systemd-logind does not answer on the system bus ({e}); a shutdown would not wait for pods."
-                    ),
-                );
-                sleep(backoff).await;
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                continue;
-            }
-        };
-        let lock = match port.inhibit(&why(&cfg)).await {
-            Ok(l) => l,
-            Err(e) => {
-                report_unavailable(
-                    &ctx,
-                    &mut failing_since,
-                    "InhibitorRefused",
-                    &format!(
-                        "systemd-logind refused nodeguard's delay inhibitor ({e}); a shutdown would not wait for pods."
-                    ),
-                );
-                sleep(backoff).await;
                 backoff = (backoff * 2).min(RECONNECT_MAX);
                 continue;
             }
@@ -363,6 +306,36 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         }
     }
     ctx.metrics.inhibitor_held.set(0);
+}
+
+/// Connects to logind, subscribes, makes sure the inhibit delay suffices
+/// and takes the lock; on failure, the condition reason and message.
+async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
+    ctx: &Ctx<C>,
+    logind: &L,
+    cfg: &ShutdownConfig,
+) -> Result<(L::Port, mpsc::Receiver<LogindEvent>, Duration, InhibitLock), (&'static str, String)> {
+    let port = logind.connect().await.map_err(|e| {
+        ("LogindUnavailable", format!(
+            "nodeguard cannot reach systemd-logind on the system bus ({e}); without it a shutdown would not wait for pods. Mount /run/dbus/system_bus_socket and check that logind runs."
+        ))
+    })?;
+    let events = port.events().await.map_err(|e| {
+        ("LogindUnavailable", format!(
+            "nodeguard cannot subscribe to systemd-logind's signals ({e}); a shutdown would not wait for pods."
+        ))
+    })?;
+    let delay_max = ensure_delay(ctx, &port, cfg).await.map_err(|e| {
+        ("LogindUnavailable", format!(
+            "systemd-logind does not answer on the system bus ({e}); a shutdown would not wait for pods."
+        ))
+    })?;
+    let lock = port.inhibit(&why(cfg)).await.map_err(|e| {
+        ("InhibitorRefused", format!(
+            "systemd-logind refused nodeguard's delay inhibitor ({e}); a shutdown would not wait for pods."
+        ))
+    })?;
+    Ok((port, events, delay_max, lock))
 }
 
 enum Armed {

@@ -133,7 +133,13 @@ pub async fn run_policy_status(
     let mut renew = tokio::time::interval(RENEW);
     loop {
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {
+                if leader {
+                    // Hand over at once instead of after the lease expires.
+                    let _ = leases.delete(LEASE_NAME, &Default::default()).await;
+                }
+                return;
+            }
             _ = renew.tick() => {
                 match hold_lease(&leases, &me).await {
                     Ok(now_leader) => {

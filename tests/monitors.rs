@@ -33,18 +33,11 @@ async fn apply_monitors(admin: &Client, name: &str, node: &str, monitors: serde_
     .await;
 }
 
-async fn status(admin: &Client, node: &str, t: &str) -> Option<String> {
-    condition_status(admin, node, t).await
-}
-
-async fn has_taint(admin: &Client, node: &str, key: &str) -> bool {
-    Api::<Node>::all(admin.clone())
-        .get(node)
-        .await
-        .unwrap()
-        .spec
-        .and_then(|s| s.taints)
-        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
+async fn node_tainted(admin: &Client, node: &str, key: &str) -> bool {
+    has_taint(
+        &Api::<Node>::all(admin.clone()).get(node).await.unwrap(),
+        key,
+    )
 }
 
 #[tokio::test]
@@ -92,11 +85,8 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
         Duration::from_secs(15),
         "AppBroken=False at start",
         || async {
-            status(&admin, &node.name, "AppBroken").await.as_deref() == Some("False")
-                && status(&admin, &node.name, "KernelDeadlock")
-                    .await
-                    .as_deref()
-                    == Some("False")
+            condition_is(&admin, &node.name, "AppBroken", "False").await
+                && condition_is(&admin, &node.name, "KernelDeadlock", "False").await
         },
     )
     .await;
@@ -107,8 +97,8 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
         Duration::from_secs(5),
         "AppBroken=True with its taint",
         || async {
-            status(&admin, &node.name, "AppBroken").await.as_deref() == Some("True")
-                && has_taint(&admin, &node.name, "example.com/app-broken").await
+            condition_is(&admin, &node.name, "AppBroken", "True").await
+                && node_tainted(&admin, &node.name, "example.com/app-broken").await
         },
     )
     .await;
@@ -117,15 +107,13 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
         &kmsg,
         "3,1001,5000000,-;INFO: task docker:20744 blocked for more than 120 seconds.",
     );
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "True",
         Duration::from_secs(2),
         "KernelDeadlock=True within 2 s",
-        || async {
-            status(&admin, &node.name, "KernelDeadlock")
-                .await
-                .as_deref()
-                == Some("True")
-        },
     )
     .await;
     eprintln!("kernel line to condition in the API: {:?}", t0.elapsed());
@@ -171,7 +159,7 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
         .remove(0);
     assert_eq!(after.status, "True", "a restart keeps the active condition");
     assert_eq!(after.last_transition_time, before.last_transition_time);
-    assert!(has_taint(&admin, &node.name, "example.com/app-broken").await);
+    assert!(node_tainted(&admin, &node.name, "example.com/app-broken").await);
 
     // A clear line clears the condition and removes the taint we added.
     append(&app_log, "app recovered");
@@ -179,8 +167,8 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
         Duration::from_secs(5),
         "AppBroken=False, taint gone",
         || async {
-            status(&admin, &node.name, "AppBroken").await.as_deref() == Some("False")
-                && !has_taint(&admin, &node.name, "example.com/app-broken").await
+            condition_is(&admin, &node.name, "AppBroken", "False").await
+                && !node_tainted(&admin, &node.name, "example.com/app-broken").await
         },
     )
     .await;
@@ -188,7 +176,9 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
     // Removing the kernel monitor removes its condition.
     apply_monitors(&admin, &policy, &node.name, serde_json::json!([app])).await;
     eventually(Duration::from_secs(5), "KernelDeadlock removed", || async {
-        status(&admin, &node.name, "KernelDeadlock").await.is_none()
+        condition_status(&admin, &node.name, "KernelDeadlock")
+            .await
+            .is_none()
     })
     .await;
     let (_, metrics) = http_get(agent.addr, "/metrics").await;
@@ -252,9 +242,14 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
     )
     .await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
-    eventually(Duration::from_secs(15), "NTPProblem=False", || async {
-        status(&admin, &node.name, "NTPProblem").await.as_deref() == Some("False")
-    })
+    wait_condition(
+        &admin,
+        &node.name,
+        "NTPProblem",
+        "False",
+        Duration::from_secs(15),
+        "NTPProblem=False",
+    )
     .await;
     std::fs::write(&flag, "").unwrap();
     eventually(
@@ -271,10 +266,13 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
     )
     .await;
     std::fs::remove_file(&flag).unwrap();
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "NTPProblem",
+        "False",
         Duration::from_secs(5),
         "NTPProblem=False after exit 0",
-        || async { status(&admin, &node.name, "NTPProblem").await.as_deref() == Some("False") },
     )
     .await;
     agent.stop().await;
@@ -340,15 +338,13 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
     )
     .await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "False",
         Duration::from_secs(15),
         "CorruptDockerOverlay2=False (old entries ignored)",
-        || async {
-            status(&admin, &node.name, "CorruptDockerOverlay2")
-                .await
-                .as_deref()
-                == Some("False")
-        },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -360,7 +356,7 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
-        status(&admin, &node.name, "CorruptDockerOverlay2")
+        condition_status(&admin, &node.name, "CorruptDockerOverlay2")
             .await
             .as_deref(),
         Some("False"),
@@ -372,15 +368,13 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
         "dockerd",
         "returned error: readlink /var/lib/docker/overlay2/z: invalid argument",
     );
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "True",
         Duration::from_secs(10),
         "CorruptDockerOverlay2=True",
-        || async {
-            status(&admin, &node.name, "CorruptDockerOverlay2")
-                .await
-                .as_deref()
-                == Some("True")
-        },
     )
     .await;
     agent.stop().await;
@@ -424,15 +418,13 @@ async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_coo
         c.system_bus_address = Some(address)
     })
     .await;
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "KubeletServiceUnhealthy",
+        "False",
         Duration::from_secs(15),
         "KubeletServiceUnhealthy=False",
-        || async {
-            status(&admin, &node.name, "KubeletServiceUnhealthy")
-                .await
-                .as_deref()
-                == Some("False")
-        },
     )
     .await;
     // It fails right after a (re)start: within the cooldown, no repair.
@@ -470,15 +462,13 @@ async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_coo
         std::future::ready(kills() == 1)
     })
     .await;
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "KubeletServiceUnhealthy",
+        "False",
         Duration::from_secs(5),
         "KubeletServiceUnhealthy=False after the repair",
-        || async {
-            status(&admin, &node.name, "KubeletServiceUnhealthy")
-                .await
-                .as_deref()
-                == Some("False")
-        },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;

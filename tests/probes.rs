@@ -110,9 +110,14 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
         "LocalTcpUnhealthy",
         "LocalGrpcUnhealthy",
     ] {
-        eventually(Duration::from_secs(15), &format!("{t}=False"), || async {
-            condition_status(&admin, &node.name, t).await.as_deref() == Some("False")
-        })
+        wait_condition(
+            &admin,
+            &node.name,
+            t,
+            "False",
+            Duration::from_secs(15),
+            &format!("{t}=False"),
+        )
         .await;
     }
     // Break all three.
@@ -126,9 +131,14 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
         "LocalTcpUnhealthy",
         "LocalGrpcUnhealthy",
     ] {
-        eventually(Duration::from_secs(10), &format!("{t}=True"), || async {
-            condition_status(&admin, &node.name, t).await.as_deref() == Some("True")
-        })
+        wait_condition(
+            &admin,
+            &node.name,
+            t,
+            "True",
+            Duration::from_secs(10),
+            &format!("{t}=True"),
+        )
         .await;
     }
     let out = kubectl(&["describe", "node", &node.name]);
@@ -148,15 +158,13 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
     eprintln!("{row}\n{grpc_row}");
     // Heal the HTTP one: it clears.
     healthy.store(true, Ordering::SeqCst);
-    eventually(
+    wait_condition(
+        &admin,
+        &node.name,
+        "LocalHttpUnhealthy",
+        "False",
         Duration::from_secs(10),
         "LocalHttpUnhealthy=False again",
-        || async {
-            condition_status(&admin, &node.name, "LocalHttpUnhealthy")
-                .await
-                .as_deref()
-                == Some("False")
-        },
     )
     .await;
     let (_, metrics) = http_get(agent.addr, "/metrics").await;

@@ -133,10 +133,7 @@ fn node_has(node: &Node, condition: &str, status: &str) -> bool {
 }
 
 fn tainted(node: &Node) -> bool {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|ts| ts.iter().any(|t| t.key == "nodeguard.io/shutdown"))
+    has_taint(node, "nodeguard.io/shutdown")
 }
 
 async fn events_for(node: &str) -> String {

@@ -422,3 +422,28 @@ pub async fn condition_status(client: &Client, node: &str, type_: &str) -> Optio
         .first()
         .map(|c| c.status.clone())
 }
+
+/// Waits until the Node's condition `type_` has `status`; panics with `what` after `timeout`.
+pub async fn wait_condition(
+    client: &Client,
+    node: &str,
+    type_: &str,
+    status: &str,
+    timeout: Duration,
+    what: &str,
+) {
+    eventually(timeout, what, || condition_is(client, node, type_, status)).await;
+}
+
+/// Whether the Node's condition `type_` is present with `status`.
+pub async fn condition_is(client: &Client, node: &str, type_: &str, status: &str) -> bool {
+    condition_status(client, node, type_).await.as_deref() == Some(status)
+}
+
+/// Whether the Node carries a taint with `key`.
+pub fn has_taint(node: &Node, key: &str) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
+}

@@ -10,9 +10,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::DeleteParams;
 use kube::{Api, Client};
-use nodeguard::policy::NodeGuardPolicy;
 use support::*;
 
 fn append(path: &std::path::Path, line: &str) {
@@ -191,9 +189,7 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
         "{metrics}"
     );
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }
 
 #[tokio::test]
@@ -276,9 +272,7 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
     )
     .await;
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }
 
 /// Writes one journal entry into a new journal file in `dir`, as a real
@@ -378,9 +372,7 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
     )
     .await;
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }
 
 #[tokio::test]
@@ -479,7 +471,5 @@ async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_coo
     })
     .await;
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }

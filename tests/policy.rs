@@ -108,9 +108,7 @@ async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {
     )
     .await;
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&name, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &name).await;
 }
 
 #[tokio::test]
@@ -200,9 +198,7 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
     agent_a.stop().await;
     agent_b.stop().await;
     for p in [pa, pb] {
-        let _ = Api::<NodeGuardPolicy>::all(admin.clone())
-            .delete(&p, &DeleteParams::default())
-            .await;
+        delete_policy(&admin, &p).await;
     }
 }
 

@@ -13,7 +13,6 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
-use nodeguard::policy::NodeGuardPolicy;
 use support::*;
 
 /// An HTTP server whose /healthz answers 200 or 503.
@@ -80,6 +79,13 @@ async fn apply_probes(admin: &Client, name: &str, node: &str, probes: serde_json
     .await;
 }
 
+/// The conditions of the three node-local probes in the first test.
+const LOCAL_PROBE_CONDITIONS: [&str; 3] = [
+    "LocalHttpUnhealthy",
+    "LocalTcpUnhealthy",
+    "LocalGrpcUnhealthy",
+];
+
 #[tokio::test]
 async fn node_probes_flip_their_conditions_visible_in_describe() {
     let admin = admin_client().await;
@@ -105,11 +111,7 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
     )
     .await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
-    for t in [
-        "LocalHttpUnhealthy",
-        "LocalTcpUnhealthy",
-        "LocalGrpcUnhealthy",
-    ] {
+    for t in LOCAL_PROBE_CONDITIONS {
         wait_condition(
             &admin,
             &node.name,
@@ -126,11 +128,7 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
     grpc_health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
-    for t in [
-        "LocalHttpUnhealthy",
-        "LocalTcpUnhealthy",
-        "LocalGrpcUnhealthy",
-    ] {
+    for t in LOCAL_PROBE_CONDITIONS {
         wait_condition(
             &admin,
             &node.name,
@@ -201,9 +199,7 @@ async fn node_probes_flip_their_conditions_visible_in_describe() {
     )
     .await;
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }
 
 async fn pod_gate(admin: &Client, pod: &str, gate: &str) -> Option<String> {
@@ -293,9 +289,7 @@ async fn a_pod_readiness_gate_follows_its_probe() {
     let _ = pods
         .delete(&pod_name, &DeleteParams::default().grace_period(0))
         .await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }
 
 #[tokio::test]
@@ -339,7 +333,5 @@ async fn changing_one_probe_restarts_only_its_worker() {
         "a manual trigger reaches the worker"
     );
     agent.stop().await;
-    let _ = Api::<NodeGuardPolicy>::all(admin)
-        .delete(&policy, &DeleteParams::default())
-        .await;
+    delete_policy(&admin, &policy).await;
 }

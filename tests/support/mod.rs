@@ -415,6 +415,12 @@ pub async fn apply_policy(client: &Client, name: &str, spec: serde_json::Value) 
     .expect("apply the test policy");
 }
 
+/// Deletes a test policy; best effort, for the end of a test.
+pub async fn delete_policy(client: &Client, name: &str) {
+    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(client.clone());
+    let _ = api.delete(name, &DeleteParams::default()).await;
+}
+
 /// Status of a Node condition, if present.
 pub async fn condition_status(client: &Client, node: &str, type_: &str) -> Option<String> {
     node_conditions(client, node, type_)

@@ -275,6 +275,36 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
     delete_policy(&admin, &policy).await;
 }
 
+#[tokio::test]
+async fn an_unreadable_source_is_a_warning_event_on_the_node() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "nosource").await;
+    let missing = "/nonexistent/nodeguard-test/kmsg";
+    let kernel = serde_json::json!({
+        "name": "kernel", "source": {"kmsg": {"path": missing}},
+        "conditions": [{"type": "KernelDeadlock", "reason": "KernelHasNoDeadlock", "message": "kernel has no deadlock"}],
+        "rules": [{"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
+                   "pattern": "task docker:\\w+ blocked"}],
+    });
+    let policy = unique_name("nosource");
+    apply_monitors(&admin, &policy, &node.name, serde_json::json!([kernel])).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    let mut events = String::new();
+    eventually(
+        Duration::from_secs(15),
+        "a MonitorSourceUnavailable event naming the path",
+        || {
+            events = kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)]);
+            let found = events.contains("MonitorSourceUnavailable") && events.contains(missing);
+            async move { found }
+        },
+    )
+    .await;
+    assert!(events.contains("Warning"), "{events}");
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 /// Writes one journal entry into a new journal file in `dir`, as a real
 /// journald would (systemd-journal-remote writes the same format).
 fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str) {

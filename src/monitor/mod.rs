@@ -327,43 +327,36 @@ async fn run_monitor<T: TaintPort>(
         .insert(spec.name.clone(), counters.clone());
     let (tx, mut rx) = mpsc::channel(QUEUE);
     let source_stop = StopFlag::default();
-    let started = match (&spec.source.kmsg, &spec.source.file) {
-        (Some(k), _) => sources::spawn_kmsg(
+    // At most one line source (validation rejects more); `started` names it with its result.
+    let started = if let Some(k) = &spec.source.kmsg {
+        let r = sources::spawn_kmsg(
             PathBuf::from(&k.path),
             state.cursor.kmsg_sequence,
             tx,
             counters.clone(),
             source_stop.clone(),
-        )
-        .map_err(|source| MonitorError::Source {
-            path: k.path.clone(),
-            source,
-        }),
-        (None, Some(f)) => sources::spawn_file(
+        );
+        Some((k.path.clone(), r))
+    } else if let Some(f) = &spec.source.file {
+        let r = sources::spawn_file(
             PathBuf::from(&f.path),
             state.cursor.file,
             tx,
             counters.clone(),
             source_stop.clone(),
-        )
-        .map_err(|source| MonitorError::Source {
-            path: f.path.clone(),
-            source,
-        }),
-        (None, None) => match &spec.source.journald {
-            Some(j) => sources::spawn_journald(
-                j.clone(),
-                state.cursor.journal.clone(),
-                tx,
-                counters.clone(),
-                source_stop.clone(),
-            )
-            .map_err(|source| MonitorError::Source {
-                path: "journalctl".into(),
-                source,
-            }),
-            None => Ok(()),
-        },
+        );
+        Some((f.path.clone(), r))
+    } else if let Some(j) = &spec.source.journald {
+        let r = sources::spawn_journald(
+            j.clone(),
+            state.cursor.journal.clone(),
+            tx,
+            counters.clone(),
+            source_stop.clone(),
+        );
+        Some(("journalctl".to_string(), r))
+    } else {
+        None
     };
     let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
     if let Some(p) = &spec.source.plugin {
@@ -386,7 +379,8 @@ async fn run_monitor<T: TaintPort>(
             stop.clone(),
         ));
     }
-    if let Err(e) = started {
+    if let Some((path, Err(source))) = started {
+        let e = MonitorError::Source { path, source };
         tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
         reporter.event(
             EventKind::Warning,

@@ -251,18 +251,27 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     let mut resume = start_up(&ctx).await;
     let mut backoff = RECONNECT_MIN;
     let mut failing_since: Option<Instant> = None;
+    // Until the first policy selection arrives, "no config" means "not known
+    // yet", not "off": what start-up reported (NodeRebooted) must stay.
+    let mut policy_known = false;
     'outer: loop {
         // Wait for a policy that wants graceful shutdown.
         let cfg = loop {
             if let Some(c) = config.borrow_and_update().clone() {
+                policy_known = true;
                 break c;
             }
-            ctx.reporter.remove(UNAVAILABLE);
-            ctx.reporter.remove(CONDITION);
-            tracing::debug!("graceful shutdown is off; waiting for a policy");
+            if policy_known {
+                ctx.reporter.remove(UNAVAILABLE);
+                ctx.reporter.remove(CONDITION);
+                tracing::debug!("graceful shutdown is off; waiting for a policy");
+            }
             tokio::select! {
                 _ = stop.cancelled() => return,
-                r = config.changed() => if r.is_err() { return },
+                r = config.changed() => {
+                    if r.is_err() { return }
+                    policy_known = true;
+                }
             }
         };
         let (port, events, delay_max, lock) = match connect_and_arm(&ctx, &logind, &cfg).await {

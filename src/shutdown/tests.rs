@@ -617,6 +617,54 @@ async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
     r.task.await.unwrap();
 }
 
+/// Found on the e2e VM: after a reboot the agent starts before its first
+/// policy selection; the NodeRebooted report must survive that moment.
+#[tokio::test(start_paused = true)]
+async fn the_reboot_report_stays_when_the_policy_arrives_after_start_up() {
+    let dir = tmp("reboot-late-policy");
+    let start = jiff::Timestamp::from_second(1_800_000_000).unwrap();
+    state::save(
+        &dir,
+        &ShutdownRecord {
+            boot_id: "old-boot".into(),
+            started_at: Some(start),
+            ended_at: Some(start + jiff::SignedDuration::from_secs(6)),
+            groups_done: vec![0],
+            taint_added: true,
+        },
+    )
+    .unwrap();
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    let r = rig_in(
+        dir,
+        FakeLogind::new(Duration::from_secs(60)),
+        None,
+        vec![],
+        "new-boot",
+        pre,
+    );
+    ms(300).await;
+    let c = condition(&r, CONDITION).expect("reported before any policy is known");
+    assert_eq!(c.reason, "NodeRebooted");
+    r.config.send_replace(Some(config(&[(0, 5)])));
+    ms(300).await;
+    let c = condition(&r, CONDITION).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::False, "NodeRebooted")
+    );
+    assert!(c.message.contains("took 6s"), "{}", c.message);
+    // A later selection without a shutdown section does turn it off.
+    r.config.send_replace(None);
+    ms(300).await;
+    assert!(condition(&r, CONDITION).is_none());
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_restart_midway_resumes_the_remaining_groups() {
     let dir = tmp("resume");

@@ -1,8 +1,11 @@
 # The two commands of the README, plus helpers. Scripts live in e2e/.
-.PHONY: demo demo-stop test cluster-up cluster-down crd manifests image
+.PHONY: demo demo-vm demo-stop test cluster-up cluster-down crd manifests image
 
 demo:         ## control plane up, agent running against it, results shown
 	e2e/demo
+
+demo-vm:      ## a real node: Debian VM with logind powers off and reboots; describe node shown
+	e2e/demo vm
 
 demo-stop:    ## stop the demo agent and the control plane
 	e2e/demo stop

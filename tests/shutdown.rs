@@ -6,101 +6,18 @@
 
 mod support;
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::scheduling::v1::PriorityClass;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::dbus::{LogindPeer, PrivateBus};
+use support::pods::{ensure_priority_class, kubelet_sim, running_pod};
 use support::*;
-
-async fn ensure_priority_class(client: &Client, name: &str, value: i32) {
-    let pcs: Api<PriorityClass> = Api::all(client.clone());
-    let pc: PriorityClass = serde_json::from_value(serde_json::json!({
-        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
-        "metadata": {"name": name}, "value": value,
-    }))
-    .unwrap();
-    pcs.patch(
-        name,
-        &PatchParams::apply("nodeguard-tests").force(),
-        &Patch::Apply(&pc),
-    )
-    .await
-    .unwrap();
-}
-
-/// Creates a running, ready pod on `node`, as if a kubelet ran it.
-async fn running_pod(
-    client: &Client,
-    node: &str,
-    name: &str,
-    class: &str,
-    labels: serde_json::Value,
-) {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), TEST_NAMESPACE);
-    let pod: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"nodeName": node, "priorityClassName": class, "terminationGracePeriodSeconds": 30,
-                 "containers": [{"name": "c", "image": "example.invalid/app"}]},
-    }))
-    .unwrap();
-    pods.create(&PostParams::default(), &pod).await.unwrap();
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let status = serde_json::json!({"status": {"phase": "Running", "podIP": "127.0.0.1",
-        "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}});
-    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
-}
-
-/// Plays the kubelet's part in termination: a pod marked for deletion is
-/// removed (grace 0) after a short moment. Records when each was marked.
-fn kubelet_sim(
-    client: Client,
-    node: String,
-) -> (
-    Arc<Mutex<BTreeMap<String, Instant>>>,
-    tokio::task::JoinHandle<()>,
-) {
-    let marked = Arc::new(Mutex::new(BTreeMap::new()));
-    let m = marked.clone();
-    let task = tokio::spawn(async move {
-        let pods: Api<Pod> = Api::all(client.clone());
-        let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let mut stream = watcher(pods, cfg).applied_objects().boxed();
-        while let Some(Ok(p)) = stream.next().await {
-            if p.metadata.deletion_timestamp.is_none() {
-                continue;
-            }
-            let name = p.metadata.name.clone().unwrap();
-            let ns = p.metadata.namespace.clone().unwrap();
-            if m.lock()
-                .unwrap()
-                .insert(name.clone(), Instant::now())
-                .is_some()
-            {
-                continue;
-            }
-            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                let _ = api
-                    .delete(&name, &DeleteParams::default().grace_period(0))
-                    .await;
-            });
-        }
-    });
-    (marked, task)
-}
 
 async fn shutdown_policy(
     client: &Client,

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a different part of this module
 
 pub mod dbus;
+pub mod pods;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};

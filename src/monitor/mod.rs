@@ -63,8 +63,9 @@ pub trait TaintPort: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), MonitorError>> + Send;
 }
 
-/// How many lines may wait for a monitor's rules; beyond, lines are
-/// dropped and counted (`nodeguard_monitor_lines_dropped_total`).
+/// How many lines may wait for a monitor's rules; beyond, file and journal
+/// readers wait and kmsg records are dropped and counted
+/// (`nodeguard_monitor_lines_dropped_total`).
 pub const QUEUE: usize = 8192;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

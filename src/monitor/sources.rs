@@ -1,6 +1,10 @@
 //! Log sources on their own threads (blocking reads), feeding a bounded
-//! queue: a flood fills the queue and the excess is counted and dropped,
-//! so memory stays bounded and the async loops are never delayed.
+//! queue, so memory stays bounded and the async loops are never delayed.
+//! When the queue is full, sources whose data stays on disk (files, the
+//! journal) wait for room: a flood delays their detection but loses nothing,
+//! and the saved cursor only moves past lines the engine has seen. The
+//! kernel's ring buffer does not wait for anyone, so kmsg records that find
+//! the queue full are counted and dropped.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
@@ -66,6 +70,14 @@ impl StopFlag {
     }
 }
 
+/// Hands a line over, waiting for room (files, the journal). False once the
+/// engine is gone.
+fn deliver(tx: &mpsc::Sender<Item>, counters: &SourceCounters, item: Item) -> bool {
+    counters.lines.fetch_add(1, Ordering::Relaxed);
+    tx.blocking_send(item).is_ok()
+}
+
+/// Hands a kmsg record over, or counts it dropped when the queue is full.
 fn offer(tx: &mpsc::Sender<Item>, counters: &SourceCounters, item: Item) -> bool {
     counters.lines.fetch_add(1, Ordering::Relaxed);
     match tx.try_send(item) {
@@ -229,7 +241,7 @@ pub fn spawn_file(
                                 ..Default::default()
                             },
                         };
-                        if !offer(&tx, &counters, item) {
+                        if !deliver(&tx, &counters, item) {
                             return;
                         }
                     }
@@ -337,7 +349,7 @@ pub fn spawn_journald(
                             ..Default::default()
                         },
                     };
-                    if !offer(&tx, &counters, item) {
+                    if !deliver(&tx, &counters, item) {
                         let _ = child.kill();
                         return;
                     }
@@ -368,6 +380,44 @@ mod tests {
             .await
             .expect("a line within 5 s")
             .expect("channel open")
+    }
+
+    #[tokio::test]
+    async fn a_file_flood_waits_for_room_and_loses_nothing() {
+        let dir = std::env::temp_dir().join(format!("ng-file-flood-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("app.log");
+        std::fs::write(&path, "").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let counters = Arc::new(SourceCounters::default());
+        let stop = StopFlag::default();
+        spawn_file(path.clone(), None, tx, counters.clone(), stop.clone()).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        for i in 0..10_000u64 {
+            writeln!(f, "flood {i}").unwrap();
+        }
+        f.flush().unwrap();
+        // Nobody drains for a while: the queue stays at its bound.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(rx.len() <= 4);
+        for i in 0..10_000u64 {
+            let item = next(&mut rx).await;
+            assert_eq!(item.line, format!("flood {i}"));
+        }
+        assert_eq!(counters.dropped.load(Ordering::Relaxed), 0);
+        assert_eq!(counters.lines.load(Ordering::Relaxed), 10_000);
+        // The engine goes away: the reader thread ends instead of waiting.
+        writeln!(f, "one more").unwrap();
+        writeln!(f, "and another").unwrap();
+        f.flush().unwrap();
+        drop(rx);
+        stop.stop();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]

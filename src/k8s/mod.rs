@@ -59,7 +59,38 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, K8sError> {
     Client::try_from(config).map_err(K8sError::Client)
 }
 
-/// Adjusts a client configuration the way the agent needs it.
+/// Adjusts a client configuration the way the agent needs it: no automatic
+/// retries, and a `User-Agent` naming the agent and its version, so audit
+/// logs and API server logs tell nodeguard's requests apart (kube-rs sends
+/// none of its own).
 pub fn agent_config(config: &mut Config) {
     config.default_retry = false;
+    let agent = format!("nodeguard/{}", env!("CARGO_PKG_VERSION"));
+    config
+        .headers
+        .retain(|(name, _)| name != http::header::USER_AGENT);
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_str(&agent).expect("a version is a valid header value"),
+    ));
+}
+
+#[cfg(test)]
+mod agent_config_tests {
+    use super::*;
+
+    #[test]
+    fn the_agent_names_itself_and_does_not_retry() {
+        let mut config = Config::new("https://127.0.0.1:6443".parse().unwrap());
+        agent_config(&mut config);
+        agent_config(&mut config);
+        assert!(!config.default_retry);
+        let agents: Vec<_> = config
+            .headers
+            .iter()
+            .filter(|(n, _)| n == http::header::USER_AGENT)
+            .map(|(_, v)| v.to_str().unwrap().to_string())
+            .collect();
+        assert_eq!(agents, [format!("nodeguard/{}", env!("CARGO_PKG_VERSION"))]);
+    }
 }

@@ -53,8 +53,17 @@ pub async fn admin_config() -> Config {
     let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .expect("admin kubeconfig is usable");
-    // As the agent's own client: no automatic retries of 429s.
+    // As the agent's own client: no automatic retries of 429s; but named
+    // apart, so audit logs (and bench/npd.rs) tell test requests from an
+    // agent process's.
     nodeguard::k8s::agent_config(&mut config);
+    config
+        .headers
+        .retain(|(n, _)| n != http::header::USER_AGENT);
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static("nodeguard-tests"),
+    ));
     config
 }
 

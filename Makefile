@@ -1,5 +1,5 @@
 # The two commands of the README, plus helpers. Scripts live in e2e/.
-.PHONY: demo demo-vm demo-stop test cluster-up cluster-down crd manifests image
+.PHONY: demo demo-vm demo-stop test bench cluster-up cluster-down crd manifests image
 
 demo:         ## control plane up, agent running against it, results shown
 	e2e/demo
@@ -12,6 +12,9 @@ demo-stop:    ## stop the demo agent and the control plane
 
 test:         ## everything CI runs: setup, fmt, clippy, all tests against the real control plane
 	e2e/test-all
+
+bench:        ## every benchmark beside node-problem-detector; writes bench/RESULTS.md (~20 min)
+	bench/run
 
 cluster-up:
 	e2e/setup && e2e/cluster/up

@@ -1,0 +1,594 @@
+//! nodeguard beside node-problem-detector, measured in the same run against
+//! the real test control plane (`e2e/cluster/up`), and the agent's own
+//! footprint. Run with `cargo bench --bench npd` (or `make bench`).
+//!
+//! Both peers get the same kernel log file (syslog `kern.log` lines,
+//! generated: realistic noise with 1 problem line in 200) and the same
+//! rules: NPD reads its own `kernel-monitor-filelog.json` (from the Go
+//! module it was built from, `bench/npd-build`); nodeguard reads
+//! `nodeguard import-npd` of that same file. Each run starts each peer fresh
+//! on its own Node carrying 110 pods, then measures:
+//! - startup: process start to the peer's KernelDeadlock condition in the
+//!   API (both) and, for nodeguard, to `/readyz` 200;
+//! - idle: CPU, RSS and API writes per minute (from the audit log, by the
+//!   peer's user agent) over `NODEGUARD_BENCH_IDLE_SECONDS`;
+//! - detection latency: one hung-task line appended to a quiet log, to the
+//!   condition `True` in the API;
+//! - flood: `NODEGUARD_BENCH_FLOOD_LINES` appended at once; CPU per line and
+//!   wall time until the peer's problem counter has seen every problem line;
+//!   peak RSS (VmHWM).
+//!
+//! Each figure is the median over `NODEGUARD_BENCH_RUNS` runs; the peers
+//! alternate which goes first.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::pods::running_pod;
+use support::*;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Peer {
+    Nodeguard,
+    Npd,
+}
+
+impl Peer {
+    fn label(self) -> &'static str {
+        match self {
+            Peer::Nodeguard => "nodeguard",
+            Peer::Npd => "node-problem-detector",
+        }
+    }
+}
+
+#[derive(Default, Clone, Debug)]
+struct Sample {
+    startup_condition: f64,
+    startup_ready: Option<f64>,
+    idle_cpu_percent: f64,
+    idle_rss_mib: f64,
+    idle_writes_per_min: f64,
+    idle_lease_writes_per_min: f64,
+    latency: f64,
+    flood_lines_per_cpu_s: f64,
+    flood_wall: f64,
+    flood_problems_seen: u64,
+    flood_problems_sent: u64,
+    peak_rss_mib: f64,
+}
+
+/// Utime + stime of `pid`, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the peer is running");
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of stat(5), counted from the state (field 3).
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// A `VmRSS`/`VmHWM` line of /proc/PID/status, in MiB.
+fn status_mib(pid: u32, key: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    kb / 1024.0
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn kern_line(host: &str, uptime: f64, msg: &str) -> String {
+    let ts = jiff::Zoned::now()
+        .with_time_zone(jiff::tz::TimeZone::UTC)
+        .strftime("%b %e %H:%M:%S")
+        .to_string();
+    format!("{ts} {host} kernel: [{uptime:>12.6}] {msg}\n")
+}
+
+/// `n` kernel log lines, one in 200 an OOM kill (a temporary problem both
+/// peers count); the rest the noise a busy node logs.
+fn flood(host: &str, n: u64, start_uptime: f64) -> (String, u64) {
+    let noise = [
+        "IPv6: ADDRCONF(NETDEV_CHANGE): veth{}: link becomes ready",
+        "cni0: port {}(veth3f2a9c1e) entered forwarding state",
+        "EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode. Quota mode: none.",
+        "audit: type=1400 audit({}.123:456): apparmor=\"STATUS\" operation=\"profile_replace\" name=\"cri-containerd.apparmor.d\"",
+        "TCP: request_sock_TCP: Possible SYN flooding on port {}. Sending cookies.  Check SNMP counters.",
+        "overlayfs: upperdir is in-use as upperdir/workdir of another mount, accessing files from both mounts will result in undefined behavior.",
+        "device veth{} entered promiscuous mode",
+        "xt_CT: netfilter: NOTRACK target is deprecated, use CT instead or upgrade iptables",
+    ];
+    let mut out = String::with_capacity(n as usize * 120);
+    let mut problems = 0;
+    for i in 0..n {
+        let up = start_uptime + i as f64 * 0.0001;
+        let msg = if i % 200 == 199 {
+            problems += 1;
+            format!(
+                "Out of memory: Killed process {} (java) total-vm:{}kB, anon-rss:{}kB, file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:2048kB oom_score_adj:999",
+                10_000 + i,
+                4_000_000 + i,
+                2_000_000 + i
+            )
+        } else {
+            noise[(i % noise.len() as u64) as usize].replace("{}", &(i % 997).to_string())
+        };
+        out.push_str(&kern_line(host, up, &msg));
+    }
+    (out, problems)
+}
+
+fn append(path: &Path, text: &str) {
+    let mut f = std::fs::OpenOptions::new().append(true).open(path).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.flush().unwrap();
+}
+
+/// The value of the first sample of `metric` whose labels contain `label`.
+fn metric_value(text: &str, metric: &str, label: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(metric) && l.contains(label))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status, body), None while nothing
+/// listens yet.
+async fn try_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+            .await?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await?;
+        std::io::Result::Ok(String::from_utf8_lossy(&buf).into_owned())
+    };
+    let text = tokio::time::timeout(Duration::from_secs(5), io)
+        .await
+        .ok()?
+        .ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((status, body))
+}
+
+async fn scrape(port: u16, path: &str) -> String {
+    match try_get(port, path).await {
+        Some((200, body)) => body,
+        _ => String::new(),
+    }
+}
+
+/// Audit-log writes (ResponseComplete) in `text` whose user agent starts
+/// with `agent` (the bench's own client is `nodeguard-tests`) and whose
+/// request URI contains `uri`.
+fn audit_writes(text: &str, agent: &str, uri: &str) -> usize {
+    text.lines()
+        .filter(|l| l.contains("\"stage\":\"ResponseComplete\""))
+        .filter(|l| l.contains(&format!("\"userAgent\":\"{agent}/")))
+        .filter(|l| l.contains(uri))
+        .count()
+}
+
+struct Running {
+    child: Child,
+    metrics_port: u16,
+    ready_port: Option<u16>,
+    user_agent: &'static str,
+    problem_metric: &'static str,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Bench {
+    nodeguard: PathBuf,
+    npd_dir: PathBuf,
+    work: PathBuf,
+    audit_log: PathBuf,
+    pods: usize,
+    idle: Duration,
+    flood_lines: u64,
+}
+
+impl Bench {
+    /// Writes NPD's config for `log`, applies nodeguard's import of it for
+    /// `node`, and starts `peer`.
+    async fn start(&self, peer: Peer, node: &str, log: &Path, dir: &Path) -> Running {
+        let admin = admin_client().await;
+        let raw =
+            std::fs::read_to_string(self.npd_dir.join("kernel-monitor-filelog.json")).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&raw).unwrap();
+        config["logPath"] = serde_json::json!(log.display().to_string());
+        let config_path = dir.join("kernel-monitor-filelog.json");
+        std::fs::write(&config_path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+        let log_file = std::fs::File::create(dir.join(format!("{}.log", peer.label()))).unwrap();
+        let kubeconfig = kubeconfig_path();
+        match peer {
+            Peer::Nodeguard => {
+                let policy = format!("bench-{node}");
+                let out = Command::new(&self.nodeguard)
+                    .args(["import-npd", "--name", &policy])
+                    .arg(&config_path)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "import-npd: {out:?}");
+                let yaml = dir.join("policy.yaml");
+                std::fs::write(&yaml, &out.stdout).unwrap();
+                kubectl(&["apply", "-f", yaml.to_str().unwrap()]);
+                let selector = serde_json::json!({"spec": {"nodeSelector": selecting(node)}});
+                kubectl(&[
+                    "patch",
+                    "nodeguardpolicy",
+                    &policy,
+                    "--type",
+                    "merge",
+                    "-p",
+                    &selector.to_string(),
+                ]);
+                let port = free_port();
+                let child = Command::new(&self.nodeguard)
+                    .arg("run")
+                    .arg("--kubeconfig")
+                    .arg(&kubeconfig)
+                    .args(["--listen", &format!("127.0.0.1:{port}")])
+                    .arg("--state-dir")
+                    .arg(dir.join("state"))
+                    .env("NODE_NAME", node)
+                    .env("RUST_LOG", "warn")
+                    .stdin(Stdio::null())
+                    .stdout(log_file.try_clone().unwrap())
+                    .stderr(log_file)
+                    .spawn()
+                    .unwrap();
+                let _ = admin;
+                Running {
+                    child,
+                    metrics_port: port,
+                    ready_port: Some(port),
+                    user_agent: "nodeguard",
+                    problem_metric: "nodeguard_problem_total",
+                }
+            }
+            Peer::Npd => {
+                let port = free_port();
+                let prom = free_port();
+                let apiserver = std::fs::read_to_string(&kubeconfig)
+                    .unwrap()
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_string))
+                    .unwrap();
+                let child = Command::new(self.npd_dir.join("nodeproblemdetector"))
+                    .arg(format!("--hostname-override={node}"))
+                    .arg(format!(
+                        "--apiserver-override={apiserver}?inClusterConfig=false&auth={}",
+                        kubeconfig.display()
+                    ))
+                    .arg(format!(
+                        "--config.system-log-monitor={}",
+                        config_path.display()
+                    ))
+                    .args(["--address=127.0.0.1", &format!("--port={port}")])
+                    .args([
+                        "--prometheus-address=127.0.0.1",
+                        &format!("--prometheus-port={prom}"),
+                    ])
+                    .stdin(Stdio::null())
+                    .stdout(log_file.try_clone().unwrap())
+                    .stderr(log_file)
+                    .spawn()
+                    .unwrap();
+                Running {
+                    child,
+                    metrics_port: prom,
+                    ready_port: None,
+                    user_agent: "nodeproblemdetector",
+                    problem_metric: "problem_counter",
+                }
+            }
+        }
+    }
+
+    async fn run_peer(&self, peer: Peer, run: usize) -> Sample {
+        let admin = admin_client().await;
+        let node = TestNode::selectable(&admin, &format!("bench-{}", &peer.label()[..3])).await;
+        let dir = self.work.join(format!("run{run}-{}", peer.label()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("kern.log");
+        std::fs::write(
+            &log,
+            kern_line(&node.name, 1.0, "Linux version 6.1.0-bench"),
+        )
+        .unwrap();
+        eprintln!(
+            "bench: run {run}, {}: {} pods on node {}",
+            peer.label(),
+            self.pods,
+            node.name
+        );
+        for i in 0..self.pods {
+            running_pod(
+                &admin,
+                &node.name,
+                &format!("{}-{i}", node.name),
+                "",
+                serde_json::json!({"bench": "yes"}),
+            )
+            .await;
+        }
+        let mut s = Sample::default();
+
+        // Startup.
+        let t0 = Instant::now();
+        let mut p = self.start(peer, &node.name, &log, &dir).await;
+        let pid = p.child.id();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if s.startup_ready.is_none()
+                && let Some(port) = p.ready_port
+                && let Some((200, _)) = try_get(port, "/readyz").await
+            {
+                s.startup_ready = Some(t0.elapsed().as_secs_f64());
+            }
+            if condition_status(&admin, &node.name, "KernelDeadlock")
+                .await
+                .is_some()
+            {
+                s.startup_condition = t0.elapsed().as_secs_f64();
+                if p.ready_port.is_none() || s.startup_ready.is_some() {
+                    break;
+                }
+            }
+            assert!(
+                p.child.try_wait().unwrap().is_none(),
+                "{} exited; log in {}",
+                peer.label(),
+                dir.display()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{} did not start within 120 s",
+                peer.label()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // Idle.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let audit_start = std::fs::metadata(&self.audit_log).unwrap().len();
+        let cpu0 = cpu_seconds(pid);
+        let i0 = Instant::now();
+        tokio::time::sleep(self.idle).await;
+        let idle = i0.elapsed().as_secs_f64();
+        s.idle_cpu_percent = (cpu_seconds(pid) - cpu0) / idle * 100.0;
+        s.idle_rss_mib = status_mib(pid, "VmRSS:");
+        let audit = std::fs::read(&self.audit_log).unwrap();
+        let window = String::from_utf8_lossy(&audit[audit_start as usize..]);
+        s.idle_writes_per_min = audit_writes(&window, p.user_agent, "") as f64 * 60.0 / idle;
+        s.idle_lease_writes_per_min =
+            audit_writes(&window, p.user_agent, "/leases/") as f64 * 60.0 / idle;
+
+        // Detection latency on a quiet log.
+        let t0 = Instant::now();
+        append(
+            &log,
+            &kern_line(
+                &node.name,
+                100.0,
+                "INFO: task docker:4242 blocked for more than 120 seconds.",
+            ),
+        );
+        loop {
+            if condition_is(&admin, &node.name, "KernelDeadlock", "True").await {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{}: no KernelDeadlock=True",
+                peer.label()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        s.latency = t0.elapsed().as_secs_f64();
+
+        // Flood.
+        let (text, problems) = flood(&node.name, self.flood_lines, 200.0);
+        s.flood_problems_sent = problems;
+        let counted =
+            |m: &str| metric_value(m, p.problem_metric, "OOMKilling").unwrap_or(0.0) as u64;
+        let before = counted(&scrape(p.metrics_port, "/metrics").await);
+        let cpu0 = cpu_seconds(pid);
+        let t0 = Instant::now();
+        append(&log, &text);
+        drop(text);
+        let deadline = t0 + Duration::from_secs(120);
+        let mut last_change = (Instant::now(), before);
+        loop {
+            let seen = counted(&scrape(p.metrics_port, "/metrics").await) - before;
+            if seen != last_change.1 {
+                last_change = (Instant::now(), seen);
+            }
+            s.flood_problems_seen = seen;
+            if seen >= problems {
+                break;
+            }
+            // Stalled for 10 s short of the total: report what it saw.
+            if Instant::now() > deadline || last_change.0.elapsed() > Duration::from_secs(10) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        s.flood_wall = last_change.0.duration_since(t0).as_secs_f64();
+        let cpu = cpu_seconds(pid) - cpu0;
+        s.flood_lines_per_cpu_s = self.flood_lines as f64 / cpu.max(1e-9);
+        s.peak_rss_mib = status_mib(pid, "VmHWM:");
+        let _ = p.child.kill();
+        if peer == Peer::Nodeguard {
+            let _ = kubectl_status(&["delete", "nodeguardpolicy", &format!("bench-{}", node.name)]);
+        }
+        let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+            kube::Api::namespaced(admin.clone(), TEST_NAMESPACE);
+        let _ = pods
+            .delete_collection(
+                &kube::api::DeleteParams::default().grace_period(0),
+                &kube::api::ListParams::default().fields(&format!("spec.nodeName={}", node.name)),
+            )
+            .await;
+        drop(p);
+        s
+    }
+}
+
+fn kubectl_status(args: &[&str]) -> Result<String, String> {
+    let out = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing else is expected.
+    let runs: usize = env_or("NODEGUARD_BENCH_RUNS", 3);
+    let idle: u64 = env_or("NODEGUARD_BENCH_IDLE_SECONDS", 60);
+    let flood_lines: u64 = env_or("NODEGUARD_BENCH_FLOOD_LINES", 200_000);
+    let repo = repo_root();
+    let npd = Command::new(repo.join("bench/npd-build"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run bench/npd-build");
+    assert!(npd.status.success(), "bench/npd-build failed");
+    let npd_dir = PathBuf::from(String::from_utf8(npd.stdout).unwrap().trim());
+    let bench = Bench {
+        nodeguard: PathBuf::from(env!("CARGO_BIN_EXE_nodeguard")),
+        npd_dir,
+        work: repo.join("target/bench/npd"),
+        audit_log: kubeconfig_path().with_file_name("logs").join("audit.log"),
+        pods: 110,
+        idle: Duration::from_secs(idle),
+        flood_lines,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut samples: Vec<(Peer, Sample)> = Vec::new();
+    rt.block_on(async {
+        for run in 1..=runs {
+            let order = if run % 2 == 1 {
+                [Peer::Nodeguard, Peer::Npd]
+            } else {
+                [Peer::Npd, Peer::Nodeguard]
+            };
+            for peer in order {
+                let s = bench.run_peer(peer, run).await;
+                eprintln!("bench: run {run}, {}: {s:?}", peer.label());
+                samples.push((peer, s));
+            }
+        }
+    });
+    let col = |peer: Peer, f: &dyn Fn(&Sample) -> f64| {
+        median(
+            samples
+                .iter()
+                .filter(|(p, _)| *p == peer)
+                .map(|(_, s)| f(s))
+                .collect(),
+        )
+    };
+    println!(
+        "\nnodeguard beside node-problem-detector: same kern.log stream and rules (NPD's kernel-monitor-filelog.json; nodeguard: its import-npd), \
+         110 pods on each peer's Node, real API server; median of {runs} runs (idle window {idle} s, flood {flood_lines} lines, 1 in 200 a problem)\n"
+    );
+    println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
+    let names = [
+        "startup: process start to its condition in the API",
+        "startup: process start to `/readyz` 200",
+        "idle CPU (% of one core)",
+        "idle RSS",
+        "idle API writes per minute (audit log)",
+        "… of which Lease renewals (the one elected policy-status writer per cluster)",
+        "detection latency: line to condition True in the API",
+        "flood: lines per CPU-second",
+        "flood: wall time until every problem line was counted",
+        "flood: problem lines counted / sent",
+        "peak RSS (VmHWM)",
+    ];
+    let cells = |p: Peer| -> Vec<String> {
+        vec![
+            format!("{:.2} s", col(p, &|s| s.startup_condition)),
+            match p {
+                Peer::Nodeguard => {
+                    format!("{:.2} s", col(p, &|s| s.startup_ready.unwrap_or(f64::NAN)))
+                }
+                Peer::Npd => "(no readiness endpoint)".into(),
+            },
+            format!("{:.2} %", col(p, &|s| s.idle_cpu_percent)),
+            format!("{:.1} MiB", col(p, &|s| s.idle_rss_mib)),
+            format!("{:.1}", col(p, &|s| s.idle_writes_per_min)),
+            format!("{:.1}", col(p, &|s| s.idle_lease_writes_per_min)),
+            format!("{:.3} s", col(p, &|s| s.latency)),
+            format!("{:.0}", col(p, &|s| s.flood_lines_per_cpu_s)),
+            format!("{:.2} s", col(p, &|s| s.flood_wall)),
+            format!(
+                "{:.0} / {:.0}",
+                col(p, &|s| s.flood_problems_seen as f64),
+                col(p, &|s| s.flood_problems_sent as f64)
+            ),
+            format!("{:.1} MiB", col(p, &|s| s.peak_rss_mib)),
+        ]
+    };
+    let (ng, npd) = (cells(Peer::Nodeguard), cells(Peer::Npd));
+    for (i, name) in names.iter().enumerate() {
+        println!("| {name} | {} | {} |", ng[i], npd[i]);
+    }
+    println!(
+        "\nCPU is utime+stime of the peer's process over the window; the flood's CPU includes everything the process did meanwhile (reading, matching, Events, condition writes). \
+         API writes are the audit log's ResponseComplete entries with the peer's user agent. Artifacts and logs: target/bench/npd/."
+    );
+}

@@ -1,8 +1,8 @@
 # The two commands of the README, plus helpers. Scripts live in e2e/.
 .PHONY: demo demo-vm demo-stop test bench cluster-up cluster-down crd manifests image
 
-demo:         ## control plane up, agent running against it, results shown
-	e2e/demo
+demo:         ## control plane up, agent running against it, results shown (DEMO=vm: a real node VM powers off)
+	e2e/demo $(DEMO)
 
 demo-vm:      ## a real node: Debian VM with logind powers off and reboots; describe node shown
 	e2e/demo vm

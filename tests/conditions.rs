@@ -354,12 +354,10 @@ async fn a_thousand_changes_in_one_second_make_a_handful_of_patches() {
             tokio::time::sleep(Duration::from_millis(9)).await;
         }
     }
-    eprintln!("1000 changes in {:?}", start.elapsed());
-    assert!(
-        start.elapsed() < Duration::from_millis(1100),
-        "the changes took {:?}",
-        start.elapsed()
-    );
+    // About a second; longer when the machine is busy, and the bound on
+    // patches below follows the time actually taken.
+    let took = start.elapsed();
+    eprintln!("1000 changes in {took:?}");
     eventually(Duration::from_secs(10), "last change written", || async {
         node_conditions(&admin, &node.name, "Flood")
             .await
@@ -376,7 +374,13 @@ async fn a_thousand_changes_in_one_second_make_a_handful_of_patches() {
     eprintln!(
         "1000 changes -> {patches} PATCH nodes/status in the audit log, {writes} writes in metrics"
     );
-    assert!((1..=8).contains(&patches), "{patches} patches");
+    // Writes are at least 250 ms apart: one per window while changes
+    // arrive, plus the first and the last, plus one of slack.
+    let bound = (took.as_millis() as f64 / 250.0).ceil() as usize + 3;
+    assert!(
+        (1..=bound).contains(&patches),
+        "{patches} patches for 1000 changes over {took:?} (at most {bound})"
+    );
     assert_eq!(patches as f64, writes, "audit log and metrics agree");
     agent.stop().await;
 }

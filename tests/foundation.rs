@@ -175,6 +175,16 @@ async fn eligibility_turns_healthz_503_while_livez_stays_200() {
     })
     .await;
 
+    // The node-state loop recomputes eligibility on every Node event (its
+    // own start-up condition writes among them): let those settle so the
+    // setter below is not overwritten by a late one.
+    eventually(Duration::from_secs(20), "start-up writes done", || async {
+        let body = http_get(agent.addr, "/readyz").await.1;
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["loops"]["condition-writer"]["pendingSince"].is_null()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     // The setter, as later capabilities use it.
     agent.health.set_node_eligible(false, Some("test".into()));
     let (code, body) = http_get(agent.addr, "/healthz").await;

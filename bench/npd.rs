@@ -200,12 +200,17 @@ struct Running {
     ready_port: Option<u16>,
     user_agent: &'static str,
     problem_metric: &'static str,
+    /// nodeguard's policy, deleted with the process whatever happened.
+    policy: Option<String>,
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(p) = &self.policy {
+            let _ = kubectl_status(&["delete", "--ignore-not-found", "nodeguardpolicy", p]);
+        }
     }
 }
 
@@ -223,7 +228,6 @@ impl Bench {
     /// Writes NPD's config for `log`, applies nodeguard's import of it for
     /// `node`, and starts `peer`.
     async fn start(&self, peer: Peer, node: &str, log: &Path, dir: &Path) -> Running {
-        let admin = admin_client().await;
         let raw =
             std::fs::read_to_string(self.npd_dir.join("kernel-monitor-filelog.json")).unwrap();
         let mut config: serde_json::Value = serde_json::from_str(&raw).unwrap();
@@ -269,13 +273,13 @@ impl Bench {
                     .stderr(log_file)
                     .spawn()
                     .unwrap();
-                let _ = admin;
                 Running {
                     child,
                     metrics_port: port,
                     ready_port: Some(port),
                     user_agent: "nodeguard",
                     problem_metric: "nodeguard_problem_total",
+                    policy: Some(policy),
                 }
             }
             Peer::Npd => {
@@ -312,6 +316,7 @@ impl Bench {
                     ready_port: None,
                     user_agent: "nodeproblemdetector",
                     problem_metric: "problem_counter",
+                    policy: None,
                 }
             }
         }
@@ -452,9 +457,6 @@ impl Bench {
         s.flood_lines_per_cpu_s = self.flood_lines as f64 / cpu.max(1e-9);
         s.peak_rss_mib = status_mib(pid, "VmHWM:");
         let _ = p.child.kill();
-        if peer == Peer::Nodeguard {
-            let _ = kubectl_status(&["delete", "nodeguardpolicy", &format!("bench-{}", node.name)]);
-        }
         let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
             kube::Api::namespaced(admin.clone(), TEST_NAMESPACE);
         let _ = pods

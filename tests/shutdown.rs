@@ -10,13 +10,12 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{DeleteParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::dbus::{LogindPeer, PrivateBus};
-use support::pods::{ensure_priority_class, kubelet_sim, running_pod};
+use support::pods::{delete_pdb, ensure_priority_class, kubelet_sim, pdb_keeping_one, running_pod};
 use support::*;
 
 async fn shutdown_policy(
@@ -141,31 +140,7 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
         serde_json::json!({"app": "high"}),
     )
     .await;
-    let pdb_name = unique_name("mid-pdb");
-    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(s.admin.clone(), TEST_NAMESPACE);
-    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": {"name": pdb_name},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": tag}}},
-    }))
-    .unwrap();
-    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
-    eventually(
-        Duration::from_secs(20),
-        "the disruption controller processed the PDB",
-        || async {
-            pdbs.get(&pdb_name)
-                .await
-                .ok()
-                .and_then(|p| p.status)
-                .is_some_and(|st| {
-                    st.observed_generation == Some(1)
-                        && st.current_healthy == 1
-                        && st.disruptions_allowed == 0
-                })
-        },
-    )
-    .await;
+    let pdb_name = pdb_keeping_one(&s.admin, "mid-pdb", &tag).await;
 
     let (sim_marked, sim) = kubelet_sim(s.admin.clone(), s.node.name.clone());
     let (agent, _state) = s.start_agent().await;
@@ -305,7 +280,7 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
 
     sim.abort();
     agent.stop().await;
-    let _ = pdbs.delete(&pdb_name, &DeleteParams::default()).await;
+    delete_pdb(&s.admin, &pdb_name).await;
     s.cleanup().await;
 }
 

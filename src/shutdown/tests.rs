@@ -569,16 +569,17 @@ async fn logind_going_away_and_coming_back_retakes_the_lock_quickly() {
     r.task.await.unwrap();
 }
 
-#[tokio::test(start_paused = true)]
-async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
-    let dir = tmp("reboot");
+/// A state dir recording a finished shutdown of boot "old-boot" that took
+/// `took_secs` and tainted the node, and the cluster as it left it.
+fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterState) {
+    let dir = tmp(name);
     let start = jiff::Timestamp::from_second(1_800_000_000).unwrap();
     state::save(
         &dir,
         &ShutdownRecord {
             boot_id: "old-boot".into(),
             started_at: Some(start),
-            ended_at: Some(start + jiff::SignedDuration::from_secs(17)),
+            ended_at: Some(start + jiff::SignedDuration::from_secs(took_secs)),
             groups_done: vec![0],
             taint_added: true,
         },
@@ -588,6 +589,12 @@ async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
         tainted: true,
         ..Default::default()
     };
+    (dir, pre)
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
+    let (dir, pre) = shut_down_before_this_boot("reboot", 17);
     let r = rig_in(
         dir,
         FakeLogind::new(Duration::from_secs(60)),
@@ -621,23 +628,7 @@ async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
 /// policy selection; the NodeRebooted report must survive that moment.
 #[tokio::test(start_paused = true)]
 async fn the_reboot_report_stays_when_the_policy_arrives_after_start_up() {
-    let dir = tmp("reboot-late-policy");
-    let start = jiff::Timestamp::from_second(1_800_000_000).unwrap();
-    state::save(
-        &dir,
-        &ShutdownRecord {
-            boot_id: "old-boot".into(),
-            started_at: Some(start),
-            ended_at: Some(start + jiff::SignedDuration::from_secs(6)),
-            groups_done: vec![0],
-            taint_added: true,
-        },
-    )
-    .unwrap();
-    let pre = ClusterState {
-        tainted: true,
-        ..Default::default()
-    };
+    let (dir, pre) = shut_down_before_this_boot("reboot-late-policy", 6);
     let r = rig_in(
         dir,
         FakeLogind::new(Duration::from_secs(60)),

@@ -246,6 +246,21 @@ pub fn kubectl(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Runs kubectl against the test cluster: stdout, or stderr on failure.
+pub fn kubectl_status(args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("kubectl is installed");
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
 /// A client that authenticates as a fresh ServiceAccount in the test
 /// namespace (token from the TokenRequest API), with no permissions until
 /// the test grants them.

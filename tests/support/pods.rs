@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 
-use super::TEST_NAMESPACE;
+use super::{TEST_NAMESPACE, eventually, unique_name};
 
 /// Creates or updates a PriorityClass with `value`.
 pub async fn ensure_priority_class(client: &Client, name: &str, value: i32) {
@@ -94,4 +95,42 @@ pub fn kubelet_sim(
         }
     });
     (marked, task)
+}
+
+/// A PodDisruptionBudget with `minAvailable: 1` over the pods labelled
+/// `app=<app>` (one running pod: no disruption allowed), returned once the
+/// controller manager's disruption controller has computed it.
+pub async fn pdb_keeping_one(client: &Client, prefix: &str, app: &str) -> String {
+    let name = unique_name(prefix);
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), TEST_NAMESPACE);
+    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": name},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": app}}},
+    }))
+    .unwrap();
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "the disruption controller processed the PDB",
+        || async {
+            pdbs.get(&name)
+                .await
+                .ok()
+                .and_then(|p| p.status)
+                .is_some_and(|st| {
+                    st.observed_generation == Some(1)
+                        && st.current_healthy == 1
+                        && st.disruptions_allowed == 0
+                })
+        },
+    )
+    .await;
+    name
+}
+
+/// Deletes a PDB made by [`pdb_keeping_one`]; best effort.
+pub async fn delete_pdb(client: &Client, name: &str) {
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), TEST_NAMESPACE);
+    let _ = pdbs.delete(name, &DeleteParams::default()).await;
 }

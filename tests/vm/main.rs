@@ -19,12 +19,10 @@ use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{DeleteParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use qemu::{Disk, GUEST_APISERVER, Image, Vm};
-use support::pods::{ensure_priority_class, kubelet_sim, running_pod};
+use support::pods::{delete_pdb, ensure_priority_class, kubelet_sim, pdb_keeping_one, running_pod};
 use support::*;
 
 const SCENARIOS: [&str; 6] = [
@@ -361,20 +359,6 @@ fn agent_binary(repo: &Path) -> PathBuf {
         })
 }
 
-fn kubectl_status(args: &[&str]) -> Result<String, String> {
-    let out = std::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args(args)
-        .output()
-        .unwrap();
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    }
-}
-
 fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
@@ -472,6 +456,21 @@ impl Drop for PolicyName {
     }
 }
 
+/// A fresh Node for one boot, its artifact directory, and a policy with
+/// `spec` (plus a selector for that Node alone).
+async fn node_with_policy(
+    admin: &Client,
+    prefix: &str,
+    mut spec: serde_json::Value,
+) -> (TestNode, PathBuf, PolicyName) {
+    let node = TestNode::selectable(admin, "vm").await;
+    let dir = node_dir(&node.name);
+    let policy = PolicyName(unique_name(prefix));
+    spec["nodeSelector"] = selecting(&node.name);
+    apply_policy(admin, &policy, spec).await;
+    (node, dir, policy)
+}
+
 fn node_dir(node: &str) -> PathBuf {
     let dir = repo_root().join("target/e2e/vm").join(node);
     let _ = std::fs::remove_dir_all(&dir);
@@ -494,14 +493,10 @@ async fn events_for(node: &str) -> String {
 /// watchdog and poweroff on one boot, then reboot on the same disk.
 async fn shutdown_node(env: &Env, rows: &Rows, steps: &[&'static str], then_reboot: bool) {
     let admin = env.admin.clone();
-    let node = TestNode::selectable(&admin, "vm").await;
-    let dir = node_dir(&node.name);
-    let policy = PolicyName(unique_name("vm-shutdown"));
-    apply_policy(
+    let (node, dir, policy) = node_with_policy(
         &admin,
-        &policy,
+        "vm-shutdown",
         serde_json::json!({
-            "nodeSelector": selecting(&node.name),
             "shutdown": {
                 "gracePeriodByPriority": [
                     {"priority": 0, "gracePeriodSeconds": 10},
@@ -745,27 +740,7 @@ async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Ro
         serde_json::json!({"app": "high"}),
     )
     .await;
-    let pdb_name = unique_name("vm-pdb");
-    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
-    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": {"name": pdb_name},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": tag}}},
-    }))
-    .unwrap();
-    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
-    eventually(
-        Duration::from_secs(20),
-        "the disruption controller processed the PDB",
-        || async {
-            pdbs.get(&pdb_name)
-                .await
-                .ok()
-                .and_then(|p| p.status)
-                .is_some_and(|st| st.current_healthy == 1 && st.disruptions_allowed == 0)
-        },
-    )
-    .await;
+    let pdb_name = pdb_keeping_one(admin, "vm-pdb", &tag).await;
     let (marked, sim) = kubelet_sim(admin.clone(), node.to_string());
     // The agent's pod watch has the three pods well before the signal.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -857,7 +832,7 @@ async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Ro
     .await;
     let serial = std::fs::read_to_string(vm.serial.clone()).unwrap_or_default();
     std::fs::write(dir.join("events-poweroff.txt"), events_for(node).await).unwrap();
-    let _ = pdbs.delete(&pdb_name, &DeleteParams::default()).await;
+    delete_pdb(admin, &pdb_name).await;
     rows.pass(
         "poweroff",
         format!(
@@ -914,14 +889,10 @@ async fn armed(vm: &mut Vm) -> Vec<String> {
 /// agent resets the VM.
 async fn device_watchdog_node(env: &Env, rows: &Rows) {
     let admin = env.admin.clone();
-    let node = TestNode::selectable(&admin, "vm").await;
-    let dir = node_dir(&node.name);
-    let policy = PolicyName(unique_name("vm-watchdog"));
-    apply_policy(
+    let (node, dir, policy) = node_with_policy(
         &admin,
-        &policy,
+        "vm-watchdog",
         serde_json::json!({
-            "nodeSelector": selecting(&node.name),
             "watchdog": {"mode": "Device", "device": "/dev/watchdog", "timeoutSeconds": DEVICE_TIMEOUT_SECS, "petIntervalPercent": 33},
         }),
     )

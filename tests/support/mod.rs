@@ -232,18 +232,7 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 /// Runs kubectl against the test cluster and returns stdout; panics with
 /// stderr on failure.
 pub fn kubectl(args: &[&str]) -> String {
-    let out = std::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("kubectl is installed");
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    kubectl_status(args).unwrap_or_else(|e| panic!("kubectl {args:?} failed: {e}"))
 }
 
 /// Runs kubectl against the test cluster: stdout, or stderr on failure.

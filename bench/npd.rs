@@ -18,8 +18,12 @@
 //!   wall time until the peer's problem counter has seen every problem line;
 //!   peak RSS (VmHWM).
 //!
+//! A third column runs nodeguard with the shipped default policy on this
+//! host (its own /dev/kmsg and journal, the kubelet and kube-proxy probes):
+//! startup and idle only.
+//!
 //! Each figure is the median over `NODEGUARD_BENCH_RUNS` runs; the peers
-//! alternate which goes first.
+//! alternate which goes first. CPU and RSS include the peer's children.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -43,6 +47,10 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 enum Peer {
     Nodeguard,
     Npd,
+    /// nodeguard with the shipped default policy (`nodeguard default-policy`:
+    /// /dev/kmsg, journald monitors, kubelet and kube-proxy probes) on this
+    /// host: startup and idle only, its inputs being the host's own.
+    NodeguardDefault,
 }
 
 impl Peer {
@@ -50,6 +58,7 @@ impl Peer {
         match self {
             Peer::Nodeguard => "nodeguard",
             Peer::Npd => "node-problem-detector",
+            Peer::NodeguardDefault => "nodeguard-default-policy",
         }
     }
 }
@@ -70,9 +79,47 @@ struct Sample {
     peak_rss_mib: f64,
 }
 
-/// Utime + stime of `pid`, in seconds.
+/// `pid` and its descendants (nodeguard's journald monitors run
+/// `journalctl` children; their cost is the agent's cost).
+fn tree(pid: u32) -> Vec<u32> {
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let parent = out[i];
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+                continue;
+            };
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+                continue;
+            };
+            if rest.split_whitespace().nth(1) == Some(&parent.to_string()) {
+                out.push(child);
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Utime + stime of `pid` and its descendants, in seconds.
+fn tree_cpu_seconds(pid: u32) -> f64 {
+    tree(pid).into_iter().map(cpu_seconds).sum()
+}
+
+/// `VmRSS` of `pid` and its descendants, in MiB.
+fn tree_rss_mib(pid: u32) -> f64 {
+    tree(pid).into_iter().map(|p| status_mib(p, "VmRSS:")).sum()
+}
+
+/// Utime + stime of `pid`, in seconds (0 once it is gone).
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the peer is running");
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
     let after = &stat[stat.rfind(')').unwrap() + 2..];
     let f: Vec<&str> = after.split_whitespace().collect();
     // Fields 14 and 15 of stat(5), counted from the state (field 3).
@@ -82,7 +129,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 
 /// A `VmRSS`/`VmHWM` line of /proc/PID/status, in MiB.
 fn status_mib(pid: u32, key: &str) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let kb: f64 = status
         .lines()
         .find_map(|l| l.strip_prefix(key))
@@ -237,16 +284,27 @@ impl Bench {
         let log_file = std::fs::File::create(dir.join(format!("{}.log", peer.label()))).unwrap();
         let kubeconfig = kubeconfig_path();
         match peer {
-            Peer::Nodeguard => {
+            Peer::Nodeguard | Peer::NodeguardDefault => {
                 let policy = format!("bench-{node}");
-                let out = Command::new(&self.nodeguard)
-                    .args(["import-npd", "--name", &policy])
-                    .arg(&config_path)
-                    .output()
-                    .unwrap();
-                assert!(out.status.success(), "import-npd: {out:?}");
+                let out = if peer == Peer::Nodeguard {
+                    Command::new(&self.nodeguard)
+                        .args(["import-npd", "--name", &policy])
+                        .arg(&config_path)
+                        .output()
+                        .unwrap()
+                } else {
+                    Command::new(&self.nodeguard)
+                        .arg("default-policy")
+                        .output()
+                        .unwrap()
+                };
+                assert!(out.status.success(), "policy: {out:?}");
+                let mut text = String::from_utf8(out.stdout).unwrap();
+                if peer == Peer::NodeguardDefault {
+                    text = text.replacen("  name: default\n", &format!("  name: {policy}\n"), 1);
+                }
                 let yaml = dir.join("policy.yaml");
-                std::fs::write(&yaml, &out.stdout).unwrap();
+                std::fs::write(&yaml, text).unwrap();
                 kubectl(&["apply", "-f", yaml.to_str().unwrap()]);
                 let selector = serde_json::json!({"spec": {"nodeSelector": selecting(node)}});
                 kubectl(&[
@@ -390,17 +448,21 @@ impl Bench {
         // Idle.
         tokio::time::sleep(Duration::from_secs(5)).await;
         let audit_start = std::fs::metadata(&self.audit_log).unwrap().len();
-        let cpu0 = cpu_seconds(pid);
+        let cpu0 = tree_cpu_seconds(pid);
         let i0 = Instant::now();
         tokio::time::sleep(self.idle).await;
         let idle = i0.elapsed().as_secs_f64();
-        s.idle_cpu_percent = (cpu_seconds(pid) - cpu0) / idle * 100.0;
-        s.idle_rss_mib = status_mib(pid, "VmRSS:");
+        s.idle_cpu_percent = (tree_cpu_seconds(pid) - cpu0) / idle * 100.0;
+        s.idle_rss_mib = tree_rss_mib(pid);
         let audit = std::fs::read(&self.audit_log).unwrap();
         let window = String::from_utf8_lossy(&audit[audit_start as usize..]);
         s.idle_writes_per_min = audit_writes(&window, p.user_agent, "") as f64 * 60.0 / idle;
         s.idle_lease_writes_per_min =
             audit_writes(&window, p.user_agent, "/leases/") as f64 * 60.0 / idle;
+        if peer == Peer::NodeguardDefault {
+            s.peak_rss_mib = status_mib(pid, "VmHWM:");
+            return self.finish(p, &admin, &node.name, s).await;
+        }
 
         // Detection latency on a quiet log.
         let t0 = Instant::now();
@@ -456,13 +518,25 @@ impl Bench {
         let cpu = cpu_seconds(pid) - cpu0;
         s.flood_lines_per_cpu_s = self.flood_lines as f64 / cpu.max(1e-9);
         s.peak_rss_mib = status_mib(pid, "VmHWM:");
-        let _ = p.child.kill();
+        self.finish(p, &admin, &node.name, s).await
+    }
+
+    /// Stops the peer (SIGTERM, so nodeguard ends its journalctl children),
+    /// removes the node's pods, and returns the sample.
+    async fn finish(&self, mut p: Running, admin: &kube::Client, node: &str, s: Sample) -> Sample {
+        unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+        for _ in 0..100 {
+            if p.child.try_wait().unwrap().is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
             kube::Api::namespaced(admin.clone(), TEST_NAMESPACE);
         let _ = pods
             .delete_collection(
                 &kube::api::DeleteParams::default().grace_period(0),
-                &kube::api::ListParams::default().fields(&format!("spec.nodeName={}", node.name)),
+                &kube::api::ListParams::default().fields(&format!("spec.nodeName={node}")),
             )
             .await;
         drop(p);
@@ -513,7 +587,7 @@ fn main() {
             } else {
                 [Peer::Npd, Peer::Nodeguard]
             };
-            for peer in order {
+            for peer in order.into_iter().chain([Peer::NodeguardDefault]) {
                 let s = bench.run_peer(peer, run).await;
                 eprintln!("bench: run {run}, {}: {s:?}", peer.label());
                 samples.push((peer, s));
@@ -533,7 +607,9 @@ fn main() {
         "\nnodeguard beside node-problem-detector: same kern.log stream and rules (NPD's kernel-monitor-filelog.json; nodeguard: its import-npd), \
          110 pods on each peer's Node, real API server; median of {runs} runs (idle window {idle} s, flood {flood_lines} lines, 1 in 200 a problem)\n"
     );
-    println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
+    println!(
+        "| figure | nodeguard | node-problem-detector | nodeguard, shipped default policy (host's own kmsg and journal) |\n|---|---:|---:|---:|"
+    );
     let names = [
         "startup: process start to its condition in the API",
         "startup: process start to `/readyz` 200",
@@ -551,10 +627,8 @@ fn main() {
         vec![
             format!("{:.2} s", col(p, &|s| s.startup_condition)),
             match p {
-                Peer::Nodeguard => {
-                    format!("{:.2} s", col(p, &|s| s.startup_ready.unwrap_or(f64::NAN)))
-                }
                 Peer::Npd => "(no readiness endpoint)".into(),
+                _ => format!("{:.2} s", col(p, &|s| s.startup_ready.unwrap_or(f64::NAN))),
             },
             format!("{:.2} %", col(p, &|s| s.idle_cpu_percent)),
             format!("{:.1} MiB", col(p, &|s| s.idle_rss_mib)),
@@ -571,12 +645,23 @@ fn main() {
             format!("{:.1} MiB", col(p, &|s| s.peak_rss_mib)),
         ]
     };
-    let (ng, npd) = (cells(Peer::Nodeguard), cells(Peer::Npd));
+    let (ng, npd, def) = (
+        cells(Peer::Nodeguard),
+        cells(Peer::Npd),
+        cells(Peer::NodeguardDefault),
+    );
     for (i, name) in names.iter().enumerate() {
-        println!("| {name} | {} | {} |", ng[i], npd[i]);
+        // The default-policy run measures startup and idle only (rows 0-5)
+        // and its peak; its log sources are the host's.
+        let d = if (6..10).contains(&i) {
+            "—"
+        } else {
+            def[i].as_str()
+        };
+        println!("| {name} | {} | {} | {d} |", ng[i], npd[i]);
     }
     println!(
-        "\nCPU is utime+stime of the peer's process over the window; the flood's CPU includes everything the process did meanwhile (reading, matching, Events, condition writes). \
+        "\nCPU is utime+stime of the peer's process and its children (nodeguard's journald monitors run journalctl) over the window, RSS their sum; the flood's CPU includes everything the process did meanwhile (reading, matching, Events, condition writes). \
          API writes are the audit log's ResponseComplete entries with the peer's user agent. Artifacts and logs: target/bench/npd/."
     );
 }

@@ -292,12 +292,32 @@ pub fn spawn_journald(
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<()> {
+    spawn_journalctl("journalctl".into(), source, resume, tx, counters, stop)
+}
+
+/// How long journalctl waits before a restart: doubling from 1 s to 60 s
+/// while it keeps exiting without delivering anything (a journal with no
+/// data for this boot makes it exit at once), back to 1 s after it delivered.
+const JOURNAL_RESTART_MIN: Duration = Duration::from_secs(1);
+const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
+
+fn spawn_journalctl(
+    program: PathBuf,
+    source: crate::policy::monitors::JournaldSource,
+    resume: Option<String>,
+    tx: mpsc::Sender<Item>,
+    counters: Arc<SourceCounters>,
+    stop: StopFlag,
+) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("nodeguard-journal".into())
         .spawn(move || {
             let mut cursor = resume;
+            let mut backoff = JOURNAL_RESTART_MIN;
+            let mut last_err: Option<String> = None;
             while !stop.stopped() {
-                let mut cmd = std::process::Command::new("journalctl");
+                let mut delivered = false;
+                let mut cmd = std::process::Command::new(&program);
                 cmd.args(["--follow", "--output=json", "--no-pager", "--quiet"]);
                 if let Some(d) = &source.directory {
                     cmd.arg(format!("--directory={d}"));
@@ -353,6 +373,7 @@ pub fn spawn_journald(
                         let _ = child.kill();
                         return;
                     }
+                    delivered = true;
                 }
                 let _ = child.kill();
                 let mut err = String::new();
@@ -361,10 +382,25 @@ pub fn spawn_journald(
                     let _ = (&mut e).take(4096).read_to_string(&mut err);
                 }
                 let _ = child.wait();
-                if !stop.stopped() {
-                    tracing::warn!(stderr = %err.trim(), "journalctl exited; restarting it in 1 s");
-                    std::thread::sleep(Duration::from_secs(1));
+                if stop.stopped() {
+                    break;
                 }
+                if delivered {
+                    backoff = JOURNAL_RESTART_MIN;
+                }
+                // Said once per distinct error, not once per restart.
+                let err = err.trim().to_string();
+                if last_err.as_deref() != Some(err.as_str()) {
+                    tracing::warn!(stderr = %err, retry_in = ?backoff, "journalctl exited; restarting it (backing off up to 60 s while it keeps failing)");
+                } else {
+                    tracing::debug!(stderr = %err, retry_in = ?backoff, "journalctl exited again");
+                }
+                last_err = Some(err);
+                let until = std::time::Instant::now() + backoff;
+                while !stop.stopped() && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                backoff = (backoff * 2).min(JOURNAL_RESTART_MAX);
             }
         })?;
     Ok(())
@@ -380,6 +416,45 @@ mod tests {
             .await
             .expect("a line within 5 s")
             .expect("channel open")
+    }
+
+    /// Seen on a host whose journal has no data for the current boot:
+    /// journalctl exits at once, and restarting it every second flooded the
+    /// log and cost CPU. It now backs off (1 s, 2 s, 4 s, …).
+    #[test]
+    fn a_journalctl_that_keeps_exiting_is_restarted_with_backoff() {
+        let dir = std::env::temp_dir().join(format!("ng-journal-backoff-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let runs = dir.join("runs");
+        let fake = dir.join("journalctl");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\necho run >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
+                runs.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (tx, _rx) = mpsc::channel(4);
+        let stop = StopFlag::default();
+        spawn_journalctl(
+            fake,
+            Default::default(),
+            None,
+            tx,
+            Arc::new(SourceCounters::default()),
+            stop.clone(),
+        )
+        .unwrap();
+        // Runs at 0 s, 1 s, 3 s, 7 s: three within 4.5 s (five at a fixed 1 s).
+        std::thread::sleep(Duration::from_millis(4500));
+        stop.stop();
+        let n = std::fs::read_to_string(&runs).unwrap().lines().count();
+        assert_eq!(n, 3, "journalctl started {n} times in 4.5 s");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]

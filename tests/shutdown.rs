@@ -15,7 +15,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::dbus::{LogindPeer, PrivateBus};
-use support::pods::{delete_pdb, ensure_priority_class, kubelet_sim, pdb_keeping_one, running_pod};
+use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
 async fn shutdown_policy(
@@ -110,37 +110,12 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
         ]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    ensure_priority_class(&s.admin, "nodeguard-test-mid", 1000).await;
-    let tag = unique_name("app");
-    let low = unique_name("low");
-    let mid = unique_name("mid-pdb");
-    let high = unique_name("critical");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({"app": "low"}),
-    )
-    .await;
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &mid,
-        "nodeguard-test-mid",
-        serde_json::json!({"app": tag}),
-    )
-    .await;
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &high,
-        "system-node-critical",
-        serde_json::json!({"app": "high"}),
-    )
-    .await;
-    let pdb_name = pdb_keeping_one(&s.admin, "mid-pdb", &tag).await;
+    let PodsInThreeGroups {
+        low,
+        mid,
+        high,
+        pdb: pdb_name,
+    } = pods_in_three_groups(&s.admin, &s.node.name).await;
 
     let (sim_marked, sim) = kubelet_sim(s.admin.clone(), s.node.name.clone());
     let (agent, _state) = s.start_agent().await;

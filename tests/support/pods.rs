@@ -134,3 +134,39 @@ pub async fn delete_pdb(client: &Client, name: &str) {
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), TEST_NAMESPACE);
     let _ = pdbs.delete(name, &DeleteParams::default()).await;
 }
+
+/// The pods of a graceful-shutdown scenario, by name.
+pub struct PodsInThreeGroups {
+    pub low: String,
+    pub mid: String,
+    pub high: String,
+    /// The PDB keeping `mid` (no disruption allowed).
+    pub pdb: String,
+}
+
+/// One running pod per shutdown priority group on `node`: priority 0, 1000
+/// (behind a PDB that allows no disruption) and `system-node-critical`.
+pub async fn pods_in_three_groups(client: &Client, node: &str) -> PodsInThreeGroups {
+    ensure_priority_class(client, "nodeguard-test-low", 0).await;
+    ensure_priority_class(client, "nodeguard-test-mid", 1000).await;
+    let tag = unique_name("app");
+    let (low, mid, high) = (
+        unique_name("low"),
+        unique_name("mid-pdb"),
+        unique_name("critical"),
+    );
+    for (name, class, app) in [
+        (&low, "nodeguard-test-low", "low"),
+        (&mid, "nodeguard-test-mid", tag.as_str()),
+        (&high, "system-node-critical", "high"),
+    ] {
+        running_pod(client, node, name, class, serde_json::json!({"app": app})).await;
+    }
+    let pdb = pdb_keeping_one(client, "mid-pdb", &tag).await;
+    PodsInThreeGroups {
+        low,
+        mid,
+        high,
+        pdb,
+    }
+}

@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use qemu::{Disk, GUEST_APISERVER, Image, Vm};
-use support::pods::{delete_pdb, ensure_priority_class, kubelet_sim, pdb_keeping_one, running_pod};
+use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
 const SCENARIOS: [&str; 6] = [
@@ -708,39 +708,12 @@ async fn systemd_watchdog(vm: &mut Vm, admin: &Client, node: &str, rows: &Rows) 
 }
 
 async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Rows) {
-    ensure_priority_class(admin, "nodeguard-test-low", 0).await;
-    ensure_priority_class(admin, "nodeguard-test-mid", 1000).await;
-    let tag = unique_name("vm-app");
-    let (low, mid, high) = (
-        unique_name("low"),
-        unique_name("mid-pdb"),
-        unique_name("critical"),
-    );
-    running_pod(
-        admin,
-        node,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({"app": "low"}),
-    )
-    .await;
-    running_pod(
-        admin,
-        node,
-        &mid,
-        "nodeguard-test-mid",
-        serde_json::json!({"app": tag}),
-    )
-    .await;
-    running_pod(
-        admin,
-        node,
-        &high,
-        "system-node-critical",
-        serde_json::json!({"app": "high"}),
-    )
-    .await;
-    let pdb_name = pdb_keeping_one(admin, "vm-pdb", &tag).await;
+    let PodsInThreeGroups {
+        low,
+        mid,
+        high,
+        pdb: pdb_name,
+    } = pods_in_three_groups(admin, node).await;
     let (marked, sim) = kubelet_sim(admin.clone(), node.to_string());
     // The agent's pod watch has the three pods well before the signal.
     tokio::time::sleep(Duration::from_secs(3)).await;

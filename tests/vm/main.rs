@@ -264,6 +264,15 @@ impl Env {
             "RBAC objects in manifests/nodeguard.yaml"
         );
         let dir = repo.join("target/e2e/vm");
+        // Artifacts are those of the last run: node names are unique per run,
+        // so earlier runs' directories would pile up.
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with("vm-") {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         std::fs::create_dir_all(&dir).unwrap();
         let rbac = dir.join("rbac.yaml");
         std::fs::write(&rbac, docs.join("\n---\n")).unwrap();

@@ -64,7 +64,19 @@ impl Disk {
         assert!(status.success(), "copy the VM disk");
         Disk { path }
     }
+}
 
+/// The copy is removed with the scenario (≈340 MiB each, three per run);
+/// `KEEP_VM_DISK=1` keeps it for inspection with `debugfs`.
+impl Drop for Disk {
+    fn drop(&mut self) {
+        if std::env::var_os("KEEP_VM_DISK").is_none_or(|v| v != "1") {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+impl Disk {
     fn debugfs(&self, script: &str) -> String {
         let out = Command::new("debugfs")
             .arg("-w")

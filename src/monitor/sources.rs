@@ -8,12 +8,16 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::fs::inotify;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -50,8 +54,8 @@ pub struct SourceCounters {
     pub malformed: AtomicU64,
 }
 
-/// Stops the reader thread (at its next poll or record; a journalctl child
-/// is killed).
+/// Stops the reader thread (at its next record or wake-up, within a second;
+/// a journalctl child is killed).
 #[derive(Clone, Debug, Default)]
 pub struct StopFlag(Arc<AtomicBool>, Arc<std::sync::Mutex<Option<u32>>>);
 
@@ -90,7 +94,81 @@ fn offer(tx: &mpsc::Sender<Item>, counters: &SourceCounters, item: Item) -> bool
     }
 }
 
+/// How often a file follower looks again when it cannot use inotify, and a
+/// kmsg stand-in file at its end.
 const POLL: Duration = Duration::from_millis(100);
+/// The longest a file follower sleeps with inotify: a missed event (network
+/// filesystems do not send them) then costs at most this much latency.
+const RECHECK: Duration = Duration::from_secs(1);
+
+/// Puts a file follower to sleep until its file may have changed, instead of
+/// waking it every `POLL`: inotify on the followed inode (written, truncated,
+/// renamed, deleted) and on its directory (a file created or moved in, which
+/// is how rotation and a file that appears late show up). Without inotify
+/// (no directory yet, the watch limit reached) it falls back to polling.
+struct ChangeWaiter {
+    inotify: Option<OwnedFd>,
+    file_watch: Option<i32>,
+    buf: Vec<MaybeUninit<u8>>,
+}
+
+impl ChangeWaiter {
+    fn new(path: &Path) -> ChangeWaiter {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let inotify = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)
+            .and_then(|fd| {
+                inotify::add_watch(
+                    &fd,
+                    dir,
+                    inotify::WatchFlags::CREATE | inotify::WatchFlags::MOVED_TO,
+                )?;
+                Ok(fd)
+            });
+        if let Err(e) = &inotify {
+            tracing::warn!(path = %path.display(), error = %e, "cannot watch the log file's directory with inotify; polling it every 100 ms instead");
+        }
+        let mut waiter = ChangeWaiter {
+            inotify: inotify.ok(),
+            file_watch: None,
+            buf: vec![MaybeUninit::uninit(); 4096],
+        };
+        waiter.watch_file(path);
+        waiter
+    }
+
+    /// Points the file watch at the inode `path` names now (after a rotation
+    /// or once the file exists).
+    fn watch_file(&mut self, path: &Path) {
+        let Some(fd) = &self.inotify else { return };
+        if let Some(wd) = self.file_watch.take() {
+            let _ = inotify::remove_watch(fd, wd);
+        }
+        let flags = inotify::WatchFlags::MODIFY
+            | inotify::WatchFlags::ATTRIB
+            | inotify::WatchFlags::MOVE_SELF
+            | inotify::WatchFlags::DELETE_SELF;
+        self.file_watch = inotify::add_watch(fd, path, flags).ok();
+    }
+
+    /// Returns when something changed, or after `RECHECK` at the latest.
+    fn wait(&mut self) {
+        let Some(fd) = &self.inotify else {
+            std::thread::sleep(POLL);
+            return;
+        };
+        let timeout = Timespec {
+            tv_sec: RECHECK.as_secs() as i64,
+            tv_nsec: RECHECK.subsec_nanos() as i64,
+        };
+        let _ = poll(&mut [PollFd::new(fd, PollFlags::IN)], Some(&timeout));
+        // The events only mean "look again": drain them.
+        let mut events = inotify::Reader::new(fd, &mut self.buf);
+        while events.next().is_ok() {}
+    }
+}
 
 /// Reads kmsg-format records from `path` (`/dev/kmsg`, or a file of such
 /// records as a stand-in). With no cursor it starts at the end; with one it
@@ -192,6 +270,7 @@ pub fn spawn_file(
     std::thread::Builder::new()
         .name("nodeguard-file".into())
         .spawn(move || {
+            let mut waiter = ChangeWaiter::new(&path);
             let mut reader = BufReader::with_capacity(64 * 1024, file);
             let mut inode = inode;
             let mut offset = offset;
@@ -205,6 +284,7 @@ pub fn spawn_file(
                         match std::fs::metadata(&path) {
                             Ok(m) if m.ino() != inode => {
                                 if let Ok((f, ino, _)) = open_at(&path, Some((m.ino(), 0))) {
+                                    waiter.watch_file(&path);
                                     reader = BufReader::with_capacity(64 * 1024, f);
                                     inode = ino;
                                     offset = 0;
@@ -219,7 +299,7 @@ pub fn spawn_file(
                             }
                             _ => {}
                         }
-                        std::thread::sleep(POLL);
+                        waiter.wait();
                     }
                     Ok(n) => {
                         offset += n as u64;
@@ -411,6 +491,28 @@ mod tests {
     use super::*;
     use std::io::Write;
 
+    /// A fresh directory under the temp dir, removed on drop.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("ng-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn append(path: &Path) -> File {
+        std::fs::OpenOptions::new().append(true).open(path).unwrap()
+    }
+
     async fn next(rx: &mut mpsc::Receiver<Item>) -> Item {
         tokio::time::timeout(Duration::from_secs(5), rx.recv())
             .await
@@ -423,9 +525,8 @@ mod tests {
     /// log and cost CPU. It now backs off (1 s, 2 s, 4 s, …).
     #[test]
     fn a_journalctl_that_keeps_exiting_is_restarted_with_backoff() {
-        let dir = std::env::temp_dir().join(format!("ng-journal-backoff-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = Scratch::new("journal-backoff");
+        let dir = &scratch.0;
         let runs = dir.join("runs");
         let fake = dir.join("journalctl");
         std::fs::write(
@@ -454,14 +555,12 @@ mod tests {
         stop.stop();
         let n = std::fs::read_to_string(&runs).unwrap().lines().count();
         assert_eq!(n, 3, "journalctl started {n} times in 4.5 s");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
     async fn a_file_flood_waits_for_room_and_loses_nothing() {
-        let dir = std::env::temp_dir().join(format!("ng-file-flood-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = Scratch::new("file-flood");
+        let dir = &scratch.0;
         let path = dir.join("app.log");
         std::fs::write(&path, "").unwrap();
         let (tx, mut rx) = mpsc::channel(4);
@@ -469,10 +568,7 @@ mod tests {
         let stop = StopFlag::default();
         spawn_file(path.clone(), None, tx, counters.clone(), stop.clone()).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
+        let mut f = append(&path);
         for i in 0..10_000u64 {
             writeln!(f, "flood {i}").unwrap();
         }
@@ -492,24 +588,19 @@ mod tests {
         f.flush().unwrap();
         drop(rx);
         stop.stop();
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
     async fn file_follow_rotation_truncation_and_resume() {
-        let dir = std::env::temp_dir().join(format!("ng-follow-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = Scratch::new("follow");
+        let dir = &scratch.0;
         let path = dir.join("app.log");
         std::fs::write(&path, "old line before start\n").unwrap();
         let (tx, mut rx) = mpsc::channel(16);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
         spawn_file(path.clone(), None, tx, counters.clone(), stop.clone()).unwrap();
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
+        let mut f = append(&path);
         writeln!(f, "first").unwrap();
         write!(f, "half").unwrap();
         f.flush().unwrap();
@@ -529,18 +620,12 @@ mod tests {
         // Truncation.
         std::fs::write(&path, "").unwrap();
         std::thread::sleep(Duration::from_millis(300));
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
+        let mut f = append(&path);
         writeln!(f, "after truncation").unwrap();
         assert_eq!(next(&mut rx).await.line, "after truncation");
         stop.stop();
         // Resume from a cursor: only what follows it.
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
+        let mut f = append(&path);
         writeln!(f, "while away").unwrap();
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!(meta.ino(), cursor.0);
@@ -554,7 +639,91 @@ mod tests {
         )
         .unwrap();
         assert_eq!(next(&mut rx).await.line, "while away");
-        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An idle follower sleeps until its file changes (it used to wake every
+    /// 100 ms to look): a write, a rotation or the file appearing wakes it
+    /// at once; nothing wakes it only for the safety recheck.
+    #[test]
+    fn an_idle_file_follower_sleeps_until_the_file_changes() {
+        let scratch = Scratch::new("waiter");
+        let path = scratch.0.join("app.log");
+        std::fs::write(&path, "").unwrap();
+        let mut waiter = ChangeWaiter::new(&path);
+        assert!(waiter.inotify.is_some() && waiter.file_watch.is_some());
+        // How long `wait` takes when `change` runs 100 ms into it.
+        let timed = |waiter: &mut ChangeWaiter, change: Box<dyn FnOnce() + Send>| {
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                change();
+            });
+            let start = std::time::Instant::now();
+            waiter.wait();
+            t.join().unwrap();
+            start.elapsed()
+        };
+        let prompt = RECHECK - Duration::from_millis(300);
+        let slept = timed(&mut waiter, Box::new(|| {}));
+        assert!(
+            slept >= RECHECK - Duration::from_millis(50),
+            "woke after {slept:?} with no change"
+        );
+        let p = path.clone();
+        let woke = timed(
+            &mut waiter,
+            Box::new(move || writeln!(append(&p), "a line").unwrap()),
+        );
+        assert!(woke < prompt, "a write woke it after {woke:?}");
+        let (p, rotated) = (path.clone(), scratch.0.join("app.log.1"));
+        let woke = timed(
+            &mut waiter,
+            Box::new(move || {
+                std::fs::rename(&p, rotated).unwrap();
+                std::fs::write(&p, "").unwrap();
+            }),
+        );
+        assert!(woke < prompt, "a rotation woke it after {woke:?}");
+        // The follower reopens the new file and points the watch at it.
+        waiter.watch_file(&path);
+        waiter.wait(); // whatever the rotation left queued
+        let p = path.clone();
+        let woke = timed(
+            &mut waiter,
+            Box::new(move || writeln!(append(&p), "new file").unwrap()),
+        );
+        assert!(
+            woke < prompt,
+            "a write to the new file woke it after {woke:?}"
+        );
+    }
+
+    #[test]
+    fn without_inotify_a_follower_polls() {
+        let scratch = Scratch::new("waiter-poll");
+        let mut waiter = ChangeWaiter::new(&scratch.0.join("no-such-dir/app.log"));
+        assert!(waiter.inotify.is_none());
+        let start = std::time::Instant::now();
+        waiter.wait();
+        let slept = start.elapsed();
+        assert!(slept >= POLL && slept < RECHECK, "polled after {slept:?}");
+    }
+
+    #[tokio::test]
+    async fn a_file_that_appears_late_is_read_from_its_start() {
+        let scratch = Scratch::new("late");
+        let path = scratch.0.join("app.log");
+        let (tx, mut rx) = mpsc::channel(16);
+        let stop = StopFlag::default();
+        spawn_file(path.clone(), None, tx, Default::default(), stop.clone()).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::fs::write(&path, "written before the follower looked\n").unwrap();
+        writeln!(append(&path), "and after").unwrap();
+        assert_eq!(
+            next(&mut rx).await.line,
+            "written before the follower looked"
+        );
+        assert_eq!(next(&mut rx).await.line, "and after");
+        stop.stop();
     }
 
     #[test]
@@ -568,9 +737,8 @@ mod tests {
 
     #[tokio::test]
     async fn kmsg_stand_in_resume_and_floods_stay_bounded() {
-        let dir = std::env::temp_dir().join(format!("ng-kmsg-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = Scratch::new("kmsg");
+        let dir = &scratch.0;
         let path = dir.join("kmsg");
         std::fs::write(&path, "6,1,100,-;old\n6,2,200,-;seen\n 3,bad continuation\n6,3,300,-;new after restart\nnot a record\n").unwrap();
         let (tx, mut rx) = mpsc::channel(4);
@@ -583,10 +751,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(counters.malformed.load(Ordering::Relaxed), 1);
         // A flood into a queue of 4 nobody drains: bounded, counted.
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
+        let mut f = append(&path);
         for i in 0..10_000u64 {
             writeln!(f, "4,{},{},-;flood {i}", 100 + i, i).unwrap();
         }
@@ -596,6 +761,5 @@ mod tests {
         assert!(dropped >= 9_990, "dropped {dropped}");
         assert!(rx.len() <= 4);
         stop.stop();
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -14,12 +14,13 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 # Go builds (control plane, helm, node-problem-detector) use a scratch module
 # and build cache under the nodeguard cache, removed once the binaries are in
-# place: they would otherwise keep ~6 GiB on disk that no warm run reads.
+# place: they would otherwise keep ~5 GiB on disk that no warm run reads.
 GO_SCRATCH="$NODEGUARD_CACHE/go-scratch"
 go_scratch_use() { export GOCACHE="$GO_SCRATCH/build" GOMODCACHE="$GO_SCRATCH/mod"; }
 go_scratch_drop() {
   [ -d "$GO_SCRATCH" ] || return 0
-  go clean -modcache >/dev/null 2>&1 || true # module files are read-only
+  go clean -modcache >/dev/null 2>&1 || true
+  chmod -R u+w "$GO_SCRATCH" 2>/dev/null || true # module files are read-only
   rm -rf "$GO_SCRATCH"
 }
 

@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nodeguard::server::metrics::{ProcStat, parse_proc_stat};
 use support::pods::running_pod;
 use support::*;
 
@@ -79,27 +80,27 @@ struct Sample {
     peak_rss_mib: f64,
 }
 
+fn proc_stat(pid: u32) -> Option<ProcStat> {
+    parse_proc_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
 /// `pid` and its descendants (nodeguard's journald monitors run
-/// `journalctl` children; their cost is the agent's cost).
+/// `journalctl` children; their cost is the agent's cost), from one pass
+/// over /proc for the parent links.
 fn tree(pid: u32) -> Vec<u32> {
+    let links: Vec<(u32, u64)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.file_name().to_str()?.parse().ok()?;
+            Some((p, proc_stat(p)?.ppid))
+        })
+        .collect();
     let mut out = vec![pid];
     let mut i = 0;
     while i < out.len() {
-        let parent = out[i];
-        for e in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
-                continue;
-            };
-            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-                continue;
-            };
-            if rest.split_whitespace().nth(1) == Some(&parent.to_string()) {
-                out.push(child);
-            }
-        }
+        let parent = u64::from(out[i]);
+        out.extend(links.iter().filter(|l| l.1 == parent).map(|l| l.0));
         i += 1;
     }
     out
@@ -117,14 +118,10 @@ fn tree_rss_mib(pid: u32) -> f64 {
 
 /// Utime + stime of `pid`, in seconds (0 once it is gone).
 fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let after = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // Fields 14 and 15 of stat(5), counted from the state (field 3).
-    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
-    ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+    proc_stat(pid).map_or(0.0, |s| {
+        // SAFETY: sysconf reads a constant.
+        (s.utime_ticks + s.stime_ticks) as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+    })
 }
 
 /// A `VmRSS`/`VmHWM` line of /proc/PID/status, in MiB.

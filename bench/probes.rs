@@ -24,6 +24,7 @@ use nodeguard::probe::{
 };
 use nodeguard::report::{ReportConfig, Reporter};
 use nodeguard::server::Health;
+use nodeguard::server::metrics::parse_proc_stat;
 
 const PERIOD: Duration = Duration::from_secs(1);
 
@@ -153,12 +154,10 @@ impl Drop for Server {
 // ---------------------------------------------------------------- client
 
 fn cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    let stat = parse_proc_stat(&std::fs::read_to_string("/proc/self/stat").unwrap()).unwrap();
     // SAFETY: sysconf reads a constant.
-    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+    (stat.utime_ticks + stat.stime_ticks) as f64
+        / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
 fn status_kib(field: &str) -> f64 {

@@ -98,9 +98,11 @@ impl Collector for HealthCollector {
 #[derive(Debug)]
 struct ProcessCollector;
 
-/// Fields of `/proc/self/stat` that the process metrics need.
+/// Fields of `/proc/<pid>/stat` that the process metrics (and the
+/// benchmarks, which watch other processes) need.
 #[derive(Debug, PartialEq)]
-pub(crate) struct ProcStat {
+pub struct ProcStat {
+    pub ppid: u64,
     pub utime_ticks: u64,
     pub stime_ticks: u64,
     pub threads: u64,
@@ -111,12 +113,13 @@ pub(crate) struct ProcStat {
 
 /// Parses `/proc/<pid>/stat`. The command name (field 2) may contain
 /// spaces and parentheses, so fields are counted from the last `)`.
-pub(crate) fn parse_proc_stat(text: &str) -> Option<ProcStat> {
+pub fn parse_proc_stat(text: &str) -> Option<ProcStat> {
     let rest = &text[text.rfind(')')? + 1..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     // f[0] is field 3 (state); field N is f[N - 3].
     let num = |n: usize| f.get(n - 3)?.parse::<u64>().ok();
     Some(ProcStat {
+        ppid: num(4)?,
         utime_ticks: num(14)?,
         stime_ticks: num(15)?,
         threads: num(20)?,
@@ -223,6 +226,7 @@ mod tests {
         assert_eq!(
             s,
             ProcStat {
+                ppid: 1,
                 utime_ticks: 250,
                 stime_ticks: 50,
                 threads: 7,
@@ -239,6 +243,7 @@ mod tests {
     fn real_proc_self_stat_parses() {
         let s = parse_proc_stat(&std::fs::read_to_string("/proc/self/stat").unwrap()).unwrap();
         assert!(s.threads >= 1 && s.rss_pages > 0);
+        assert_eq!(s.ppid, u64::from(std::os::unix::process::parent_id()));
     }
 
     #[tokio::test(start_paused = true)]

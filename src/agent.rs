@@ -165,7 +165,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         reporter.declare(type_);
     }
     let shutdown = CancellationToken::new();
-    let mut tasks = JoinSet::new();
+    let mut sup = Supervisor::new(health.clone(), shutdown.clone());
 
     // Register every loop before serving, so /readyz cannot pass early.
     let node_loop = health.register("node-watch", LOOP_TIMEOUT);
@@ -175,6 +175,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let writer_loop = health.register("condition-writer", LOOP_TIMEOUT);
     let shutdown_loop = health.register("shutdown-manager", LOOP_TIMEOUT);
     let probe_loop = health.register("probe-manager", LOOP_TIMEOUT);
+    let event_loop = health.register("event-publisher", LOOP_TIMEOUT);
 
     let server = Server::bind(
         config.listen,
@@ -186,14 +187,14 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let addr = server.local_addr();
     tracing::info!(%addr, node = %config.node_name, "serving /healthz /livez /readyz /metrics");
     let token = shutdown.clone();
-    tasks.spawn(async move {
+    sup.spawn("http-server", async move {
         if let Err(err) = server.serve(token).await {
             tracing::error!(error = %err, "HTTP server stopped");
         }
     });
 
     let (node_tx, node_rx) = watch::channel(None);
-    tasks.spawn(publish_objects(
+    sup.spawn("node-watch", publish_objects(
         Api::<Node>::all(client.clone()),
         watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
         node_loop,
@@ -201,7 +202,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         node_tx,
     ));
     let (pod_tx, pod_rx) = watch::channel(None);
-    tasks.spawn(publish_objects(
+    sup.spawn("pod-watch", publish_objects(
         Api::<Pod>::all(client.clone()),
         watcher::Config::default().fields(&format!("spec.nodeName={}", config.node_name)),
         pod_loop,
@@ -209,7 +210,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         pod_tx,
     ));
     let (policy_tx, policy_rx) = watch::channel(None);
-    tasks.spawn(publish_objects(
+    sup.spawn("policy-watch", publish_objects(
         Api::<NodeGuardPolicy>::all(client.clone()),
         watcher::Config::default(),
         policy_loop,
@@ -222,7 +223,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let (shutdown_tx, shutdown_rx) = watch::channel(None);
     let (probes_tx, probes_rx) = watch::channel(Vec::new());
     let (monitors_tx, monitors_rx) = watch::channel(Vec::new());
-    tasks.spawn(node_state_loop(NodeStateLoop {
+    sup.spawn("node-state", node_state_loop(NodeStateLoop {
         client: client.clone(),
         monitors: monitors_tx,
         probes: probes_tx,
@@ -237,7 +238,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         handle: state_loop,
         shutdown: shutdown.clone(),
     }));
-    tasks.spawn(run_condition_writer(
+    sup.spawn("condition-writer", run_condition_writer(
         reporter.clone(),
         KubeStatus::new(client.clone(), &config.node_name),
         obs_rx,
@@ -250,7 +251,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         let mut node_rx = node_rx.clone();
         let name = config.node_name.clone();
         let token = shutdown.clone();
-        tasks.spawn(async move {
+        sup.spawn("node-forwarder", async move {
             loop {
                 let node = node_rx
                     .borrow_and_update()
@@ -264,15 +265,16 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             }
         });
     }
-    tasks.spawn(run_event_publisher(
+    sup.spawn("event-publisher", run_event_publisher(
         reporter.clone(),
         event_queue,
         KubeEvents::new(client.clone(), &config.node_name, node_obj_rx),
         config.report.clone(),
+        event_loop,
         shutdown.clone(),
     ));
 
-    tasks.spawn(run_watchdog(
+    sup.spawn("watchdog", run_watchdog(
         WatchdogHost {
             notifier: SystemdNotifier::new(config.notify_socket.clone()),
             systemd_timeout: config.systemd_watchdog,
@@ -286,7 +288,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
 
-    tasks.spawn(run_shutdown_manager(
+    sup.spawn("shutdown-manager", run_shutdown_manager(
         ShutdownHost {
             logind: ZbusConnector {
                 address: config.system_bus_address.clone(),
@@ -304,7 +306,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
 
-    tasks.spawn(run_monitors(
+    sup.spawn("monitors", run_monitors(
         monitors_rx,
         reporter.clone(),
         KubeTaints::new(client.clone(), &config.node_name),
@@ -313,7 +315,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         monitor_metrics,
         shutdown.clone(),
     ));
-    tasks.spawn(crate::k8s::policy_status::run_policy_status(
+    sup.spawn("policy-status", crate::k8s::policy_status::run_policy_status(
         client.clone(),
         config.lease_namespace.clone(),
         config.node_name.clone(),
@@ -321,7 +323,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         shutdown.clone(),
     ));
     let probe_handle = ProbeHandle::default();
-    tasks.spawn(run_probe_manager(
+    sup.spawn("probe-manager", run_probe_manager(
         probes_rx,
         pod_rx.clone(),
         reporter.clone(),
@@ -341,8 +343,66 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         pods: pod_rx,
         policies: policy_rx,
         shutdown,
-        tasks,
+        tasks: sup.tasks,
     })
+}
+
+/// Runs the agent's long-running loops and notices when one of them stops.
+///
+/// Every loop is meant to run until the agent stops. One that returns or
+/// panics while the agent runs is a loop that no longer does its job (a
+/// closed kernel-log channel, a watch that gave up): the supervisor marks it
+/// failed in the health registry, so `/livez` fails naming it and the
+/// watchdog stops being petted, and logs it as an error.
+pub struct Supervisor {
+    health: Health,
+    stop: CancellationToken,
+    tasks: JoinSet<()>,
+}
+
+impl Supervisor {
+    pub fn new(health: Health, stop: CancellationToken) -> Self {
+        Supervisor {
+            health,
+            stop,
+            tasks: JoinSet::new(),
+        }
+    }
+
+    /// Spawns `fut` as the loop `name`.
+    pub fn spawn<F>(&mut self, name: &'static str, fut: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let (health, stop) = (self.health.clone(), self.stop.clone());
+        let inner = tokio::spawn(fut);
+        self.tasks.spawn(async move {
+            let outcome = inner.await;
+            if stop.is_cancelled() {
+                return;
+            }
+            let reason = match outcome {
+                Ok(()) => "ended unexpectedly".to_string(),
+                Err(e) if e.is_panic() => format!("panicked: {}", panic_text(e.into_panic())),
+                Err(e) => format!("was cancelled: {e}"),
+            };
+            tracing::error!(loop_name = name, %reason, "a nodeguard loop stopped while the agent runs; /livez fails and the watchdog is no longer petted until the agent restarts");
+            health.fail(name, reason);
+        });
+    }
+
+    /// Waits for every loop (after the stop token was cancelled).
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 struct NodeStateLoop {
@@ -587,5 +647,51 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
                 message,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_loop_that_ends_or_panics_fails_livez_by_name_and_a_stop_does_not() {
+        let health = Health::new();
+        let stop = CancellationToken::new();
+        let mut sup = Supervisor::new(health.clone(), stop.clone());
+        let forever = stop.clone();
+        sup.spawn("steady", async move { forever.cancelled().await });
+        sup.spawn("returns", async {});
+        sup.spawn("panics", async { panic!("kmsg channel closed") });
+        for _ in 0..200 {
+            if health.report().stuck_loops().len() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let report = health.report();
+        assert!(!report.live);
+        assert_eq!(report.stuck_loops(), ["panics", "returns"]);
+        assert_eq!(
+            report.loops["panics"].failed.as_deref(),
+            Some("panicked: kmsg channel closed")
+        );
+        assert_eq!(
+            report.loops["returns"].failed.as_deref(),
+            Some("ended unexpectedly")
+        );
+        // The watchdog gate refuses to pet, naming both loops.
+        let skip = crate::watchdog::core::gate(&report, None).unwrap_err();
+        assert!(skip.describe().contains("panics, returns"), "{}", skip.describe());
+
+        // Loops ending because the agent stops are not failures.
+        let health = Health::new();
+        let stop = CancellationToken::new();
+        let mut sup = Supervisor::new(health.clone(), stop.clone());
+        let token = stop.clone();
+        sup.spawn("steady", async move { token.cancelled().await });
+        stop.cancel();
+        sup.join().await;
+        assert!(health.report().live);
     }
 }

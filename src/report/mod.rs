@@ -437,18 +437,24 @@ pub async fn run_event_publisher<P: EventPort>(
     EventQueue(mut queue): EventQueue,
     port: P,
     config: ReportConfig,
+    health: LoopHandle,
     shutdown: CancellationToken,
 ) {
     let metrics = &reporter.shared.metrics;
     let mut limiter = events::RateLimiter::new(config.event_burst, config.event_refill);
+    health.updated();
     loop {
         let ev = tokio::select! {
             _ = shutdown.cancelled() => return,
             ev = queue.recv() => match ev { Some(ev) => ev, None => return },
         };
+        // Each event is handled (published or dropped) within its bounded
+        // retries; one that takes longer than the loop's timeout is a stall.
+        health.queued();
         if !limiter.allow(&ev.reason, Instant::now()) {
             metrics.dropped(&ev.reason, "rate_limited");
             tracing::debug!(reason = %ev.reason, "event rate-limited");
+            health.updated();
             continue;
         }
         let mut backoff = config.backoff_initial;
@@ -480,6 +486,7 @@ pub async fn run_event_publisher<P: EventPort>(
         } else {
             metrics.dropped(&ev.reason, "api_error");
         }
+        health.updated();
     }
 }
 

@@ -325,6 +325,7 @@ async fn events_are_rate_limited_per_reason_and_retried() {
         queue,
         port.clone(),
         config,
+        crate::server::Health::new().register("events", Duration::from_secs(60)),
         shutdown.clone(),
     ));
     for i in 0..20 {

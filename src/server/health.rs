@@ -6,8 +6,10 @@
 //! - a loop calls [`LoopHandle::queued`] when work arrives and
 //!   [`LoopHandle::updated`] when it has been applied;
 //! - a loop is *stuck* when its oldest unapplied work is older than its
-//!   timeout; the agent is *live* while no loop is stuck (a loop that is
-//!   idle, or waiting for an API server that is down, is not stuck);
+//!   timeout, and *failed* when it ended or panicked while the agent was
+//!   running ([`Health::fail`], called by the agent's supervisor); the agent
+//!   is *live* while no loop is stuck or failed (a loop that is idle, or
+//!   waiting for an API server that is down, is neither);
 //! - the agent is *ready* once every registered loop has completed its first
 //!   update (its first sync), and while it is live;
 //! - the agent is *healthy* (`/healthz`) when live and the node is eligible
@@ -30,6 +32,8 @@ struct LoopState {
     synced: bool,
     last_updated: Option<Instant>,
     pending_since: Option<Instant>,
+    /// Why the loop is no longer running (it ended or panicked).
+    failed: Option<String>,
 }
 
 #[derive(Debug)]
@@ -79,6 +83,9 @@ pub struct LoopReport {
     pub timeout_seconds: f64,
     pub last_updated: Option<Timestamp>,
     pub pending_since: Option<Timestamp>,
+    /// Set when the loop ended or panicked: why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 impl HealthReport {
@@ -87,11 +94,12 @@ impl HealthReport {
         self.live && self.node_eligible
     }
 
-    /// Names of the loops that are stuck, for logs and skipped watchdog pets.
+    /// Names of the loops that fail `/livez` (stuck past their timeout, or
+    /// ended), for logs and skipped watchdog pets.
     pub fn stuck_loops(&self) -> Vec<&str> {
         self.loops
             .iter()
-            .filter(|(_, l)| l.stuck)
+            .filter(|(_, l)| l.stuck || l.failed.is_some())
             .map(|(n, _)| n.as_str())
             .collect()
     }
@@ -134,12 +142,32 @@ impl Health {
                 synced: false,
                 last_updated: None,
                 pending_since: None,
+                failed: None,
             },
         );
         LoopHandle {
             health: self.clone(),
             name,
         }
+    }
+
+    /// Marks a loop as no longer running (it ended or panicked while the
+    /// agent runs): `/livez` fails, naming it and `reason`, until the loop
+    /// is registered again. A loop not registered yet is added.
+    pub fn fail(&self, name: &str, reason: impl Into<String>) {
+        let reason = reason.into();
+        let mut state = self.lock();
+        let l = state
+            .loops
+            .entry(name.to_string())
+            .or_insert_with(|| LoopState {
+                timeout: Duration::ZERO,
+                synced: false,
+                last_updated: None,
+                pending_since: None,
+                failed: None,
+            });
+        l.failed = Some(reason);
     }
 
     /// Sets node eligibility; returns true when it changed.
@@ -199,7 +227,7 @@ fn evaluate(state: &State, now: Instant, clock: &WallClock) -> HealthReport {
         let stuck = l
             .pending_since
             .is_some_and(|since| now.duration_since(since) >= l.timeout);
-        if stuck {
+        if stuck || l.failed.is_some() {
             live = false;
             stuck_last_updated.get_or_insert(l.last_updated);
         }
@@ -213,6 +241,7 @@ fn evaluate(state: &State, now: Instant, clock: &WallClock) -> HealthReport {
                 timeout_seconds: l.timeout.as_secs_f64(),
                 last_updated: l.last_updated.map(|i| clock.at(i)),
                 pending_since: l.pending_since.map(|i| clock.at(i)),
+                failed: l.failed.clone(),
             },
         );
     }
@@ -352,6 +381,33 @@ mod tests {
         b.updated();
         let _b2 = h.register("b", T);
         assert!(!h.report().ready);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_loop_fails_livez_until_registered_again() {
+        let h = Health::new();
+        let a = h.register("a", T);
+        a.updated();
+        h.register("b", T).updated();
+        h.fail("a", "ended unexpectedly");
+        let r = h.report();
+        assert!(!r.live && !r.ready && !r.healthy());
+        assert_eq!(r.stuck_loops(), ["a"]);
+        assert_eq!(r.loops["a"].failed.as_deref(), Some("ended unexpectedly"));
+        assert!(!r.loops["a"].stuck, "failed is not the same as stuck");
+        // Updates from a dead loop's handle do not revive it.
+        a.updated();
+        assert!(!h.report().live);
+        // A restarted loop registers again and starts clean.
+        h.register("a", T).updated();
+        assert!(h.report().live);
+        // A loop that never registered is added when it fails.
+        h.fail("publisher", "panicked: boom");
+        let r = h.report();
+        assert_eq!(r.stuck_loops(), ["publisher"]);
+        let body = serde_json::to_value(&r).unwrap();
+        assert_eq!(body["loops"]["publisher"]["failed"], "panicked: boom");
+        assert!(body["loops"]["a"].get("failed").is_none());
     }
 
     #[tokio::test(start_paused = true)]

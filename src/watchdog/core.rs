@@ -74,7 +74,7 @@ impl Skip {
     pub fn describe(&self) -> String {
         match self {
             Skip::StuckLoops(loops) => {
-                format!("loops stuck past their timeout: {}", loops.join(", "))
+                format!("loops stuck past their timeout or stopped: {}", loops.join(", "))
             }
             Skip::ApiServerUnreachable => {
                 "the API server does not answer and requireApiServer is on".into()

@@ -194,58 +194,73 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     });
 
     let (node_tx, node_rx) = watch::channel(None);
-    sup.spawn("node-watch", publish_objects(
-        Api::<Node>::all(client.clone()),
-        watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
-        node_loop,
-        shutdown.clone(),
-        node_tx,
-    ));
+    sup.spawn(
+        "node-watch",
+        publish_objects(
+            Api::<Node>::all(client.clone()),
+            watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
+            node_loop,
+            shutdown.clone(),
+            node_tx,
+        ),
+    );
     let (pod_tx, pod_rx) = watch::channel(None);
-    sup.spawn("pod-watch", publish_objects(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().fields(&format!("spec.nodeName={}", config.node_name)),
-        pod_loop,
-        shutdown.clone(),
-        pod_tx,
-    ));
+    sup.spawn(
+        "pod-watch",
+        publish_objects(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={}", config.node_name)),
+            pod_loop,
+            shutdown.clone(),
+            pod_tx,
+        ),
+    );
     let (policy_tx, policy_rx) = watch::channel(None);
-    sup.spawn("policy-watch", publish_objects(
-        Api::<NodeGuardPolicy>::all(client.clone()),
-        watcher::Config::default(),
-        policy_loop,
-        shutdown.clone(),
-        policy_tx,
-    ));
+    sup.spawn(
+        "policy-watch",
+        publish_objects(
+            Api::<NodeGuardPolicy>::all(client.clone()),
+            watcher::Config::default(),
+            policy_loop,
+            shutdown.clone(),
+            policy_tx,
+        ),
+    );
 
     let (obs_tx, obs_rx) = watch::channel(None);
     let (watchdog_tx, watchdog_rx) = watch::channel(None);
     let (shutdown_tx, shutdown_rx) = watch::channel(None);
     let (probes_tx, probes_rx) = watch::channel(Vec::new());
     let (monitors_tx, monitors_rx) = watch::channel(Vec::new());
-    sup.spawn("node-state", node_state_loop(NodeStateLoop {
-        client: client.clone(),
-        monitors: monitors_tx,
-        probes: probes_tx,
-        watchdog: watchdog_tx,
-        shutdown_config: shutdown_tx,
-        node_name: config.node_name.clone(),
-        node: node_rx.clone(),
-        policies: policy_rx.clone(),
-        observation: obs_tx,
-        health: health.clone(),
-        reporter: reporter.clone(),
-        handle: state_loop,
-        shutdown: shutdown.clone(),
-    }));
-    sup.spawn("condition-writer", run_condition_writer(
-        reporter.clone(),
-        KubeStatus::new(client.clone(), &config.node_name),
-        obs_rx,
-        writer_loop,
-        config.report.clone(),
-        shutdown.clone(),
-    ));
+    sup.spawn(
+        "node-state",
+        node_state_loop(NodeStateLoop {
+            client: client.clone(),
+            monitors: monitors_tx,
+            probes: probes_tx,
+            watchdog: watchdog_tx,
+            shutdown_config: shutdown_tx,
+            node_name: config.node_name.clone(),
+            node: node_rx.clone(),
+            policies: policy_rx.clone(),
+            observation: obs_tx,
+            health: health.clone(),
+            reporter: reporter.clone(),
+            handle: state_loop,
+            shutdown: shutdown.clone(),
+        }),
+    );
+    sup.spawn(
+        "condition-writer",
+        run_condition_writer(
+            reporter.clone(),
+            KubeStatus::new(client.clone(), &config.node_name),
+            obs_rx,
+            writer_loop,
+            config.report.clone(),
+            shutdown.clone(),
+        ),
+    );
     let (node_obj_tx, node_obj_rx) = watch::channel(None);
     {
         let mut node_rx = node_rx.clone();
@@ -265,74 +280,92 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             }
         });
     }
-    sup.spawn("event-publisher", run_event_publisher(
-        reporter.clone(),
-        event_queue,
-        KubeEvents::new(client.clone(), &config.node_name, node_obj_rx),
-        config.report.clone(),
-        event_loop,
-        shutdown.clone(),
-    ));
+    sup.spawn(
+        "event-publisher",
+        run_event_publisher(
+            reporter.clone(),
+            event_queue,
+            KubeEvents::new(client.clone(), &config.node_name, node_obj_rx),
+            config.report.clone(),
+            event_loop,
+            shutdown.clone(),
+        ),
+    );
 
-    sup.spawn("watchdog", run_watchdog(
-        WatchdogHost {
-            notifier: SystemdNotifier::new(config.notify_socket.clone()),
-            systemd_timeout: config.systemd_watchdog,
-            opener: SysDeviceOpener,
-            api: KubeApiProbe(client.clone()),
-        },
-        watchdog_rx,
-        health.clone(),
-        reporter.clone(),
-        watchdog_metrics,
-        shutdown.clone(),
-    ));
-
-    sup.spawn("shutdown-manager", run_shutdown_manager(
-        ShutdownHost {
-            logind: ZbusConnector {
-                address: config.system_bus_address.clone(),
+    sup.spawn(
+        "watchdog",
+        run_watchdog(
+            WatchdogHost {
+                notifier: SystemdNotifier::new(config.notify_socket.clone()),
+                systemd_timeout: config.systemd_watchdog,
+                opener: SysDeviceOpener,
+                api: KubeApiProbe(client.clone()),
             },
-            cluster: KubeCluster::new(client.clone(), &config.node_name),
-            state_dir: config.state_dir.clone(),
-            boot_id: config.boot_id.clone(),
-            node_name: config.node_name.clone(),
-        },
-        shutdown_rx,
-        pod_rx.clone(),
-        reporter.clone(),
-        shutdown_metrics,
-        shutdown_loop,
-        shutdown.clone(),
-    ));
+            watchdog_rx,
+            health.clone(),
+            reporter.clone(),
+            watchdog_metrics,
+            shutdown.clone(),
+        ),
+    );
 
-    sup.spawn("monitors", run_monitors(
-        monitors_rx,
-        reporter.clone(),
-        KubeTaints::new(client.clone(), &config.node_name),
-        config.state_dir.clone(),
-        config.system_bus_address.clone(),
-        monitor_metrics,
-        shutdown.clone(),
-    ));
-    sup.spawn("policy-status", crate::k8s::policy_status::run_policy_status(
-        client.clone(),
-        config.lease_namespace.clone(),
-        config.node_name.clone(),
-        policy_rx.clone(),
-        shutdown.clone(),
-    ));
+    sup.spawn(
+        "shutdown-manager",
+        run_shutdown_manager(
+            ShutdownHost {
+                logind: ZbusConnector {
+                    address: config.system_bus_address.clone(),
+                },
+                cluster: KubeCluster::new(client.clone(), &config.node_name),
+                state_dir: config.state_dir.clone(),
+                boot_id: config.boot_id.clone(),
+                node_name: config.node_name.clone(),
+            },
+            shutdown_rx,
+            pod_rx.clone(),
+            reporter.clone(),
+            shutdown_metrics,
+            shutdown_loop,
+            shutdown.clone(),
+        ),
+    );
+
+    sup.spawn(
+        "monitors",
+        run_monitors(
+            monitors_rx,
+            reporter.clone(),
+            KubeTaints::new(client.clone(), &config.node_name),
+            config.state_dir.clone(),
+            config.system_bus_address.clone(),
+            monitor_metrics,
+            shutdown.clone(),
+        ),
+    );
+    sup.spawn(
+        "policy-status",
+        crate::k8s::policy_status::run_policy_status(
+            client.clone(),
+            config.lease_namespace.clone(),
+            config.node_name.clone(),
+            policy_rx.clone(),
+            shutdown.clone(),
+        ),
+    );
     let probe_handle = ProbeHandle::default();
-    sup.spawn("probe-manager", run_probe_manager(
-        probes_rx,
-        pod_rx.clone(),
-        reporter.clone(),
-        KubePodConditions::new(client.clone()),
-        probe_metrics,
-        probe_handle.clone(),
-        probe_loop,
-        shutdown.clone(),
-    ));
+    sup.spawn(
+        "probe-manager",
+        run_probe_manager(
+            probes_rx,
+            pod_rx.clone(),
+            reporter.clone(),
+            KubePodConditions::new(client.clone()),
+            probe_metrics,
+            probe_handle.clone(),
+            probe_loop,
+            shutdown.clone(),
+        ),
+    );
 
     Ok(RunningAgent {
         probes: probe_handle,
@@ -553,7 +586,7 @@ fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[Stri
         Eligibility::Eligible => (true, None),
         Eligibility::Ineligible(r) => (false, Some(r)),
     };
-    if !s.health.set_node_eligible(eligible, reason.clone()) {
+    if !s.health.set_node_eligible("node", eligible, reason.clone()) {
         return;
     }
     match reason {
@@ -682,7 +715,11 @@ mod tests {
         );
         // The watchdog gate refuses to pet, naming both loops.
         let skip = crate::watchdog::core::gate(&report, None).unwrap_err();
-        assert!(skip.describe().contains("panics, returns"), "{}", skip.describe());
+        assert!(
+            skip.describe().contains("panics, returns"),
+            "{}",
+            skip.describe()
+        );
 
         // Loops ending because the agent stops are not failures.
         let health = Health::new();

@@ -39,8 +39,10 @@ struct LoopState {
 #[derive(Debug)]
 struct State {
     loops: BTreeMap<String, LoopState>,
-    node_eligible: bool,
-    node_ineligible_reason: Option<String>,
+    /// Why the node is not eligible, by the source that says so; eligible
+    /// while empty. Each source sets and clears only its own entry, so one
+    /// source's update never overrides another's verdict.
+    ineligible: BTreeMap<String, String>,
 }
 
 /// Shared handle to the registry. Cheap to clone.
@@ -118,8 +120,7 @@ impl Health {
         Health {
             state: Arc::new(Mutex::new(State {
                 loops: BTreeMap::new(),
-                node_eligible: true,
-                node_ineligible_reason: None,
+                ineligible: BTreeMap::new(),
             })),
             clock: WallClock::new(),
         }
@@ -171,12 +172,20 @@ impl Health {
     }
 
     /// Sets node eligibility; returns true when it changed.
-    pub fn set_node_eligible(&self, eligible: bool, reason: Option<String>) -> bool {
+    /// Sets one source's verdict on node eligibility (the node-state loop
+    /// says `node`); the node is eligible while no source says otherwise.
+    /// Returns true when that source's verdict changed.
+    pub fn set_node_eligible(&self, source: &str, eligible: bool, reason: Option<String>) -> bool {
         let mut state = self.lock();
-        let changed = state.node_eligible != eligible;
-        state.node_eligible = eligible;
-        state.node_ineligible_reason = if eligible { None } else { reason };
-        changed
+        if eligible {
+            state.ineligible.remove(source).is_some()
+        } else {
+            let reason = reason.unwrap_or_else(|| "not eligible".into());
+            state
+                .ineligible
+                .insert(source.to_string(), reason)
+                .is_none()
+        }
     }
 
     /// The verdict now, by tokio's clock.
@@ -249,8 +258,15 @@ fn evaluate(state: &State, now: Instant, clock: &WallClock) -> HealthReport {
     HealthReport {
         last_updated: last_updated.map(|i| clock.at(i)),
         current_time: clock.at(now),
-        node_eligible: state.node_eligible,
-        node_ineligible_reason: state.node_ineligible_reason.clone(),
+        node_eligible: state.ineligible.is_empty(),
+        node_ineligible_reason: (!state.ineligible.is_empty()).then(|| {
+            state
+                .ineligible
+                .values()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("; ")
+        }),
         live,
         ready: ready && live,
         loops,
@@ -340,14 +356,37 @@ mod tests {
     async fn eligibility_affects_healthz_only() {
         let h = Health::new();
         h.register("a", T).updated();
-        assert!(h.set_node_eligible(false, Some("tainted ToBeDeletedByClusterAutoscaler".into())));
-        assert!(!h.set_node_eligible(false, None));
+        assert!(h.set_node_eligible(
+            "node",
+            false,
+            Some("tainted ToBeDeletedByClusterAutoscaler".into())
+        ));
+        assert!(!h.set_node_eligible("node", false, None));
         let r = h.report();
         assert!(r.live && r.ready && !r.healthy());
-        assert!(h.set_node_eligible(true, None));
+        assert!(h.set_node_eligible("node", true, None));
         let r = h.report();
         assert!(r.healthy());
         assert_eq!(r.node_ineligible_reason, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_sources_verdict_does_not_override_anothers() {
+        let h = Health::new();
+        assert!(h.set_node_eligible("shutdown", false, Some("shutting down".into())));
+        // The node-state loop recomputes on every Node event: eligible by it.
+        assert!(!h.set_node_eligible("node", true, None));
+        let r = h.report();
+        assert!(!r.node_eligible);
+        assert_eq!(r.node_ineligible_reason.as_deref(), Some("shutting down"));
+        assert!(h.set_node_eligible("node", false, Some("being deleted".into())));
+        assert_eq!(
+            h.report().node_ineligible_reason.as_deref(),
+            Some("being deleted; shutting down")
+        );
+        h.set_node_eligible("shutdown", true, None);
+        h.set_node_eligible("node", true, None);
+        assert!(h.report().node_eligible);
     }
 
     #[tokio::test(start_paused = true)]

@@ -234,7 +234,7 @@ mod tests {
         );
         w.updated();
 
-        health.set_node_eligible(false, Some("being deleted".into()));
+        health.set_node_eligible("node", false, Some("being deleted".into()));
         let (code, body) = get(&app, "/healthz").await;
         assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -74,7 +74,10 @@ impl Skip {
     pub fn describe(&self) -> String {
         match self {
             Skip::StuckLoops(loops) => {
-                format!("loops stuck past their timeout or stopped: {}", loops.join(", "))
+                format!(
+                    "loops stuck past their timeout or stopped: {}",
+                    loops.join(", ")
+                )
             }
             Skip::ApiServerUnreachable => {
                 "the API server does not answer and requireApiServer is on".into()
@@ -188,7 +191,7 @@ mod tests {
         l.updated();
         assert_eq!(gate(&h.report(), None), Ok(()));
         // Ineligibility does not stop petting.
-        h.set_node_eligible(false, None);
+        h.set_node_eligible("node", false, None);
         assert_eq!(gate(&h.report(), None), Ok(()));
     }
 }

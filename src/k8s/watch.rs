@@ -1,5 +1,6 @@
 //! Watches through kube-runtime's watcher: list, then watch with bookmarks,
-//! relist on `410 Gone`, and back off while the API server is away.
+//! relist on `410 Gone`, and back off (growing while a failure repeats)
+//! while the API server is away or refuses the resource.
 //!
 //! [`watch_objects`] keeps a local snapshot of the watched objects and
 //! hands it to a callback after every change and after every (re)list. It
@@ -15,9 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::server::LoopHandle;
@@ -58,6 +60,13 @@ pub async fn publish_objects<K>(
 }
 
 /// Runs until `shutdown` is cancelled. `on_change` sees the whole snapshot.
+///
+/// A failing watch is retried after [`WatchBackoff`]'s delay, which grows
+/// while the failure repeats and resets only when objects arrive (a list
+/// or watch event), not when a retry merely starts. The first failure is a
+/// warning with a hint; repeats are debug lines, with a warning again every
+/// [`STILL_FAILING_EVERY`] saying for how long and how many attempts; the
+/// recovery is logged once, when objects arrive again.
 pub async fn watch_objects<K, F>(
     api: Api<K>,
     config: watcher::Config,
@@ -74,12 +83,11 @@ pub async fn watch_objects<K, F>(
         K::plural(&K::DynamicType::default()),
         handle.name()
     );
-    let mut stream = watcher(api, config)
-        .backoff(WatchBackoff::default())
-        .boxed();
+    let mut stream = watcher(api, config).boxed();
+    let mut backoff = WatchBackoff::default();
     let mut objects: Snapshot<K> = BTreeMap::new();
     let mut listing: Option<Snapshot<K>> = None;
-    let mut failing = false;
+    let mut failing: Option<Failing> = None;
     loop {
         let event = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -92,14 +100,28 @@ pub async fn watch_objects<K, F>(
         let event = match event {
             Ok(e) => e,
             Err(err) => {
-                log_watch_error(&what, &err, failing);
-                failing = true;
+                let code = status_code(&err);
+                let f = failing.get_or_insert_with(|| Failing {
+                    since: Instant::now(),
+                    attempts: 0,
+                    last_warning: None,
+                });
+                f.attempts += 1;
+                log_watch_error(&what, &err, f);
+                let delay = backoff.next_delay(is_configuration_error(code));
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
                 continue;
             }
         };
-        if failing {
-            tracing::info!(watch = %what, "watch recovered");
-            failing = false;
+        // `Init` only says a (re)list starts: no success yet.
+        if !matches!(event, watcher::Event::Init) {
+            backoff.reset();
+            if let Some(f) = failing.take() {
+                tracing::info!(watch = %what, after = ?f.since.elapsed(), failed_attempts = f.attempts, "watch recovered");
+            }
         }
         match event {
             watcher::Event::Init => listing = Some(BTreeMap::new()),
@@ -131,9 +153,23 @@ pub async fn watch_objects<K, F>(
     }
 }
 
+/// A watch that keeps failing is warned about again this often.
+pub const STILL_FAILING_EVERY: Duration = Duration::from_secs(300);
+
+/// A run of failed attempts of one watch.
+#[derive(Debug)]
+struct Failing {
+    since: Instant,
+    attempts: u32,
+    last_warning: Option<Instant>,
+}
+
 /// Backoff between failed list/watch attempts: exponential from 250 ms,
-/// capped at 8 s, each delay jittered down to half so thousands of agents
-/// do not retry in step. Reset by the watcher after each success.
+/// capped at 8 s while the API server may just be away (an outage, a
+/// restart), and at 60 s when it answered that the agent cannot have the
+/// resource (401, 403, 404: a missing CRD or RBAC rule, which a retry every
+/// few seconds cannot fix). Each delay is jittered down to half so
+/// thousands of agents do not retry in step. Reset when objects arrive.
 ///
 /// kube's default (client-go's: 0.8 s up to 30 s, reset after 2 minutes)
 /// could leave a node agent blind for 30 s after an API server restart;
@@ -147,6 +183,7 @@ pub struct WatchBackoff {
 
 const BACKOFF_MIN: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(8);
+const BACKOFF_MAX_CONFIGURATION: Duration = Duration::from_secs(60);
 
 impl Default for WatchBackoff {
     fn default() -> Self {
@@ -162,25 +199,32 @@ impl Default for WatchBackoff {
     }
 }
 
-impl Iterator for WatchBackoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
+impl WatchBackoff {
+    /// The delay before the next attempt; `configuration`: the API server
+    /// refused the resource itself (the longer cap applies).
+    pub fn next_delay(&mut self, configuration: bool) -> Duration {
         // xorshift64: enough randomness for jitter, no dependency.
         self.seed ^= self.seed << 13;
         self.seed ^= self.seed >> 7;
         self.seed ^= self.seed << 17;
-        let full = self.next;
-        self.next = (self.next * 2).min(BACKOFF_MAX);
+        let cap = if configuration {
+            BACKOFF_MAX_CONFIGURATION
+        } else {
+            BACKOFF_MAX
+        };
+        let full = self.next.min(cap);
+        self.next = (full * 2).min(cap);
         let fraction = 0.5 + (self.seed % 1000) as f64 / 2000.0;
-        Some(full.mul_f64(fraction))
+        full.mul_f64(fraction)
+    }
+
+    pub fn reset(&mut self) {
+        self.next = BACKOFF_MIN;
     }
 }
 
-impl kube::runtime::utils::Backoff for WatchBackoff {
-    fn reset(&mut self) {
-        self.next = BACKOFF_MIN;
-    }
+fn is_configuration_error(code: Option<u16>) -> bool {
+    matches!(code, Some(401 | 403 | 404))
 }
 
 /// HTTP status of a watcher error, when it came from the API server.
@@ -197,7 +241,7 @@ fn status_code(err: &watcher::Error) -> Option<u16> {
     }
 }
 
-fn log_watch_error(what: &str, err: &watcher::Error, repeated: bool) {
+fn log_watch_error(what: &str, err: &watcher::Error, failing: &mut Failing) {
     let hint = match status_code(err) {
         Some(401) => "the agent's credentials were rejected",
         Some(403) => "RBAC forbids this watch: check the agent's ClusterRole",
@@ -207,32 +251,66 @@ fn log_watch_error(what: &str, err: &watcher::Error, repeated: bool) {
         Some(410) => "the watch expired; relisting",
         _ => "the API server may be unreachable; retrying with backoff",
     };
-    if repeated {
-        tracing::debug!(watch = %what, error = %err, hint, "watch still failing");
-    } else {
-        tracing::warn!(watch = %what, error = %err, hint, "watch failed; retrying with backoff");
+    let now = Instant::now();
+    match failing.last_warning {
+        None => {
+            tracing::warn!(watch = %what, error = %err, hint, "watch failed; retrying with backoff");
+            failing.last_warning = Some(now);
+        }
+        Some(at) if now.duration_since(at) >= STILL_FAILING_EVERY => {
+            tracing::warn!(watch = %what, error = %err, hint, failing_for = ?failing.since.elapsed(), attempts = failing.attempts, "watch still failing");
+            failing.last_warning = Some(now);
+        }
+        Some(_) => {
+            tracing::debug!(watch = %what, error = %err, attempts = failing.attempts, "watch still failing");
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::runtime::utils::Backoff;
 
     #[test]
     fn backoff_grows_to_its_cap_with_jitter_and_resets() {
-        let mut b = WatchBackoff::default();
-        let delays: Vec<Duration> = (0..10).map(|_| b.next().unwrap()).collect();
-        let caps = [250, 500, 1000, 2000, 4000, 8000, 8000, 8000, 8000, 8000];
-        for (d, cap) in delays.iter().zip(caps) {
-            let cap = Duration::from_millis(cap);
-            assert!(
-                *d <= cap && *d >= cap / 2,
-                "{d:?} not in [{:?}, {cap:?}]",
-                cap / 2
-            );
+        for (configuration, caps) in [
+            (
+                false,
+                [250, 500, 1000, 2000, 4000, 8000, 8000, 8000, 8000, 8000],
+            ),
+            (
+                true,
+                [250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000],
+            ),
+        ] {
+            let mut b = WatchBackoff::default();
+            let delays: Vec<Duration> = (0..10).map(|_| b.next_delay(configuration)).collect();
+            for (d, cap) in delays.iter().zip(caps) {
+                let cap = Duration::from_millis(cap);
+                assert!(
+                    *d <= cap && *d >= cap / 2,
+                    "{d:?} not in [{:?}, {cap:?}] ({configuration})",
+                    cap / 2
+                );
+            }
+            b.reset();
+            assert!(b.next_delay(configuration) <= BACKOFF_MIN);
         }
-        b.reset();
-        assert!(b.next().unwrap() <= BACKOFF_MIN);
+    }
+
+    #[test]
+    fn which_failures_are_configuration_errors() {
+        for (code, want) in [
+            (Some(401), true),
+            (Some(403), true),
+            (Some(404), true),
+            (Some(410), false),
+            (Some(500), false),
+            (Some(503), false),
+            (Some(429), false),
+            (None, false),
+        ] {
+            assert_eq!(is_configuration_error(code), want, "{code:?}");
+        }
     }
 }

@@ -153,6 +153,9 @@ fn ensure_state_dir(path: &std::path::Path) -> Result<(), AgentError> {
 /// Starts the agent's loops and HTTP server, returning once it is listening.
 pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, AgentError> {
     ensure_state_dir(&config.state_dir)?;
+    // Every request of every loop gets a deadline: a connection that stops
+    // answering must not hold a loop forever (see k8s::deadline).
+    let client = crate::k8s::deadline::with_deadline(client, crate::k8s::deadline::API_DEADLINE);
     let health = Health::new();
     let (mut registry, server_metrics) = metrics::new_registry(&health);
     let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);

@@ -2,6 +2,7 @@
 //! policies. (Named `k8s` rather than `kube` so it does not shadow the
 //! `kube` crate inside this crate.)
 
+pub mod deadline;
 pub mod node;
 pub mod policy_status;
 pub mod status;

@@ -5,6 +5,7 @@
 
 pub mod dbus;
 pub mod pods;
+pub mod proxy;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};

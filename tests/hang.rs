@@ -1,0 +1,83 @@
+//! An API connection that stops answering mid-request: the agent's request
+//! fails at its deadline instead of waiting forever, `/livez` stays green,
+//! and the condition reaches the Node on a new connection once the network
+//! is back. (A frozen proxy that refuses new connections is the easy case;
+//! here the established connection swallows everything, for good.)
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nodeguard::report::{Desired, Status};
+use support::proxy::BlackholeProxy;
+use support::*;
+
+fn desired(status: Status, reason: &str, message: &str) -> Desired {
+    Desired {
+        status,
+        reason: reason.into(),
+        message: message.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_request_on_a_connection_that_stops_answering_fails_at_its_deadline() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "hang", &[]).await;
+    let mut config = admin_config().await;
+    let upstream = format!(
+        "{}:{}",
+        config.cluster_url.host().unwrap(),
+        config.cluster_url.port_u16().unwrap()
+    )
+    .parse()
+    .unwrap();
+    let proxy = BlackholeProxy::start(upstream).await;
+    config.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
+    let through_proxy = kube::Client::try_from(config).unwrap();
+    let (agent, _state) = start_agent(through_proxy, &node.name).await;
+    eventually(Duration::from_secs(30), "agent ready", || async {
+        http_get(agent.addr, "/readyz").await.0 == 200
+    })
+    .await;
+    agent
+        .reporter
+        .set("HangProbe", desired(Status::False, "Before", "before."));
+    wait_condition(
+        &admin,
+        &node.name,
+        "HangProbe",
+        "False",
+        Duration::from_secs(20),
+        "first write",
+    )
+    .await;
+
+    // Every connection open now (the watches', the writer's pooled one)
+    // swallows what is sent from here on, and stays dead.
+    proxy.freeze();
+    agent
+        .reporter
+        .set("HangProbe", desired(Status::True, "During", "during."));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    proxy.thaw();
+    let thawed = Instant::now();
+    eventually(
+        Duration::from_secs(40),
+        "the change on the Node through a new connection",
+        || async { condition_is(&admin, &node.name, "HangProbe", "True").await },
+    )
+    .await;
+    eprintln!(
+        "condition written {:?} after the network came back",
+        thawed.elapsed()
+    );
+    let (code, body) = http_get(agent.addr, "/livez").await;
+    assert_eq!(code, 200, "a hung request is not a stuck agent: {body}");
+    let (_, metrics) = http_get(agent.addr, "/metrics").await;
+    assert!(
+        metrics.contains("nodeguard_api_write_errors_total{resource=\"nodes/status\"}"),
+        "the timed-out write is counted:\n{metrics}"
+    );
+    agent.stop().await;
+}

@@ -87,14 +87,21 @@ async fn the_binary_speaks_the_systemd_notify_protocol() {
         pets.len(),
         started.elapsed()
     );
-    let gaps: Vec<Duration> = pets.windows(2).map(|w| w[1] - w[0]).collect();
+    let mut gaps: Vec<Duration> = pets.windows(2).map(|w| w[1] - w[0]).collect();
     eprintln!("WATCHDOG=1 gaps: {gaps:?}");
-    for g in &gaps {
-        assert!(
-            *g >= Duration::from_millis(800) && *g <= Duration::from_millis(1300),
-            "WATCHDOG=1 must come every half of WatchdogSec (1 s): {gaps:?}"
-        );
-    }
+    // What systemd enforces: never a gap of WatchdogSec (2 s). The schedule
+    // is half of it; the median shows it without failing on one late wake-up
+    // of a busy machine.
+    assert!(
+        gaps.iter().all(|g| *g < Duration::from_secs(2)),
+        "a gap reached WatchdogSec: {gaps:?}"
+    );
+    gaps.sort();
+    let median = gaps[gaps.len() / 2];
+    assert!(
+        median >= Duration::from_millis(800) && median <= Duration::from_millis(1300),
+        "WATCHDOG=1 must come every half of WatchdogSec (1 s): median {median:?} of {gaps:?}"
+    );
     // SIGTERM: STOPPING=1 and a clean exit.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
@@ -167,8 +174,30 @@ async fn pets_stop_while_a_loop_is_stuck_and_resume_after() {
         "{metrics}"
     );
     stuck.updated();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(socket.times("WATCHDOG=1").len() > at_stuck, "pets resume");
+    eventually(Duration::from_secs(5), "pets resume", || {
+        std::future::ready(socket.times("WATCHDOG=1").len() > at_stuck)
+    })
+    .await;
+
+    // A loop that ended (as the supervisor reports a panicked or returned
+    // loop): /livez names it and the pets stop for good.
+    agent.health.fail("test-dead-loop", "panicked: test");
+    let (code, body) = http_get(agent.addr, "/livez").await;
+    assert_eq!(code, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["loops"]["test-dead-loop"]["failed"], "panicked: test",
+        "{body}"
+    );
+    // A pet already decided may still arrive; none after that.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let at_dead = socket.times("WATCHDOG=1").len();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        socket.times("WATCHDOG=1").len(),
+        at_dead,
+        "no WATCHDOG=1 after a loop died"
+    );
     agent.stop().await;
     // The datagram may reach the reading thread a moment after the sender returned.
     eventually(Duration::from_secs(2), "STOPPING=1", || {

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Clone, Default)]
 struct Notes {
     sent: Arc<Mutex<Vec<(Instant, String)>>>,
+    /// Every attempt, delivered or not.
+    attempts: Arc<Mutex<Vec<(Instant, String)>>>,
     failures_left: Arc<AtomicUsize>,
 }
 
@@ -32,6 +34,11 @@ impl Notes {
 
 impl NotifyPort for Notes {
     fn notify(&self, states: &[NotifyState<'_>]) -> io::Result<()> {
+        let msg = notify::message(states);
+        self.attempts
+            .lock()
+            .unwrap()
+            .push((Instant::now(), msg.trim_end().to_string()));
         if self
             .failures_left
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -42,7 +49,6 @@ impl NotifyPort for Notes {
                 "systemd away",
             ));
         }
-        let msg = notify::message(states);
         self.sent
             .lock()
             .unwrap()
@@ -408,10 +414,39 @@ async fn the_api_server_gates_petting_only_when_required() {
 #[tokio::test(start_paused = true)]
 async fn failed_notifications_are_retried_with_backoff() {
     let r = rig(Some(Duration::from_secs(20)), None, tmp("retry"));
+    secs(1).await;
+    let ready_at = r.notes.times("READY=1");
+    assert_eq!(ready_at.len(), 1, "READY=1 first, delivered");
+    let pets_before = r.notes.count("WATCHDOG=1");
     r.notes.failures_left.store(2, Ordering::SeqCst);
-    secs(4).await;
-    let times = r.notes.times("WATCHDOG=1");
-    assert_eq!(times.len(), 1, "first pet delivered after two retries");
+    secs(30).await;
+    let attempts: Vec<Instant> = r
+        .notes
+        .attempts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, m)| m == "WATCHDOG=1")
+        .map(|(t, _)| *t)
+        .skip(pets_before)
+        .collect();
+    // Two failures, retried after 1 s and then 2 s (not at once, not at the
+    // 10 s pet interval), then the regular interval again.
+    let gaps: Vec<Duration> = attempts.windows(2).map(|w| w[1] - w[0]).collect();
+    assert_eq!(
+        gaps[..3],
+        [
+            Duration::from_secs(1),
+            Duration::from_secs(2),
+            Duration::from_secs(10)
+        ],
+        "{gaps:?}"
+    );
+    assert_eq!(
+        r.notes.count("WATCHDOG=1"),
+        attempts.len() - 2 + pets_before,
+        "all but the two failed attempts delivered"
+    );
     r.shutdown.cancel();
     r.task.await.unwrap();
 }

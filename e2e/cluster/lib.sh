@@ -27,9 +27,19 @@ go_scratch_drop() {
 # Directory holding the binaries for the pinned versions; the key changes when
 # any pin or Go module file changes, so a stale binary is never reused.
 bin_dir() {
-  local key
-  key=$(cat "$CLUSTER_DIR/versions.env" "$CLUSTER_DIR"/go/*/go.mod "$CLUSTER_DIR"/go/*/go.sum "$CLUSTER_DIR"/go/kube/cmd/*/main.go "$CLUSTER_DIR"/go/etcd/main.go | sha256sum | cut -c1-12)
+  local key g=$CLUSTER_DIR/go
+  key=$(cat "$CLUSTER_DIR/versions.env" "$g/etcd/go.mod" "$g/kube/go.mod" "$g/etcd/go.sum" "$g/kube/go.sum" \
+    "$g"/kube/cmd/*/main.go "$g/etcd/main.go" | sha256sum | cut -c1-12)
   echo "$NODEGUARD_CACHE/bin/$KUBE_VERSION-$key"
+}
+
+# The real node's binaries (kubelet, kube-scheduler), from their own wrapper
+# module so the control plane's cache key does not change with them.
+node_bin_dir() {
+  local key
+  key=$(cat "$CLUSTER_DIR/versions.env" "$CLUSTER_DIR"/go/node/go.mod "$CLUSTER_DIR"/go/node/go.sum \
+    "$CLUSTER_DIR"/go/node/cmd/*/main.go | sha256sum | cut -c1-12)
+  echo "$NODEGUARD_CACHE/bin/node-$KUBE_VERSION-$key"
 }
 
 # True while a process exists and is not a zombie (this sandbox's PID 1 may

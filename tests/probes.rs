@@ -335,3 +335,645 @@ async fn changing_one_probe_restarts_only_its_worker() {
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// An HTTP endpoint that logs every request (when, and whether it passed):
+/// it answers 503 to its first `fail_first` requests and while unhealthy,
+/// 200 otherwise.
+#[derive(Clone)]
+struct Endpoint {
+    healthy: Arc<AtomicBool>,
+    fail_first: usize,
+    log: Arc<std::sync::Mutex<Vec<(std::time::Instant, bool)>>>,
+}
+
+impl Endpoint {
+    fn new(healthy: bool, fail_first: usize) -> Self {
+        Endpoint {
+            healthy: Arc::new(AtomicBool::new(healthy)),
+            fail_first,
+            log: Arc::default(),
+        }
+    }
+
+    async fn serve(&self) -> SocketAddr {
+        use axum::routing::get;
+        let this = self.clone();
+        let app = axum::Router::new().route(
+            "/healthz",
+            get(move || {
+                let this = this.clone();
+                async move {
+                    let mut log = this.log.lock().unwrap();
+                    let pass = this.healthy.load(Ordering::SeqCst) && log.len() >= this.fail_first;
+                    log.push((std::time::Instant::now(), pass));
+                    if pass {
+                        (axum::http::StatusCode::OK, "ok")
+                    } else {
+                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "sick")
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        addr
+    }
+
+    fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::SeqCst);
+    }
+
+    fn requests(&self) -> Vec<(std::time::Instant, bool)> {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn first_pass(&self) -> Option<std::time::Instant> {
+        self.requests()
+            .iter()
+            .find(|(_, pass)| *pass)
+            .map(|(t, _)| *t)
+    }
+
+    fn passes(&self) -> usize {
+        self.requests().iter().filter(|(_, pass)| *pass).count()
+    }
+
+    /// Requests served at or after `since`: (all, failed).
+    fn since(&self, since: std::time::Instant) -> (usize, usize) {
+        let r: Vec<_> = self
+            .requests()
+            .into_iter()
+            .filter(|(t, _)| *t >= since)
+            .collect();
+        (r.len(), r.iter().filter(|(_, pass)| !pass).count())
+    }
+}
+
+#[tokio::test]
+async fn a_node_startup_probe_runs_until_it_passes_then_opens_its_gate() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "startup").await;
+    let boot = Endpoint::new(false, 0);
+    let boot_addr = boot.serve().await;
+    let app = Endpoint::new(true, 0);
+    let app_addr = app.serve().await;
+    let policy = unique_name("startup");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "boot", "role": "Startup", "http": {"url": format!("http://{boot_addr}/healthz")},
+             "periodSeconds": 1, "failureThreshold": 2, "conditionType": "BootNotStarted"},
+            {"name": "app", "gatedBy": "boot", "http": {"url": format!("http://{app_addr}/healthz")},
+             "periodSeconds": 1, "failureThreshold": 1, "conditionType": "AppUnhealthy"},
+        ]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    // The startup probe runs, and on a node it keeps running after
+    // failing past its threshold (nothing to restart).
+    wait_condition(
+        &admin,
+        &node.name,
+        "BootNotStarted",
+        "True",
+        Duration::from_secs(20),
+        "the startup probe failed twice: BootNotStarted=True",
+    )
+    .await;
+    assert_eq!(app.requests().len(), 0, "the gated probe waits");
+    assert_eq!(
+        condition_status(&admin, &node.name, "AppUnhealthy").await,
+        None,
+        "nothing written for a probe that has not run"
+    );
+    boot.set_healthy(true);
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppUnhealthy",
+        "False",
+        Duration::from_secs(15),
+        "the gated probe ran and passed: AppUnhealthy=False",
+    )
+    .await;
+    assert!(condition_is(&admin, &node.name, "BootNotStarted", "False").await);
+    let opened = boot.first_pass().expect("the startup probe passed");
+    let (first_app, _) = app.requests()[0];
+    assert!(
+        first_app > opened,
+        "the gated probe ran only after the startup probe passed"
+    );
+    // Started: the startup probe is not run again while the gated one is.
+    let seen = app.requests().len();
+    eventually(Duration::from_secs(15), "three more gated probes", || {
+        std::future::ready(app.requests().len() >= seen + 3)
+    })
+    .await;
+    assert_eq!(boot.passes(), 1, "{:?}", boot.requests());
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// Creates a pod on `node` listing `gates`, then makes it Running on
+/// 127.0.0.1 as a kubelet would.
+async fn running_gated_pod(admin: &Client, node: &str, name: &str, app: &str, gates: &[&str]) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let gates: Vec<serde_json::Value> = gates
+        .iter()
+        .map(|g| serde_json::json!({"conditionType": g}))
+        .collect();
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {"nodeName": node, "readinessGates": gates,
+                 "containers": [{"name": "c", "image": "example.invalid/app"}]},
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    set_pod_phase(admin, name, "Running").await;
+}
+
+async fn set_pod_phase(admin: &Client, name: &str, phase: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let status =
+        serde_json::json!({"status": {"phase": phase, "podIP": "127.0.0.1", "startTime": now}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+async fn delete_pod(admin: &Client, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let _ = pods
+        .delete(name, &DeleteParams::default().grace_period(0))
+        .await;
+}
+
+#[tokio::test]
+async fn a_pod_startup_probe_opens_the_readiness_gate_probe_after_it() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "pod-startup").await;
+    let boot = Endpoint::new(true, 3); // fails 3 times, then passes
+    let boot_port = boot.serve().await.port();
+    let ready = Endpoint::new(true, 0);
+    let ready_port = ready.serve().await.port();
+    let app = unique_name("app");
+    let pod_name = unique_name("starting");
+    let (started, deep) = ("nodeguard.io/started", "nodeguard.io/deep");
+    running_gated_pod(&admin, &node.name, &pod_name, &app, &[started, deep]).await;
+    let policy = unique_name("pod-startup");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "boot", "role": "Startup", "pods": {"selector": {"matchLabels": {"app": app}}},
+             "http": {"port": boot_port, "path": "/healthz"}, "periodSeconds": 1, "failureThreshold": 10,
+             "readinessGate": started},
+            {"name": "deep", "gatedBy": "boot", "pods": {"selector": {"matchLabels": {"app": app}}},
+             "http": {"port": ready_port, "path": "/healthz"}, "periodSeconds": 1, "failureThreshold": 1,
+             "readinessGate": deep},
+        ]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(
+        Duration::from_secs(30),
+        "the gated readiness gate True",
+        || async { pod_gate(&admin, &pod_name, deep).await.as_deref() == Some("True") },
+    )
+    .await;
+    assert_eq!(
+        pod_gate(&admin, &pod_name, started).await.as_deref(),
+        Some("True")
+    );
+    let opened = boot.first_pass().expect("the startup probe passed");
+    assert_eq!(boot.requests().len(), 4, "3 failures, then one pass");
+    let (first_deep, _) = ready.requests()[0];
+    assert!(
+        first_deep > opened,
+        "the gated probe ran only after the startup probe passed"
+    );
+    agent.stop().await;
+    delete_pod(&admin, &pod_name).await;
+    delete_policy(&admin, &policy).await;
+}
+
+#[tokio::test]
+async fn a_liveness_probe_on_the_node_clears_when_the_endpoint_recovers() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "liveness").await;
+    let ep = Endpoint::new(true, 0);
+    let addr = ep.serve().await;
+    let policy = unique_name("liveness");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "live", "role": "Liveness", "http": {"url": format!("http://{addr}/healthz")},
+             "periodSeconds": 1, "failureThreshold": 2, "conditionType": "LiveUnhealthy"},
+        ]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    let t = "LiveUnhealthy";
+    wait_condition(
+        &admin,
+        &node.name,
+        t,
+        "False",
+        Duration::from_secs(15),
+        "passing",
+    )
+    .await;
+    ep.set_healthy(false);
+    wait_condition(
+        &admin,
+        &node.name,
+        t,
+        "True",
+        Duration::from_secs(15),
+        "failing",
+    )
+    .await;
+    ep.set_healthy(true);
+    wait_condition(
+        &admin,
+        &node.name,
+        t,
+        "False",
+        Duration::from_secs(15),
+        "cleared when the endpoint recovered (no on-hold on a node)",
+    )
+    .await;
+    let c = &node_conditions(&admin, &node.name, t).await[0];
+    assert_eq!(c.reason.as_deref(), Some("LiveProbePassed"));
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// Runs a first agent until the probe's condition says the endpoint
+/// passes, stops it, breaks the endpoint and starts a second agent at
+/// `restart`. Polls the condition until it turns True and returns the
+/// endpoint's requests after the restart (all, failed) read right after
+/// seeing it; asserts it said False (carried over) at every poll before.
+async fn restart_with_a_failing_endpoint(
+    prefix: &str,
+    initial_delay: u32,
+    failure_threshold: u32,
+) -> (std::time::Instant, Endpoint, (usize, usize)) {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, prefix).await;
+    let ep = Endpoint::new(true, 0);
+    let addr = ep.serve().await;
+    let policy = unique_name(prefix);
+    let t = "RestartedUnhealthy";
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "restarted", "http": {"url": format!("http://{addr}/healthz")}, "periodSeconds": 1,
+             "initialDelaySeconds": initial_delay, "failureThreshold": failure_threshold, "conditionType": t},
+        ]),
+    )
+    .await;
+    let (first, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        t,
+        "False",
+        Duration::from_secs(20),
+        "passing",
+    )
+    .await;
+    first.stop().await;
+    ep.set_healthy(false);
+    let restart = std::time::Instant::now();
+    let (second, _state2) = start_agent(admin.clone(), &node.name).await;
+    let when_true = std::sync::Mutex::new(None);
+    eventually(
+        Duration::from_secs(30),
+        "the condition turns True",
+        || async {
+            match condition_status(&admin, &node.name, t).await.as_deref() {
+                Some("True") => {
+                    // Read after: at least what made the agent write True.
+                    *when_true.lock().unwrap() = Some(ep.since(restart));
+                    true
+                }
+                Some("False") => false,
+                other => panic!("{t} was {other:?} before turning True"),
+            }
+        },
+    )
+    .await;
+    let when_true = when_true.into_inner().unwrap();
+    second.stop().await;
+    delete_policy(&admin, &policy).await;
+    (restart, ep, when_true.unwrap())
+}
+
+#[tokio::test]
+async fn one_failure_after_a_restart_does_not_flip_a_carried_over_condition() {
+    let (_, _, (_, failed)) = restart_with_a_failing_endpoint("one-failure", 0, 3).await;
+    assert!(
+        failed >= 3,
+        "the condition turned True after {failed} failure(s) since the restart; the threshold is 3"
+    );
+}
+
+#[tokio::test]
+async fn after_the_initial_delay_a_result_equal_to_the_initial_value_is_written() {
+    // Readiness starts as Failure; the endpoint fails after the restart: the
+    // carried-over False stays through the delay, then the real failure
+    // replaces it.
+    let (restart, ep, (_, failed)) = restart_with_a_failing_endpoint("delay", 3, 1).await;
+    assert!(failed >= 1);
+    let (first, _) = *ep.requests().iter().find(|(t, _)| *t >= restart).unwrap();
+    assert!(
+        first - restart >= Duration::from_secs(3),
+        "probed {:?} after the restart, before the initial delay",
+        first - restart
+    );
+}
+
+#[tokio::test]
+async fn renaming_a_conditiontype_removes_the_old_condition() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "rename").await;
+    let ep = Endpoint::new(true, 0);
+    let addr = ep.serve().await;
+    let policy = unique_name("rename");
+    let probes = |t: &str| {
+        serde_json::json!([
+            {"name": "renamed", "http": {"url": format!("http://{addr}/healthz")}, "periodSeconds": 1,
+             "failureThreshold": 1, "conditionType": t},
+        ])
+    };
+    apply_probes(&admin, &policy, &node.name, probes("OldNameUnhealthy")).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "OldNameUnhealthy",
+        "False",
+        Duration::from_secs(15),
+        "the old condition",
+    )
+    .await;
+    apply_probes(&admin, &policy, &node.name, probes("NewNameUnhealthy")).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "NewNameUnhealthy",
+        "False",
+        Duration::from_secs(15),
+        "the new condition",
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the old condition removed",
+        || async {
+            condition_status(&admin, &node.name, "OldNameUnhealthy")
+                .await
+                .is_none()
+        },
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+#[tokio::test]
+async fn a_terminal_pods_worker_is_not_restarted() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "terminal").await;
+    let ep = Endpoint::new(true, 0);
+    let port = ep.serve().await.port();
+    let app = unique_name("app");
+    let gate = "nodeguard.io/terminal-check";
+    let (done, other) = (unique_name("done"), unique_name("other"));
+    running_gated_pod(&admin, &node.name, &done, &app, &[gate]).await;
+    let policy = unique_name("terminal");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "check", "pods": {"selector": {"matchLabels": {"app": app}}},
+             "http": {"port": port, "path": "/healthz"}, "periodSeconds": 1, "readinessGate": gate},
+        ]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    let key = |pod: &str| ("check".to_string(), format!("{TEST_NAMESPACE}/{pod}"));
+    eventually(Duration::from_secs(15), "gate True", || async {
+        pod_gate(&admin, &done, gate).await.as_deref() == Some("True")
+    })
+    .await;
+    let before = agent.probes.workers();
+    assert!(before.contains_key(&key(&done)), "{before:?}");
+    set_pod_phase(&admin, &done, "Succeeded").await;
+    // Another matching pod makes the manager pass again (and again).
+    running_gated_pod(&admin, &node.name, &other, &app, &[gate]).await;
+    eventually(
+        Duration::from_secs(15),
+        "the other pod's gate True",
+        || async { pod_gate(&admin, &other, gate).await.as_deref() == Some("True") },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the terminal pod's worker stopped for good",
+        || {
+            let w = agent.probes.workers();
+            std::future::ready(w.contains_key(&key(&other)) && !w.contains_key(&key(&done)))
+        },
+    )
+    .await;
+    // More passes: still no worker for the terminal pod.
+    set_pod_phase(&admin, &other, "Running").await;
+    let passes_before = agent.probes.workers();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    pods.patch(
+        &other,
+        &PatchParams::default(),
+        &Patch::Merge(&serde_json::json!({"metadata": {"labels": {"touched": "yes"}}})),
+    )
+    .await
+    .unwrap();
+    eventually(Duration::from_secs(10), "the pod change seen", || {
+        std::future::ready(
+            agent
+                .pods
+                .borrow()
+                .as_ref()
+                .and_then(|p| p.get(&format!("{TEST_NAMESPACE}/{other}")).cloned())
+                .is_some_and(|p| {
+                    p.metadata
+                        .labels
+                        .as_ref()
+                        .is_some_and(|l| l.contains_key("touched"))
+                }),
+        )
+    })
+    .await;
+    let after = agent.probes.workers();
+    assert!(
+        !after.contains_key(&key(&done)),
+        "{passes_before:?} -> {after:?}"
+    );
+    assert_eq!(
+        after.get(&key(&other)),
+        passes_before.get(&key(&other)),
+        "a running pod's worker is left alone"
+    );
+    agent.stop().await;
+    delete_pod(&admin, &done).await;
+    delete_pod(&admin, &other).await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// What [`holding_server`] saw, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seen {
+    /// A request held unanswered.
+    Held,
+    /// The client of a held request gave up (closed the connection).
+    Abandoned,
+    /// A request answered 200.
+    Served,
+}
+
+/// A bare HTTP/1.1 endpoint on loopback: holds the next `hold` requests
+/// unanswered until their client gives up, answers the others 200, and
+/// logs what it did with the time.
+async fn holding_server(
+    hold: Arc<std::sync::atomic::AtomicUsize>,
+) -> (
+    SocketAddr,
+    Arc<std::sync::Mutex<Vec<(std::time::Instant, Seen)>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let log: Arc<std::sync::Mutex<Vec<(std::time::Instant, Seen)>>> = Arc::default();
+    let log2 = log.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let (hold, log) = (hold.clone(), log2.clone());
+            tokio::spawn(async move {
+                let note = |s| log.lock().unwrap().push((std::time::Instant::now(), s));
+                let mut head = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let held = hold
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                if held {
+                    note(Seen::Held);
+                    loop {
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(_) => {}
+                        }
+                    }
+                    note(Seen::Abandoned);
+                    return;
+                }
+                note(Seen::Served);
+                let _ = conn
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                    )
+                    .await;
+            });
+        }
+    });
+    (addr, log)
+}
+
+#[tokio::test]
+async fn a_replaced_worker_abandons_its_probe_before_the_new_one_runs() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "replace").await;
+    let hold = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (addr, log) = holding_server(hold.clone()).await;
+    let policy = unique_name("replace");
+    let probes = |t: &str| {
+        serde_json::json!([
+            {"name": "slow", "http": {"url": format!("http://{addr}/healthz")}, "periodSeconds": 1,
+             "timeoutSeconds": 60, "failureThreshold": 1, "conditionType": t},
+        ])
+    };
+    apply_probes(&admin, &policy, &node.name, probes("SlowOldUnhealthy")).await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "SlowOldUnhealthy",
+        "False",
+        Duration::from_secs(15),
+        "the first condition",
+    )
+    .await;
+    // The next probe hangs (it would time out after 60 s)...
+    hold.store(1, Ordering::SeqCst);
+    eventually(Duration::from_secs(10), "a probe held", || {
+        std::future::ready(log.lock().unwrap().iter().any(|(_, s)| *s == Seen::Held))
+    })
+    .await;
+    // ...when the probe is changed: the old worker gives it up at once.
+    apply_probes(&admin, &policy, &node.name, probes("SlowNewUnhealthy")).await;
+    eventually(
+        Duration::from_secs(10),
+        "the old worker abandoned its probe",
+        || {
+            std::future::ready(
+                log.lock()
+                    .unwrap()
+                    .iter()
+                    .any(|(_, s)| *s == Seen::Abandoned),
+            )
+        },
+    )
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "SlowNewUnhealthy",
+        "False",
+        Duration::from_secs(15),
+        "the new condition",
+    )
+    .await;
+    assert_eq!(
+        condition_status(&admin, &node.name, "SlowOldUnhealthy").await,
+        None
+    );
+    let log = log.lock().unwrap().clone();
+    let abandoned = log.iter().position(|(_, s)| *s == Seen::Abandoned).unwrap();
+    let held = log.iter().position(|(_, s)| *s == Seen::Held).unwrap();
+    assert!(
+        log[held + 1..abandoned].is_empty(),
+        "nothing probed while the old worker's probe was in flight: {log:?}"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}

@@ -42,11 +42,14 @@ pub struct ProbeSpec {
     /// Node targets only: a command run on the host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exec: Option<ExecProbe>,
-    /// Readiness (default), Liveness or Startup, with the kubelet's meaning.
+    /// Readiness (default), Liveness or Startup, with the kubelet's meaning
+    /// on pods. On the node (nothing to restart) no role holds after a
+    /// failure: Liveness keeps probing and clears when it passes; Startup
+    /// probes until its first success, then stops.
     #[serde(default)]
     pub role: ProbeRole,
     /// The name of a Startup probe of the same target kind that must have
-    /// succeeded before this one runs.
+    /// succeeded (on the same target) before this one runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gated_by: Option<String>,
     #[serde(default)]

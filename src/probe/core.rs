@@ -1,7 +1,10 @@
 //! Decision core of a probe worker, with the kubelet prober's semantics:
 //! thresholds, initial delay, on-hold after a liveness-style failure until
 //! the target changes, startup gating, quiet success on deletion, stopping
-//! on terminal targets, prober errors dropped.
+//! on terminal targets, prober errors dropped. Also the manager's pure
+//! decisions: when a result is written ([`should_write`]), when a worker
+//! has started ([`started`], [`gate_open`]) and which pods get workers
+//! ([`probes_pod`]).
 
 use std::time::Duration;
 
@@ -28,12 +31,99 @@ impl ProbeResult {
 pub enum Role {
     /// Starts as Failure; keeps probing after failures.
     Readiness,
-    /// Starts as Success; after a published failure, holds until the
-    /// target changes (a new container or pod IP).
+    /// Starts as Success; on a pod, after a published failure, holds until
+    /// the target changes (a new pod IP). On the node (nothing to restart)
+    /// it keeps probing, as readiness does.
     Liveness,
     /// Starts as Unknown; gates the probes that name it; stops probing
-    /// once successful; holds after a published failure.
+    /// once successful. On a pod it holds after a published failure; on
+    /// the node it keeps probing until its first success.
     Startup,
+}
+
+/// What a worker probes: the node cannot be replaced, a pod can (a new
+/// pod IP or UID), which is what ends an on-hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TargetKind {
+    Node,
+    Pod,
+}
+
+/// Where a worker's result goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Sink {
+    /// A NodeCondition: it changes only when real results cross a
+    /// threshold; until then what the Node says stands (it may have been
+    /// carried over from before a restart).
+    NodeCondition,
+    /// A pod's readiness-gate condition: follows the published result,
+    /// the role's initial value included (a new pod starts not-ready).
+    ReadinessGate,
+}
+
+/// The result a worker has to write to its sink now, if any.
+///
+/// `published` is the worker's published result (initial values
+/// included), `verdict` the last result that crossed its threshold on the
+/// current target, `written` what the sink last accepted for the current
+/// target. A failed write leaves `written` alone, so it is retried.
+pub fn should_write(
+    sink: Sink,
+    published: Option<ProbeResult>,
+    verdict: Option<ProbeResult>,
+    written: Option<ProbeResult>,
+) -> Option<ProbeResult> {
+    let want = match sink {
+        Sink::NodeCondition => verdict,
+        Sink::ReadinessGate => published,
+    }?;
+    (written != Some(want)).then_some(want)
+}
+
+/// Whether the Startup probe a worker is gated by lets it run: `None`
+/// without `gatedBy`, else that probe's published result on the same
+/// target (`None` while it has none, for example not started yet).
+pub fn gate_open(gate: Option<Option<ProbeResult>>) -> bool {
+    match gate {
+        None => true,
+        Some(result) => result == Some(ProbeResult::Success),
+    }
+}
+
+/// Whether a worker's target counts as started: a Startup probe is
+/// started by its own success (and then stops probing); the others by
+/// their gate.
+pub fn started(role: Role, own: Option<ProbeResult>, gate_open: bool) -> bool {
+    match role {
+        Role::Startup => own == Some(ProbeResult::Success),
+        Role::Readiness | Role::Liveness => gate_open,
+    }
+}
+
+/// Whether a pod in `phase` gets probe workers: not once it Succeeded or
+/// Failed (it never runs again).
+pub fn probes_pod(phase: Option<&str>) -> bool {
+    !matches!(phase, Some("Succeeded" | "Failed"))
+}
+
+/// What the manager does with the worker of one key on a pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    Start,
+    Stop,
+}
+
+/// `running`: `None` when the key has no worker, else whether its
+/// definition is the desired one; `desired`: whether the key should have
+/// a worker. A worker that ended on its own (a deleted pod's liveness
+/// probe) is kept, not restarted, while its definition is unchanged; a
+/// changed one is stopped, then started again on the same pass.
+pub fn reconcile(running: Option<bool>, desired: bool) -> Option<Step> {
+    match (running, desired) {
+        (None, true) => Some(Step::Start),
+        (None, false) | (Some(true), true) => None,
+        (Some(false), true) | (Some(_), false) => Some(Step::Stop),
+    }
 }
 
 impl Role {
@@ -71,8 +161,9 @@ pub struct TargetView {
     pub finished_for_good: bool,
     /// Deletion requested.
     pub deleting: bool,
-    /// The startup probe gating this one has succeeded (true when no gate).
-    pub started: bool,
+    /// The Startup probe gating this one has succeeded (true when no gate;
+    /// see [`gate_open`]). Startup probes ignore it.
+    pub gate_open: bool,
 }
 
 /// What to do at this tick.
@@ -86,34 +177,69 @@ pub enum Tick {
     Stop,
 }
 
-/// A worker's state. `published` is what the outside world sees.
+/// A worker's state. `published` is the role's state (what gating and
+/// readiness gates see); `verdict` the last threshold crossing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Worker {
     role: Role,
     thresholds: Thresholds,
+    kind: TargetKind,
     identity: Option<String>,
     on_hold: bool,
     last: Option<ProbeResult>,
     run: u32,
     published: Option<ProbeResult>,
+    verdict: Option<ProbeResult>,
+    written: Option<ProbeResult>,
 }
 
 impl Worker {
-    pub fn new(role: Role, thresholds: Thresholds) -> Self {
+    pub fn new(role: Role, thresholds: Thresholds, kind: TargetKind) -> Self {
         Worker {
             role,
             thresholds,
+            kind,
             identity: None,
             on_hold: false,
             last: None,
             run: 0,
             published: None,
+            verdict: None,
+            written: None,
         }
     }
 
     /// The published result; `None` before the target first appeared.
     pub fn published(&self) -> Option<ProbeResult> {
         self.published
+    }
+
+    /// The last result real probes confirmed (crossed its threshold) on
+    /// the current target; `None` before that.
+    pub fn verdict(&self) -> Option<ProbeResult> {
+        self.verdict
+    }
+
+    /// What to write to `sink` now ([`should_write`]); call
+    /// [`Worker::wrote`] once the sink accepted it.
+    pub fn to_write(&self, sink: Sink) -> Option<ProbeResult> {
+        should_write(sink, self.published, self.verdict, self.written)
+    }
+
+    /// The sink accepted `result`.
+    pub fn wrote(&mut self, result: ProbeResult) {
+        self.written = Some(result);
+    }
+
+    /// Whether this worker's target has started (see [`started`]).
+    pub fn started(&self, gate_open: bool) -> bool {
+        started(self.role, self.published, gate_open)
+    }
+
+    /// Liveness and Startup hold after a failure until the target is
+    /// replaced, which only a pod can be.
+    fn holds_after_failure(&self) -> bool {
+        self.kind == TargetKind::Pod && matches!(self.role, Role::Liveness | Role::Startup)
     }
 
     pub fn on_hold(&self) -> bool {
@@ -135,6 +261,8 @@ impl Worker {
             // A new target: start over from the role's initial value.
             self.identity = Some(identity.clone());
             self.published = Some(self.role.initial());
+            self.verdict = None;
+            self.written = None;
             self.on_hold = false;
             self.last = None;
             self.run = 0;
@@ -158,14 +286,14 @@ impl Worker {
         if view.running_for < self.thresholds.initial_delay {
             return Tick::Wait;
         }
-        if view.started {
-            if self.role == Role::Startup {
-                return Tick::Wait; // done; kept for a replaced target
-            }
-        } else if self.role != Role::Startup {
-            return Tick::Wait; // gated until the startup probe succeeds
+        match (self.role, self.started(view.gate_open)) {
+            // Done; kept for a replaced target.
+            (Role::Startup, true) => Tick::Wait,
+            (Role::Startup, false) => Tick::Probe,
+            (_, true) => Tick::Probe,
+            // Gated until the startup probe succeeds.
+            (_, false) => Tick::Wait,
         }
-        Tick::Probe
     }
 
     /// Records a probe's outcome; `Err` (the prober itself failed, not the
@@ -188,8 +316,9 @@ impl Worker {
         if below {
             return None;
         }
+        self.verdict = Some(result);
         let before = self.published.replace(result);
-        if result == ProbeResult::Failure && matches!(self.role, Role::Liveness | Role::Startup) {
+        if result == ProbeResult::Failure && self.holds_after_failure() {
             self.on_hold = true;
             self.run = 0;
         }
@@ -220,6 +349,14 @@ mod tests {
         }
     }
 
+    fn pod(role: Role, thresholds: Thresholds) -> Worker {
+        Worker::new(role, thresholds, TargetKind::Pod)
+    }
+
+    fn node(role: Role, thresholds: Thresholds) -> Worker {
+        Worker::new(role, thresholds, TargetKind::Node)
+    }
+
     fn running(id: &str, for_secs: u64) -> TargetView {
         TargetView {
             known: true,
@@ -229,7 +366,7 @@ mod tests {
             running_for: Duration::from_secs(for_secs),
             finished_for_good: false,
             deleting: false,
-            started: true,
+            gate_open: true,
         }
     }
 
@@ -250,6 +387,30 @@ mod tests {
             .collect()
     }
 
+    /// Feeds results as the manager does (tick, probe if asked, write what
+    /// [`Worker::to_write`] says, the sink accepting it); returns the
+    /// write after each.
+    fn writes(
+        w: &mut Worker,
+        sink: Sink,
+        view: &TargetView,
+        results: &[ProbeResult],
+    ) -> Vec<Option<ProbeResult>> {
+        results
+            .iter()
+            .map(|r| {
+                if w.tick(view) == Tick::Probe {
+                    w.record::<()>(Ok(*r));
+                }
+                let out = w.to_write(sink);
+                if let Some(r) = out {
+                    w.wrote(r);
+                }
+                out
+            })
+            .collect()
+    }
+
     #[test]
     fn initial_values_by_role() {
         for (role, want) in [
@@ -257,12 +418,11 @@ mod tests {
             (Role::Liveness, Success),
             (Role::Startup, Unknown),
         ] {
-            let mut w = Worker::new(role, th(0, 1, 3));
-            let mut view = running("c1", 0);
-            view.started = role != Role::Startup;
+            let mut w = pod(role, th(0, 1, 3));
             assert_eq!(w.published(), None);
-            w.tick(&view);
+            w.tick(&running("c1", 0));
             assert_eq!(w.published(), Some(want), "{role:?}");
+            assert_eq!(w.verdict(), None, "{role:?}: no real result yet");
         }
     }
 
@@ -300,7 +460,7 @@ mod tests {
             (1, 2, &[Success, Unknown], &[Success, Unknown]), // Unknown has no threshold
         ];
         for (s, f, results, want) in cases {
-            let mut w = Worker::new(Role::Readiness, th(0, *s, *f));
+            let mut w = pod(Role::Readiness, th(0, *s, *f));
             let got = feed(&mut w, &running("c", 10), results);
             let want: Vec<Option<ProbeResult>> = want.iter().map(|r| Some(*r)).collect();
             assert_eq!(got, want, "success={s} failure={f} results={results:?}");
@@ -309,7 +469,7 @@ mod tests {
 
     #[test]
     fn record_reports_only_changes() {
-        let mut w = Worker::new(Role::Readiness, th(0, 1, 1));
+        let mut w = pod(Role::Readiness, th(0, 1, 1));
         w.tick(&running("c", 1));
         assert_eq!(w.record::<()>(Ok(Success)), Some(Success));
         assert_eq!(w.record::<()>(Ok(Success)), None);
@@ -318,7 +478,7 @@ mod tests {
 
     #[test]
     fn prober_errors_are_dropped_not_counted() {
-        let mut w = Worker::new(Role::Readiness, th(0, 1, 2));
+        let mut w = pod(Role::Readiness, th(0, 1, 2));
         let v = running("c", 1);
         feed(&mut w, &v, &[Success]);
         w.tick(&v);
@@ -337,14 +497,256 @@ mod tests {
 
     #[test]
     fn initial_delay_holds_probing() {
-        let mut w = Worker::new(Role::Readiness, th(10, 1, 1));
+        let mut w = pod(Role::Readiness, th(10, 1, 1));
         assert_eq!(w.tick(&running("c", 9)), Tick::Wait);
         assert_eq!(w.tick(&running("c", 10)), Tick::Probe);
     }
 
     #[test]
-    fn liveness_failure_holds_until_the_target_changes() {
-        let mut w = Worker::new(Role::Liveness, th(0, 1, 2));
+    fn should_write_table() {
+        use Sink::*;
+        // (sink, published, verdict, written, want)
+        let cases = [
+            // A node condition waits for a real threshold crossing...
+            (NodeCondition, Some(Failure), None, None, None),
+            (NodeCondition, Some(Success), None, None, None),
+            (NodeCondition, Some(Unknown), None, None, None),
+            (NodeCondition, None, None, None, None),
+            // ...then writes it, even when it equals the initial value
+            // (it replaces whatever the Node carried over)...
+            (
+                NodeCondition,
+                Some(Failure),
+                Some(Failure),
+                None,
+                Some(Failure),
+            ),
+            (
+                NodeCondition,
+                Some(Success),
+                Some(Success),
+                None,
+                Some(Success),
+            ),
+            (
+                NodeCondition,
+                Some(Unknown),
+                Some(Unknown),
+                None,
+                Some(Unknown),
+            ),
+            // ...once.
+            (
+                NodeCondition,
+                Some(Failure),
+                Some(Failure),
+                Some(Failure),
+                None,
+            ),
+            (
+                NodeCondition,
+                Some(Success),
+                Some(Success),
+                Some(Failure),
+                Some(Success),
+            ),
+            // Not-running / deletion publish without a verdict: not for nodes.
+            (
+                NodeCondition,
+                Some(Success),
+                Some(Failure),
+                Some(Failure),
+                None,
+            ),
+            // A readiness gate follows the published result, initial included.
+            (ReadinessGate, Some(Failure), None, None, Some(Failure)),
+            (ReadinessGate, Some(Unknown), None, None, Some(Unknown)),
+            (
+                ReadinessGate,
+                Some(Success),
+                Some(Success),
+                Some(Failure),
+                Some(Success),
+            ),
+            (
+                ReadinessGate,
+                Some(Success),
+                Some(Success),
+                Some(Success),
+                None,
+            ),
+            (
+                ReadinessGate,
+                Some(Failure),
+                Some(Success),
+                Some(Success),
+                Some(Failure),
+            ),
+            (ReadinessGate, None, None, None, None),
+        ];
+        for (sink, published, verdict, written, want) in cases {
+            assert_eq!(
+                should_write(sink, published, verdict, written),
+                want,
+                "{sink:?} published={published:?} verdict={verdict:?} written={written:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn node_conditions_change_only_when_real_results_cross_a_threshold() {
+        // (role, success, failure, results, NodeCondition writes after each)
+        type Case<'a> = (Role, u32, u32, &'a [ProbeResult], &'a [Option<ProbeResult>]);
+        let cases: &[Case] = &[
+            // One failure after a restart writes nothing (failure threshold 3).
+            (
+                Role::Readiness,
+                1,
+                3,
+                &[Failure, Failure, Failure, Failure],
+                &[None, None, Some(Failure), None],
+            ),
+            // successThreshold 2 on a healthy node: no True, then False.
+            (
+                Role::Readiness,
+                2,
+                3,
+                &[Success, Success, Success],
+                &[None, Some(Success), None],
+            ),
+            // Liveness starts as Success: one failure is not written either.
+            (
+                Role::Liveness,
+                1,
+                2,
+                &[Success, Failure, Failure, Success],
+                &[Some(Success), None, Some(Failure), Some(Success)],
+            ),
+            // Startup: the first success is written; nothing before.
+            (
+                Role::Startup,
+                1,
+                3,
+                &[Failure, Success, Success],
+                &[None, Some(Success), None],
+            ),
+        ];
+        for (role, s, f, results, want) in cases {
+            let mut w = node(*role, th(0, *s, *f));
+            let got = writes(&mut w, Sink::NodeCondition, &running("node", 100), results);
+            assert_eq!(got, *want, "{role:?} s={s} f={f} {results:?}");
+        }
+    }
+
+    #[test]
+    fn initial_delay_then_a_result_equal_to_the_initial_value_is_written() {
+        let mut w = node(Role::Readiness, th(10, 1, 1));
+        // Before the delay: the role's initial value is published (Failure)
+        // but a NodeCondition is not written; a readiness gate would be.
+        assert_eq!(w.tick(&running("node", 3)), Tick::Wait);
+        assert_eq!(w.published(), Some(Failure));
+        assert_eq!(w.to_write(Sink::NodeCondition), None);
+        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        // After it: a real failure equals the initial value, and is written.
+        assert_eq!(w.tick(&running("node", 10)), Tick::Probe);
+        assert_eq!(w.record::<()>(Ok(Failure)), None, "published unchanged");
+        assert_eq!(w.to_write(Sink::NodeCondition), Some(Failure));
+    }
+
+    #[test]
+    fn a_failed_write_is_retried_and_a_new_target_writes_again() {
+        let mut w = pod(Role::Readiness, th(0, 1, 1));
+        let v = running("uid1/10.0.0.1", 1);
+        w.tick(&v);
+        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        // The write failed (not acknowledged): still to write.
+        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        w.wrote(Failure);
+        assert_eq!(w.to_write(Sink::ReadinessGate), None);
+        // A new pod under the same name: its gate is written afresh.
+        w.tick(&running("uid2/10.0.0.2", 1));
+        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        assert_eq!(w.verdict(), None);
+    }
+
+    #[test]
+    fn gate_and_started_tables() {
+        for (gate, want) in [
+            (None, true),
+            (Some(None), false),
+            (Some(Some(Unknown)), false),
+            (Some(Some(Failure)), false),
+            (Some(Some(Success)), true),
+        ] {
+            assert_eq!(gate_open(gate), want, "{gate:?}");
+        }
+        // (role, own published, gate open, started)
+        let cases = [
+            // A Startup probe is started by its own success, whatever the gate.
+            (Role::Startup, None, true, false),
+            (Role::Startup, Some(Unknown), true, false),
+            (Role::Startup, Some(Failure), true, false),
+            (Role::Startup, Some(Success), true, true),
+            (Role::Startup, Some(Success), false, true),
+            // The others by their gate.
+            (Role::Readiness, Some(Failure), true, true),
+            (Role::Readiness, Some(Success), false, false),
+            (Role::Liveness, Some(Success), false, false),
+            (Role::Liveness, None, true, true),
+        ];
+        for (role, own, gate, want) in cases {
+            assert_eq!(started(role, own, gate), want, "{role:?} {own:?} {gate:?}");
+        }
+    }
+
+    #[test]
+    fn probes_pod_table() {
+        for (phase, want) in [
+            (None, true),
+            (Some("Pending"), true),
+            (Some("Running"), true),
+            (Some("Unknown"), true),
+            (Some("Succeeded"), false),
+            (Some("Failed"), false),
+        ] {
+            assert_eq!(probes_pod(phase), want, "{phase:?}");
+        }
+    }
+
+    #[test]
+    fn reconcile_table() {
+        // (running: None or same definition, desired, step)
+        for (running, desired, want) in [
+            (None, true, Some(Step::Start)),
+            (None, false, None),
+            (Some(true), true, None), // unchanged, ended on its own or not
+            (Some(false), true, Some(Step::Stop)), // then started afresh
+            (Some(true), false, Some(Step::Stop)),
+            (Some(false), false, Some(Step::Stop)),
+        ] {
+            assert_eq!(reconcile(running, desired), want, "{running:?} {desired}");
+        }
+    }
+
+    #[test]
+    fn a_startup_probe_without_gate_probes_until_its_own_success() {
+        for kind in [TargetKind::Node, TargetKind::Pod] {
+            let mut s = Worker::new(Role::Startup, th(0, 1, 3), kind);
+            let v = running("c", 1); // gate_open: no gatedBy
+            assert_eq!(s.tick(&v), Tick::Probe, "{kind:?}: not started yet");
+            assert_eq!(s.record::<()>(Ok(Failure)), None);
+            assert_eq!(s.tick(&v), Tick::Probe, "{kind:?}");
+            assert_eq!(s.record::<()>(Ok(Success)), Some(Success));
+            for _ in 0..3 {
+                assert_eq!(s.tick(&v), Tick::Wait, "{kind:?}: done, no more probes");
+            }
+            assert!(s.started(true));
+        }
+    }
+
+    #[test]
+    fn liveness_failure_holds_a_pod_until_it_changes() {
+        let mut w = pod(Role::Liveness, th(0, 1, 2));
         let v = running("c1", 5);
         assert_eq!(
             feed(&mut w, &v, &[Failure, Failure]),
@@ -360,28 +762,59 @@ mod tests {
         assert_eq!(w.published(), Some(Success));
         assert!(!w.on_hold());
         // Readiness never holds.
-        let mut r = Worker::new(Role::Readiness, th(0, 1, 1));
+        let mut r = pod(Role::Readiness, th(0, 1, 1));
         feed(&mut r, &v, &[Failure]);
         assert!(!r.on_hold());
         assert_eq!(r.tick(&v), Tick::Probe);
     }
 
     #[test]
+    fn node_targets_never_hold() {
+        // The node is never replaced: Liveness keeps probing after a
+        // failure and clears when the probe passes.
+        let v = running("node", 100);
+        let mut l = node(Role::Liveness, th(0, 1, 2));
+        assert_eq!(
+            writes(
+                &mut l,
+                Sink::NodeCondition,
+                &v,
+                &[Failure, Failure, Failure, Success]
+            ),
+            [None, Some(Failure), None, Some(Success)]
+        );
+        assert!(!l.on_hold());
+        // Startup keeps probing after failures until its first success,
+        // then stops.
+        let mut s = node(Role::Startup, th(0, 1, 1));
+        assert_eq!(feed(&mut s, &v, &[Failure, Failure]), [Some(Failure); 2]);
+        assert!(!s.on_hold());
+        assert!(!s.started(true));
+        assert_eq!(s.tick(&v), Tick::Probe);
+        s.record::<()>(Ok(Success));
+        assert!(s.started(true));
+        assert_eq!(s.tick(&v), Tick::Wait);
+    }
+
+    #[test]
     fn startup_gates_the_others_and_stops_once_started() {
-        let mut startup = Worker::new(Role::Startup, th(0, 1, 3));
-        let mut ready = Worker::new(Role::Readiness, th(0, 1, 3));
-        let mut not_started = running("c", 1);
-        not_started.started = false;
-        assert_eq!(ready.tick(&not_started), Tick::Wait, "gated");
-        assert_eq!(startup.tick(&not_started), Tick::Probe);
+        let mut startup = pod(Role::Startup, th(0, 1, 3));
+        let mut ready = pod(Role::Readiness, th(0, 1, 3));
+        let mut gated = running("c", 1);
+        gated.gate_open = gate_open(Some(startup.published()));
+        assert_eq!(ready.tick(&gated), Tick::Wait, "gated");
+        assert_eq!(startup.tick(&gated), Tick::Probe);
         assert_eq!(startup.record::<()>(Ok(Success)), Some(Success));
-        let started = running("c", 2);
-        assert_eq!(startup.tick(&started), Tick::Wait, "startup done");
-        assert_eq!(ready.tick(&started), Tick::Probe);
-        // Startup failing past its threshold holds, like liveness.
-        let mut s = Worker::new(Role::Startup, th(0, 1, 2));
-        let v = not_started.clone();
-        feed(&mut s, &v, &[Failure, Failure]);
+        let open = TargetView {
+            gate_open: gate_open(Some(startup.published())),
+            ..running("c", 2)
+        };
+        assert!(open.gate_open);
+        assert_eq!(startup.tick(&open), Tick::Wait, "startup done");
+        assert_eq!(ready.tick(&open), Tick::Probe);
+        // Startup failing past its threshold holds a pod, like liveness.
+        let mut s = pod(Role::Startup, th(0, 1, 2));
+        feed(&mut s, &gated, &[Failure, Failure]);
         assert!(s.on_hold());
         assert_eq!(s.published(), Some(Failure));
     }
@@ -391,17 +824,13 @@ mod tests {
         let mut v = running("c", 5);
         v.deleting = true;
         for role in [Role::Liveness, Role::Startup] {
-            let mut w = Worker::new(role, th(0, 1, 1));
-            let mut before = running("c", 5);
-            before.started = role != Role::Startup;
-            feed(&mut w, &before, &[Failure]);
-            let mut v = v.clone();
-            v.started = before.started;
+            let mut w = pod(role, th(0, 1, 1));
+            feed(&mut w, &running("c", 5), &[Failure]);
             w.on_hold = false; // even a held worker ends quietly
             assert_eq!(w.tick(&v), Tick::Stop, "{role:?}");
             assert_eq!(w.published(), Some(Success));
         }
-        let mut w = Worker::new(Role::Readiness, th(0, 1, 1));
+        let mut w = pod(Role::Readiness, th(0, 1, 1));
         assert_eq!(
             w.tick(&v),
             Tick::Probe,
@@ -411,7 +840,7 @@ mod tests {
 
     #[test]
     fn terminal_unknown_missing_and_stopped_targets() {
-        let mut w = Worker::new(Role::Readiness, th(0, 1, 1));
+        let mut w = pod(Role::Readiness, th(0, 1, 1));
         let unknown = TargetView {
             known: false,
             ..running("c", 1)
@@ -434,7 +863,7 @@ mod tests {
             ..running("c", 1)
         };
         assert_eq!(
-            Worker::new(Role::Readiness, th(0, 1, 1)).tick(&terminal),
+            pod(Role::Readiness, th(0, 1, 1)).tick(&terminal),
             Tick::Stop
         );
     }

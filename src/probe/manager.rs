@@ -3,7 +3,7 @@
 //! left alone. Results go to NodeConditions (node probes) or pod
 //! readiness-gate conditions (pod probes).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +14,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
 
-use super::core::{self, ProbeResult, Role, TargetView, Thresholds, Tick, Worker};
+use super::core::{
+    self, ProbeResult, Role, Sink, Step, TargetKind, TargetView, Thresholds, Tick, Worker,
+};
 use super::prober::{Action, Outcome, Probers, join_host_port};
 use super::{ProbeError, ProbeMetrics};
 use crate::k8s::watch::Snapshot;
@@ -51,8 +53,12 @@ enum Output {
 #[derive(Clone, Debug, PartialEq)]
 struct Def {
     spec: ProbeSpec,
-    /// For pod targets: the resolved target (pod UID and IP are read live).
+    /// For pod targets: the resolved target (its IP and status are read
+    /// live).
     pod: Option<String>,
+    /// For pod targets: the pod's UID, so a pod recreated under the same
+    /// name gets a fresh worker.
+    uid: Option<String>,
 }
 
 struct Running {
@@ -138,6 +144,10 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
         agent_start: Instant::now(),
     });
     let mut running: HashMap<WorkerKey, Running> = HashMap::new();
+    // Workers being stopped, by key: a replacement starts only once its
+    // predecessor has ended (and its stale condition is gone), so the two
+    // never write at the same time.
+    let mut retiring: HashMap<WorkerKey, JoinHandle<()>> = HashMap::new();
     let mut generation = 0u64;
     health.updated();
     loop {
@@ -146,20 +156,45 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
             &specs.borrow_and_update(),
             pods.borrow_and_update().as_ref(),
         );
-        // Stop removed and changed workers.
-        running.retain(|key, r| {
-            let keep = desired.get(key) == Some(&r.def) && !r.task.is_finished();
-            if !keep {
-                r.stop.cancel();
-                if !desired.contains_key(key) {
-                    clear_output(&shared, key, &r.def);
-                }
-            }
-            keep
-        });
+        retiring.retain(|_, t| !t.is_finished());
+        let conditions: HashSet<String> = desired
+            .values()
+            .filter_map(|d| match output(&d.spec) {
+                Some(Output::NodeCondition(t)) => Some(t),
+                _ => None,
+            })
+            .collect();
+        // Stop removed and changed workers. One that ended on its own (a
+        // deleted pod's liveness probe) stays ended while it is unchanged.
+        let stopping: Vec<WorkerKey> = running
+            .iter()
+            .filter(|(key, r)| {
+                let same = desired.get(*key) == Some(&r.def);
+                core::reconcile(Some(same), desired.contains_key(*key)) == Some(Step::Stop)
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in stopping {
+            let Some(old) = running.remove(&key) else {
+                continue;
+            };
+            old.stop.cancel();
+            let stale = stale_condition(&old.def, &conditions);
+            let shared = shared.clone();
+            retiring.insert(
+                key.clone(),
+                tokio::spawn(async move {
+                    let _ = old.task.await;
+                    if let Some(t) = stale {
+                        tracing::info!(probe = %key.0, condition = %t, "probe removed or its condition renamed; removing the condition");
+                        shared.reporter.remove(&t);
+                    }
+                }),
+            );
+        }
         // Start new and changed ones.
         for (key, def) in desired {
-            if running.contains_key(&key) {
+            if core::reconcile(running.get(&key).map(|r| r.def == def), true) != Some(Step::Start) {
                 continue;
             }
             generation += 1;
@@ -171,6 +206,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
                 def.clone(),
                 trigger.clone(),
                 stop_worker.clone(),
+                retiring.remove(&key),
             ));
             running.insert(
                 key,
@@ -199,13 +235,29 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
             _ = stop.cancelled() => break,
             r = specs.changed() => if r.is_err() { break },
             r = pods.changed() => if r.is_err() { break },
-            // Finished workers (terminal pods) are reaped on the next pass.
+            // A periodic pass all the same (it also forgets retirements
+            // that ended).
             _ = sleep(Duration::from_secs(30)) => {}
         }
     }
     for r in running.into_values() {
         r.stop.cancel();
         let _ = r.task.await;
+    }
+    for t in retiring.into_values() {
+        let _ = t.await;
+    }
+}
+
+/// The NodeCondition of a stopped worker's definition that no desired
+/// worker writes any more (its probe was removed, or its `conditionType`
+/// renamed): it is removed from the Node. (A pod's readiness gate is left
+/// as it is: the pod asked for it and removing it would not make the pod
+/// ready.)
+fn stale_condition(def: &Def, desired: &HashSet<String>) -> Option<String> {
+    match output(&def.spec) {
+        Some(Output::NodeCondition(t)) if !desired.contains(&t) => Some(t),
+        _ => None,
     }
 }
 
@@ -229,6 +281,7 @@ fn desired_workers(specs: &[ProbeSpec], pods: Option<&Snapshot<Pod>>) -> HashMap
                     Def {
                         spec: spec.clone(),
                         pod: None,
+                        uid: None,
                     },
                 );
             }
@@ -247,11 +300,16 @@ fn desired_workers(specs: &[ProbeSpec], pods: Option<&Snapshot<Pod>>) -> HashMap
                     if !selector.matches(&labels) {
                         continue;
                     }
+                    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+                    if !core::probes_pod(phase) {
+                        continue;
+                    }
                     out.insert(
                         (spec.name.clone(), key.clone()),
                         Def {
                             spec: spec.clone(),
                             pod: Some(key.clone()),
+                            uid: pod.metadata.uid.clone(),
                         },
                     );
                 }
@@ -326,14 +384,14 @@ fn action(spec: &ProbeSpec, ip: Option<&str>) -> Option<Action> {
 
 /// The target as the decision core sees it, plus the pod IP.
 fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Option<String>) {
-    let started = def.spec.gated_by.as_ref().is_none_or(|g| {
+    let gate_open = core::gate_open(def.spec.gated_by.as_ref().map(|g| {
         shared
             .startup
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&(g.clone(), key.1.clone()))
-            == Some(&ProbeResult::Success)
-    });
+            .copied()
+    }));
     let Some(pod_key) = &def.pod else {
         return (
             TargetView {
@@ -344,7 +402,7 @@ fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Optio
                 running_for: shared.agent_start.elapsed(),
                 finished_for_good: false,
                 deleting: false,
-                started,
+                gate_open,
             },
             None,
         );
@@ -361,7 +419,7 @@ fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Optio
                 running_for: Duration::ZERO,
                 finished_for_good: true,
                 deleting: true,
-                started,
+                gate_open,
             },
             None,
         );
@@ -387,22 +445,35 @@ fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Optio
             running_for,
             finished_for_good: phase != "Running" && phase != "Pending" && !restart,
             deleting: pod.metadata.deletion_timestamp.is_some(),
-            started,
+            gate_open,
         },
         ip,
     )
 }
 
+/// One worker: probes its target on its schedule and writes what the
+/// decision core says. `after` is the task of the worker it replaces (or of
+/// that worker's retirement): nothing is probed or written before it ended.
 async fn run_worker<P: PodConditionPort>(
     shared: Arc<Shared<P>>,
     key: WorkerKey,
     def: Def,
     trigger: Arc<Notify>,
     stop: CancellationToken,
+    after: Option<JoinHandle<()>>,
 ) {
+    if let Some(predecessor) = after {
+        // Already told to stop: it ends at its next await.
+        let _ = predecessor.await;
+    }
     let spec = &def.spec;
     let period = Duration::from_secs(spec.period_seconds.max(1).into());
     let timeout = Duration::from_secs(spec.timeout_seconds.max(1).into());
+    let kind = if def.pod.is_some() {
+        TargetKind::Pod
+    } else {
+        TargetKind::Node
+    };
     let mut worker = Worker::new(
         role(spec.role),
         Thresholds {
@@ -410,6 +481,7 @@ async fn run_worker<P: PodConditionPort>(
             success: spec.success_threshold.max(1),
             failure: spec.failure_threshold.max(1),
         },
+        kind,
     );
     let jitter = core::first_delay(period, shared.agent_start.elapsed(), fastrand::f64());
     tokio::select! {
@@ -417,26 +489,37 @@ async fn run_worker<P: PodConditionPort>(
         _ = sleep(jitter) => {}
     }
     let out = output(spec);
+    let sink = match &out {
+        Some(Output::NodeCondition(_)) => Some(Sink::NodeCondition),
+        Some(Output::ReadinessGate(_)) => Some(Sink::ReadinessGate),
+        None => None,
+    };
     // A fixed schedule like the kubelet's ticker: a slow probe does not
     // push the next ones back; missed ticks are skipped, not bunched.
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
     let mut failing_since: Option<jiff::Timestamp> = None;
-    let mut pending_write: Option<(ProbeResult, String)> = None;
+    let mut detail = String::new();
     loop {
         let (target, ip) = view(&shared, &key, &def);
-        let before = worker.published();
         let tick = worker.tick(&target);
-        let mut detail = String::new();
-        let mut probed = false;
         if tick == Tick::Probe
             && let Some(action) = action(spec, ip.as_deref())
         {
-            let _permit = shared.concurrency.acquire().await;
-            let started = Instant::now();
-            let outcome = shared.probers.run(&action, timeout).await;
-            shared.metrics.observe(&key, &outcome, started.elapsed());
+            let probe = async {
+                let _permit = shared.concurrency.acquire().await;
+                let started = Instant::now();
+                let outcome = shared.probers.run(&action, timeout).await;
+                (outcome, started.elapsed())
+            };
+            // A stopped worker abandons its probe at once: its successor
+            // is waiting for it to end.
+            let (outcome, took) = tokio::select! {
+                _ = stop.cancelled() => break,
+                r = probe => r,
+            };
+            shared.metrics.observe(&key, &outcome, took);
             match &outcome {
                 Ok(o) => detail = o.detail.clone(),
                 Err(e) => {
@@ -444,11 +527,9 @@ async fn run_worker<P: PodConditionPort>(
                 }
             }
             worker.record(outcome.map(|o: Outcome| o.result));
-            probed = true;
         }
-        let now = worker.published();
         if spec.role == ProbeRole::Startup
-            && let Some(r) = now
+            && let Some(r) = worker.published()
         {
             shared
                 .startup
@@ -456,38 +537,30 @@ async fn run_worker<P: PodConditionPort>(
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(key.clone(), r);
         }
-        if now != before
-            && let Some(result) = now
+        if stop.is_cancelled() {
+            break; // replaced or removed: the output is no longer ours
+        }
+        if let Some(sink) = sink
+            && let Some(result) = worker.to_write(sink)
         {
             if result == ProbeResult::Failure {
                 failing_since.get_or_insert_with(jiff::Timestamp::now);
             } else {
                 failing_since = None;
             }
-            // Node conditions only follow real probe results (a restart
-            // carries the old condition over until then); readiness gates
-            // follow the kubelet's initial values too.
-            let should_write = match &out {
-                Some(Output::NodeCondition(_)) => probed,
-                _ => true,
-            };
-            if should_write {
-                pending_write = Some((result, detail.clone()));
-            }
-        }
-        if let Some((result, text)) = pending_write.take()
-            && !publish(
+            if publish(
                 &shared,
                 &key,
                 spec,
                 out.as_ref(),
                 result,
-                &text,
+                &detail,
                 failing_since,
             )
             .await
-        {
-            pending_write = Some((result, text)); // retried next tick
+            {
+                worker.wrote(result);
+            } // else retried next tick
         }
         if tick == Tick::Stop {
             tracing::debug!(probe = %key.0, target = %key.1, "probe worker done");
@@ -556,6 +629,14 @@ async fn publish<P: PodConditionPort>(
                         spec.success_threshold
                     ),
                 ),
+                ProbeResult::Success if spec.role == ProbeRole::Startup => (
+                    Status::False,
+                    format!("{name}ProbePassed"),
+                    format!(
+                        "Startup probe {} ({what}) passed{detail}; the probes gated by it run now, and it is not run again until the agent restarts or the probe changes.",
+                        spec.name
+                    ),
+                ),
                 ProbeResult::Success => (
                     Status::False,
                     format!("{name}ProbePassed"),
@@ -601,16 +682,6 @@ async fn publish<P: PodConditionPort>(
             }
         }
         None => true,
-    }
-}
-
-/// A worker removed with its probe: its NodeCondition goes too. (A pod's
-/// readiness gate is left as it is: the pod asked for it and removing it
-/// would not make the pod ready.)
-fn clear_output<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) {
-    if let Some(Output::NodeCondition(t)) = output(&def.spec) {
-        tracing::info!(probe = %key.0, condition = %t, "probe removed; removing its condition");
-        shared.reporter.remove(&t);
     }
 }
 
@@ -667,8 +738,13 @@ mod tests {
     }
 
     fn pod(ns: &str, name: &str, labels: serde_json::Value) -> (String, Arc<Pod>) {
+        pod_in(ns, name, labels, "Running")
+    }
+
+    fn pod_in(ns: &str, name: &str, labels: serde_json::Value, phase: &str) -> (String, Arc<Pod>) {
         let p: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": ns, "name": name, "labels": labels}, "spec": {"containers": []}
+            "metadata": {"namespace": ns, "name": name, "labels": labels}, "spec": {"containers": []},
+            "status": {"phase": phase}
         }))
         .unwrap();
         (format!("{ns}/{name}"), Arc::new(p))
@@ -687,6 +763,9 @@ mod tests {
             pod("a", "w1", serde_json::json!({"app": "web"})),
             pod("b", "w2", serde_json::json!({"app": "web"})),
             pod("a", "db", serde_json::json!({"app": "db"})),
+            pod_in("a", "done", serde_json::json!({"app": "web"}), "Succeeded"),
+            pod_in("a", "crashed", serde_json::json!({"app": "web"}), "Failed"),
+            pod_in("a", "new", serde_json::json!({"app": "web"}), "Pending"),
         ]
         .into_iter()
         .collect();
@@ -696,9 +775,31 @@ mod tests {
             keys,
             vec![
                 ("node".into(), "node".into()),
+                ("web".into(), "a/new".into()),
                 ("web".into(), "a/w1".into())
-            ]
+            ],
+            "terminal pods get no workers"
         );
         assert_eq!(desired_workers(&specs, None).len(), 1);
+    }
+
+    #[test]
+    fn a_stopped_workers_condition_goes_unless_another_probe_writes_it() {
+        let def = |t: &str| Def {
+            spec: spec(serde_json::json!({"name": "p", "tcp": {"port": 1}, "conditionType": t})),
+            pod: None,
+            uid: None,
+        };
+        let desired: HashSet<String> = ["B".to_string()].into();
+        assert_eq!(stale_condition(&def("A"), &desired), Some("A".into()));
+        assert_eq!(stale_condition(&def("B"), &desired), None);
+        let gate = Def {
+            spec: spec(
+                serde_json::json!({"name": "g", "pods": {"selector": {}}, "tcp": {"port": 1}, "readinessGate": "x/y"}),
+            ),
+            pod: Some("a/p".into()),
+            uid: None,
+        };
+        assert_eq!(stale_condition(&gate, &HashSet::new()), None);
     }
 }

@@ -123,6 +123,18 @@ pub struct RunningAgent {
     pub probes: ProbeHandle,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
+    _senders: Senders,
+}
+
+/// Clones of the agent's channel senders, held until the agent is dropped.
+#[derive(Default)]
+struct Senders(Vec<Box<dyn std::any::Any + Send + Sync>>);
+
+impl Senders {
+    fn hold<T: Send + Sync + 'static>(&mut self, tx: watch::Sender<T>) -> watch::Sender<T> {
+        self.0.push(Box::new(tx.clone()));
+        tx
+    }
 }
 
 impl RunningAgent {
@@ -169,6 +181,12 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     }
     let shutdown = CancellationToken::new();
     let mut sup = Supervisor::new(health.clone(), shutdown.clone());
+    // Every channel between loops stays open while the agent runs, whatever
+    // happens to the loop that feeds it: a loop that dies is failed by the
+    // supervisor, and the loops it fed keep their last input (the shutdown
+    // manager its inhibitor, the watchdog its armed device) instead of
+    // taking a closed channel for a stop.
+    let mut keep = Senders::default();
 
     // Register every loop before serving, so /readyz cannot pass early.
     let node_loop = health.register("node-watch", LOOP_TIMEOUT);
@@ -204,7 +222,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
             node_loop,
             shutdown.clone(),
-            node_tx,
+            keep.hold(node_tx),
         ),
     );
     let (pod_tx, pod_rx) = watch::channel(None);
@@ -215,7 +233,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             watcher::Config::default().fields(&format!("spec.nodeName={}", config.node_name)),
             pod_loop,
             shutdown.clone(),
-            pod_tx,
+            keep.hold(pod_tx),
         ),
     );
     let (policy_tx, policy_rx) = watch::channel(None);
@@ -226,7 +244,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             watcher::Config::default(),
             policy_loop,
             shutdown.clone(),
-            policy_tx,
+            keep.hold(policy_tx),
         ),
     );
 
@@ -239,14 +257,14 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         "node-state",
         node_state_loop(NodeStateLoop {
             client: client.clone(),
-            monitors: monitors_tx,
-            probes: probes_tx,
-            watchdog: watchdog_tx,
-            shutdown_config: shutdown_tx,
+            monitors: keep.hold(monitors_tx),
+            probes: keep.hold(probes_tx),
+            watchdog: keep.hold(watchdog_tx),
+            shutdown_config: keep.hold(shutdown_tx),
             node_name: config.node_name.clone(),
             node: node_rx.clone(),
             policies: policy_rx.clone(),
-            observation: obs_tx,
+            observation: keep.hold(obs_tx),
             health: health.clone(),
             reporter: reporter.clone(),
             handle: state_loop,
@@ -265,6 +283,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         ),
     );
     let (node_obj_tx, node_obj_rx) = watch::channel(None);
+    let node_obj_tx = keep.hold(node_obj_tx);
     {
         let mut node_rx = node_rx.clone();
         let name = config.node_name.clone();
@@ -380,6 +399,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         policies: policy_rx,
         shutdown,
         tasks: sup.tasks,
+        _senders: keep,
     })
 }
 

@@ -345,7 +345,17 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
                 }
             }
             r = settings.changed() => {
-                if r.is_err() { break; }
+                if r.is_err() {
+                    if shutdown.is_cancelled() { break; }
+                    // The loop that hands us the policy died while the agent
+                    // runs: a broken agent. Stop petting but keep the device
+                    // armed (no magic close, no STOPPING=1), so the host or
+                    // systemd acts on it, until the agent is stopped.
+                    tracing::error!("the watchdog's settings source stopped while the agent runs; no more pets, the device stays armed");
+                    health.fail("watchdog", "its settings source stopped");
+                    shutdown.cancelled().await;
+                    break;
+                }
                 let new = settings.borrow_and_update().clone();
                 if new == spec { continue; }
                 let device_changed = device_key(new.as_ref()) != device_key(spec.as_ref());

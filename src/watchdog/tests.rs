@@ -329,6 +329,57 @@ async fn device_is_armed_petted_at_its_fraction_and_magic_closed() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_dead_settings_source_stops_the_pets_and_keeps_the_device_armed() {
+    let dir = tmp("deadsource");
+    let spec = device_spec(&dir, 20, true);
+    let path = spec.device.clone();
+    let Rig {
+        notes,
+        ioctls,
+        health,
+        settings,
+        shutdown,
+        task,
+        ..
+    } = rig(Some(Duration::from_secs(20)), Some(spec), dir.clone());
+    secs(11).await;
+    let pets = |ioctls: &Ioctls| {
+        ioctls
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.0 == device::WDIOC_KEEPALIVE)
+            .count()
+    };
+    assert!(pets(&ioctls) >= 2);
+    // The node-state loop that owns the sender died (not a stop).
+    drop(settings);
+    secs(1).await;
+    let (device_pets, systemd_pets) = (pets(&ioctls), notes.count("WATCHDOG=1"));
+    secs(60).await;
+    assert_eq!(
+        pets(&ioctls),
+        device_pets,
+        "no device pets after the source died"
+    );
+    assert_eq!(
+        notes.count("WATCHDOG=1"),
+        systemd_pets,
+        "no systemd pets either"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), b"", "the device stays armed");
+    assert_eq!(notes.count("STOPPING=1"), 0, "systemd is not told we stop");
+    assert!(!health.report().live);
+    // A real stop later still closes cleanly.
+    shutdown.cancel();
+    task.await.unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), b"V");
+    assert_eq!(notes.count("STOPPING=1"), 1);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn fencing_mode_closes_without_the_magic_character() {
     let dir = tmp("fence");
     let spec = device_spec(&dir, 20, false);

@@ -124,3 +124,94 @@ async fn a_resource_that_is_not_served_is_retried_ever_more_slowly_and_logged_on
     assert!(!health.report().loops["missing-watch"].synced);
     assert!(health.report().live, "a failing watch is not a stuck loop");
 }
+
+#[tokio::test]
+async fn a_failure_after_the_watch_worked_again_starts_a_fresh_backoff_and_warns_again() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "rewatch", &[]).await;
+    let logs = Captured::default();
+    let sink = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || sink.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    // While `broken`, requests for nodes go to a path the API server does
+    // not serve (a 404, as a flaky proxy or a CRD briefly gone would give).
+    let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed_at = Arc::new(Mutex::new(Vec::<std::time::Instant>::new()));
+    let (b, f) = (broken.clone(), failed_at.clone());
+    let layer =
+        tower::util::MapRequestLayer::new(move |mut req: http::Request<kube::client::Body>| {
+            if b.load(Ordering::SeqCst) && req.uri().path() == "/api/v1/nodes" {
+                f.lock().unwrap().push(std::time::Instant::now());
+                let q = req
+                    .uri()
+                    .query()
+                    .map(|q| format!("?{q}"))
+                    .unwrap_or_default();
+                *req.uri_mut() = format!("/apis/missing.nodeguard.io/v1/missings{q}")
+                    .parse()
+                    .unwrap();
+            }
+            req
+        });
+    let client: Client = kube::client::ClientBuilder::try_from(admin_config().await)
+        .unwrap()
+        .with_layer(&layer)
+        .build();
+    let health = Health::new();
+    let stop = CancellationToken::new();
+    let handle = health.register("rewatch", Duration::from_secs(60));
+    let (h, s) = (handle, stop.clone());
+    let name = node.name.clone();
+    let task = tokio::spawn(async move {
+        watch_objects(
+            Api::<k8s_openapi::api::core::v1::Node>::all(client),
+            // Short server-side timeouts: the watch is re-issued every 2 s,
+            // so the failures hit re-watches, not lists.
+            watcher::Config::default()
+                .fields(&format!("metadata.name={name}"))
+                .timeout(2),
+            h,
+            s,
+            |_: &nodeguard::k8s::watch::Snapshot<k8s_openapi::api::core::v1::Node>| {},
+        )
+        .await
+    });
+    eventually(Duration::from_secs(20), "first list", || {
+        std::future::ready(health.report().loops["rewatch"].synced)
+    })
+    .await;
+    broken.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    broken.store(false, Ordering::SeqCst);
+    let first_run = failed_at.lock().unwrap().len();
+    // The node stays quiet: the re-watches succeed and yield nothing.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    broken.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.cancel();
+    task.await.unwrap();
+    let times = failed_at.lock().unwrap().clone();
+    let second: Vec<_> = times[first_run..].to_vec();
+    let warnings = logs
+        .lines()
+        .into_iter()
+        .filter(|l| l.contains("WARN") && l.contains("rewatch") && l.contains("watch failed"))
+        .count();
+    eprintln!(
+        "first run {first_run} failed requests; second run {} failed requests, first gap {:?}; {warnings} warnings",
+        second.len(),
+        second.get(1).map(|t| *t - second[0])
+    );
+    assert!(first_run >= 4, "the first outage was retried ({first_run})");
+    assert!(
+        second.len() >= 2 && second[1] - second[0] <= Duration::from_millis(600),
+        "a new failure after the watch worked again is retried after a fresh, short delay: {:?}",
+        second.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>()
+    );
+    assert_eq!(warnings, 2, "one warning per failure run");
+}

@@ -22,6 +22,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::k8s::deadline::API_DEADLINE;
 use crate::server::LoopHandle;
 
 /// Objects by `namespace/name` (by `name` when cluster-scoped).
@@ -101,14 +102,26 @@ pub async fn watch_objects<K, F>(
             Ok(e) => e,
             Err(err) => {
                 let code = status_code(&err);
+                let now = Instant::now();
+                // A watch that (re)started fine yields nothing until an
+                // object changes: a quiet spell since the last failure means
+                // it worked, so this is a new failure, with a fresh backoff.
+                if failing.as_ref().is_some_and(|f| worked_between(f, now)) {
+                    failing = None;
+                    backoff.reset();
+                }
                 let f = failing.get_or_insert_with(|| Failing {
-                    since: Instant::now(),
+                    since: now,
+                    last_error: now,
+                    last_delay: Duration::ZERO,
                     attempts: 0,
                     last_warning: None,
                 });
                 f.attempts += 1;
+                f.last_error = now;
                 log_watch_error(&what, &err, f);
                 let delay = backoff.next_delay(is_configuration_error(code));
+                f.last_delay = delay;
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tokio::time::sleep(delay) => {}
@@ -156,10 +169,22 @@ pub async fn watch_objects<K, F>(
 /// A watch that keeps failing is warned about again this often.
 pub const STILL_FAILING_EVERY: Duration = Duration::from_secs(300);
 
+/// Whether the watch worked between the last failure and this one: a retry
+/// that fails comes back within its delay plus one request's deadline, so a
+/// longer gap means an attempt succeeded (a quiet watch yields no event to
+/// say so). The next failure then starts a new run: fresh backoff, a new
+/// warning.
+fn worked_between(f: &Failing, now: Instant) -> bool {
+    now.duration_since(f.last_error) > f.last_delay + API_DEADLINE + Duration::from_secs(1)
+}
+
 /// A run of failed attempts of one watch.
 #[derive(Debug)]
 struct Failing {
     since: Instant,
+    last_error: Instant,
+    /// The delay taken after the last failure.
+    last_delay: Duration,
     attempts: u32,
     last_warning: Option<Instant>,
 }
@@ -295,6 +320,25 @@ mod tests {
             }
             b.reset();
             assert!(b.next_delay(configuration) <= BACKOFF_MIN);
+        }
+    }
+
+    #[test]
+    fn a_gap_longer_than_a_retry_means_the_watch_worked() {
+        let t0 = Instant::now();
+        let f = Failing {
+            since: t0,
+            last_error: t0,
+            last_delay: Duration::from_secs(8),
+            attempts: 5,
+            last_warning: Some(t0),
+        };
+        for (after, worked) in [(1, false), (8, false), (19, false), (20, true), (300, true)] {
+            assert_eq!(
+                worked_between(&f, t0 + Duration::from_secs(after)),
+                worked,
+                "{after} s"
+            );
         }
     }
 

@@ -24,7 +24,7 @@ use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
 use crate::k8s::status::{KubeEvents, KubeStatus, observe};
 use crate::k8s::taints::KubeTaints;
 use crate::k8s::watch::{Snapshot, publish_objects};
-use crate::monitor::{MonitorMetrics, run_monitors};
+use crate::monitor::{MonitorContext, MonitorMetrics, run_monitors};
 use crate::policy::monitors::MonitorSpec;
 use crate::policy::probes::ProbeSpec;
 use crate::policy::{
@@ -356,11 +356,15 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         "monitors",
         run_monitors(
             monitors_rx,
-            reporter.clone(),
-            KubeTaints::new(client.clone(), &config.node_name),
-            config.state_dir.clone(),
-            config.system_bus_address.clone(),
-            monitor_metrics,
+            MonitorContext {
+                reporter: reporter.clone(),
+                taints: KubeTaints::new(client.clone(), &config.node_name),
+                state_dir: config.state_dir.clone(),
+                system_bus: config.system_bus_address.clone(),
+                metrics: monitor_metrics,
+                health: health.clone(),
+                boot_id: config.boot_id.clone(),
+            },
             shutdown.clone(),
         ),
     );

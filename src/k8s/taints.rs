@@ -6,6 +6,8 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 
+use crate::monitor::{MonitorError, TaintPort};
+
 #[derive(Debug, thiserror::Error)]
 pub enum TaintError {
     #[error("API request failed: {0}")]
@@ -84,7 +86,8 @@ pub async fn remove(
     .map(|_| ())
 }
 
-/// The monitor's taint port on the API.
+/// The monitor's taint port ([`TaintPort`], defined by the monitor that
+/// uses it) on the API.
 #[derive(Clone)]
 pub struct KubeTaints {
     client: Client,
@@ -100,20 +103,17 @@ impl KubeTaints {
     }
 }
 
-impl crate::monitor::TaintPort for KubeTaints {
-    async fn add(
-        &self,
-        key: &str,
-        value: &str,
-        effect: &str,
-    ) -> Result<bool, crate::monitor::MonitorError> {
-        add(&self.client, &self.node, key, value, effect)
-            .await
-            .map_err(Into::into)
+impl From<TaintError> for MonitorError {
+    fn from(e: TaintError) -> Self {
+        MonitorError::Taint(Box::new(e))
     }
-    async fn remove(&self, key: &str, effect: &str) -> Result<(), crate::monitor::MonitorError> {
-        remove(&self.client, &self.node, key, effect)
-            .await
-            .map_err(Into::into)
+}
+
+impl TaintPort for KubeTaints {
+    async fn add(&self, key: &str, value: &str, effect: &str) -> Result<bool, MonitorError> {
+        Ok(add(&self.client, &self.node, key, value, effect).await?)
+    }
+    async fn remove(&self, key: &str, effect: &str) -> Result<(), MonitorError> {
+        Ok(remove(&self.client, &self.node, key, effect).await?)
     }
 }

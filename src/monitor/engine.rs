@@ -1,17 +1,19 @@
 //! Decision core of the problem detector: rules matched in one pass (a
 //! `RegexSet`), temporary problems as Events, permanent ones as conditions
-//! that clear (after a quiet period or on a clear pattern), "N matches
-//! within W" counting, taints that follow their condition, and a state that
-//! survives restarts.
+//! that clear (after a quiet period, on a clear pattern, or at a new boot),
+//! "N matches within W" counting, taints that follow their condition (only
+//! the ones nodeguard added are removed), and a state that survives
+//! restarts.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use jiff::Timestamp;
-use regex::{Regex, RegexSet};
 use serde::{Deserialize, Serialize};
 
-use crate::policy::monitors::{MonitorSpec, ProblemKind};
+pub use crate::policy::monitors::patterns::BadPattern;
+use crate::policy::monitors::patterns::Patterns;
+use crate::policy::monitors::{MonitorSpec, PatternOf, ProblemKind, TaintSpec};
 
 /// What the engine asks the adapters to do.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,13 +27,29 @@ pub enum Action {
         reason: String,
         message: String,
     },
-    /// Add (or remove) the taint of a condition.
+    /// Add (or remove) the taint of condition `condition`; the adapter
+    /// reports the outcome with [`Engine::taint_result`].
     Taint {
+        condition: String,
         key: String,
         value: String,
         effect: String,
         add: bool,
     },
+}
+
+/// What became of a taint action on the Node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaintOutcome {
+    /// nodeguard added it (it was not there): nodeguard owns it.
+    Added,
+    /// An identical taint was there already (someone else's, or ours from
+    /// before a restart): ownership unchanged.
+    AlreadyPresent,
+    /// Removed (or already gone).
+    Removed,
+    /// The API call failed: ownership unchanged.
+    Failed,
 }
 
 /// A condition's persisted state.
@@ -43,7 +61,8 @@ pub struct ConditionState {
     pub message: String,
     pub since: Timestamp,
     pub last_match: Option<Timestamp>,
-    /// nodeguard added the condition's taint (so it removes it on clear).
+    /// nodeguard added the condition's taint and owns it: only then does it
+    /// remove it (on clear, on a policy edit, when the monitor goes).
     #[serde(default)]
     pub taint_added: bool,
 }
@@ -55,14 +74,8 @@ struct Condition {
     default_message: String,
     clear_after: Option<Duration>,
     taint: Option<(String, String, String)>,
-}
-
-#[derive(Clone, Debug)]
-enum Pattern {
-    /// Index into `rules`.
-    Rule(usize),
-    /// Clears the condition with this index.
-    Clear(usize),
+    /// A new boot sets it back to its no-problem state.
+    resets_at_boot: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -78,9 +91,9 @@ struct Rule {
 /// A monitor's compiled rules and live state.
 #[derive(Debug)]
 pub struct Engine {
-    set: RegexSet,
-    regexes: Vec<Regex>,
-    patterns: Vec<Pattern>,
+    patterns: Patterns,
+    /// What each compiled pattern belongs to.
+    pattern_of: Vec<PatternOf>,
     rules: Vec<Rule>,
     conditions: Vec<Condition>,
     state: BTreeMap<String, ConditionState>,
@@ -95,11 +108,43 @@ pub enum PluginStatus {
     Unknown,
 }
 
-/// A rule that does not compile.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BadPattern {
-    pub path: String,
-    pub message: String,
+/// What to undo on the Node when a monitor is removed (`new` is `None`) or
+/// its spec changes, given the state the old monitor left.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Cleanup {
+    /// Condition types the monitor no longer owns: removed from the Node.
+    pub conditions: Vec<String>,
+    /// Owned taints the new spec does not keep, as (condition type, key,
+    /// effect): removed from the Node.
+    pub taints: Vec<(String, String, String)>,
+    /// The source changed: the saved cursor points into something else.
+    pub reset_cursor: bool,
+}
+
+pub fn cleanup(
+    old: &MonitorSpec,
+    new: Option<&MonitorSpec>,
+    state: &BTreeMap<String, ConditionState>,
+) -> Cleanup {
+    let mut out = Cleanup {
+        reset_cursor: new.is_some_and(|n| n.source != old.source),
+        ..Default::default()
+    };
+    for c in &old.conditions {
+        let kept = new.and_then(|n| n.conditions.iter().find(|x| x.type_ == c.type_));
+        if kept.is_none() {
+            out.conditions.push(c.type_.clone());
+        }
+        let same_taint = |t: &TaintSpec| kept.is_some_and(|k| k.taint.as_ref() == Some(t));
+        if let Some(t) = &c.taint
+            && state.get(&c.type_).is_some_and(|s| s.taint_added)
+            && !same_taint(t)
+        {
+            out.taints
+                .push((c.type_.clone(), t.key.clone(), t.effect.clone()));
+        }
+    }
+    out
 }
 
 const MESSAGE_LIMIT: usize = 512;
@@ -119,10 +164,7 @@ fn truncate(s: &str) -> String {
 impl Engine {
     /// Compiles `spec`; every bad pattern is reported with its path.
     pub fn new(spec: &MonitorSpec, path: &str) -> Result<Engine, Vec<BadPattern>> {
-        let mut bad = Vec::new();
-        let mut sources = Vec::new();
-        let mut regexes = Vec::new();
-        let mut patterns = Vec::new();
+        let (patterns, pattern_of) = spec.compile_patterns(path)?;
         let conditions: Vec<Condition> = spec
             .conditions
             .iter()
@@ -138,35 +180,18 @@ impl Engine {
                         t.effect.clone(),
                     )
                 }),
+                resets_at_boot: spec.resets_at_boot(c),
             })
             .collect();
-        let mut compile = |pattern: &str, at: String, what: Pattern| match Regex::new(pattern) {
-            Ok(r) => {
-                sources.push(pattern.to_string());
-                regexes.push(r);
-                patterns.push(what);
-            }
-            Err(e) => bad.push(BadPattern {
-                path: at,
-                message: format!("invalid regular expression: {e}"),
-            }),
-        };
-        let mut rules = Vec::new();
-        for (i, r) in spec.rules.iter().enumerate() {
-            let condition = r
-                .condition
-                .as_ref()
-                .and_then(|t| conditions.iter().position(|c| &c.type_ == t));
-            if r.command.is_empty() {
-                compile(
-                    &r.pattern,
-                    format!("{path}.rules[{i}].pattern"),
-                    Pattern::Rule(rules.len()),
-                );
-            }
-            rules.push(Rule {
+        let rules = spec
+            .rules
+            .iter()
+            .map(|r| Rule {
                 kind: r.kind,
-                condition,
+                condition: r
+                    .condition
+                    .as_ref()
+                    .and_then(|t| conditions.iter().position(|c| &c.type_ == t)),
                 reason: r.reason.clone(),
                 message: r.message.clone(),
                 count: r.count.as_ref().map(|c| {
@@ -175,30 +200,11 @@ impl Engine {
                         Duration::from_secs(c.window_seconds.into()),
                     )
                 }),
-            });
-        }
-        for (i, c) in spec.conditions.iter().enumerate() {
-            if let Some(p) = &c.clear_pattern {
-                compile(
-                    p,
-                    format!("{path}.conditions[{i}].clearPattern"),
-                    Pattern::Clear(i),
-                );
-            }
-        }
-        if !bad.is_empty() {
-            return Err(bad);
-        }
-        let set = RegexSet::new(&sources).map_err(|e| {
-            vec![BadPattern {
-                path: path.into(),
-                message: e.to_string(),
-            }]
-        })?;
+            })
+            .collect();
         Ok(Engine {
-            set,
-            regexes,
             patterns,
+            pattern_of,
             rules,
             conditions,
             state: BTreeMap::new(),
@@ -225,7 +231,9 @@ impl Engine {
     }
 
     /// The current state of every condition (restored or default), for the
-    /// start and after a reload.
+    /// start and after a reload: an active condition's taint is put back if
+    /// it went missing, and an owned taint of a clear condition (its removal
+    /// failed before) is removed.
     pub fn current(&mut self, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
         for c in &self.conditions {
@@ -247,32 +255,59 @@ impl Engine {
                 message: s.message.clone(),
             });
             if let Some((key, value, effect)) = &c.taint
-                && s.active
+                && (s.active || s.taint_added)
             {
                 out.push(Action::Taint {
+                    condition: c.type_.clone(),
                     key: key.clone(),
                     value: value.clone(),
                     effect: effect.clone(),
-                    add: true,
+                    add: s.active,
                 });
-                s.taint_added = true;
             }
         }
+        out
+    }
+
+    /// Records what a [`Action::Taint`] did: nodeguard owns the taint only
+    /// when its add put it there.
+    pub fn taint_result(&mut self, condition: &str, outcome: TaintOutcome) {
+        let Some(s) = self.state.get_mut(condition) else {
+            return;
+        };
+        match outcome {
+            TaintOutcome::Added => s.taint_added = true,
+            TaintOutcome::Removed => s.taint_added = false,
+            TaintOutcome::AlreadyPresent | TaintOutcome::Failed => {}
+        }
+    }
+
+    /// This is a new boot (the saved state is from an earlier one): the
+    /// conditions that reset at boot go back to their no-problem state.
+    pub fn on_new_boot(&mut self, now: Timestamp) -> Vec<Action> {
+        let mut out = Vec::new();
+        for i in 0..self.conditions.len() {
+            if self.conditions[i].resets_at_boot {
+                self.clear(i, "the node rebooted", now, &mut out);
+            }
+        }
+        self.counts.clear();
         out
     }
 
     /// One log line.
     pub fn on_line(&mut self, line: &str, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
-        let matched: Vec<usize> = self.set.matches(line).into_iter().collect();
-        for idx in matched {
-            match self.patterns[idx].clone() {
-                Pattern::Clear(c) => self.clear(c, "cleared by a matching log line", now, &mut out),
-                Pattern::Rule(r) => {
+        for idx in self.patterns.matches(line) {
+            match self.pattern_of[idx] {
+                PatternOf::Clear(c) => {
+                    self.clear(c, "cleared by a matching log line", now, &mut out)
+                }
+                PatternOf::Rule(r) => {
                     let message = match &self.rules[r].message {
                         Some(template) => {
                             let mut m = String::new();
-                            match self.regexes[idx].captures(line) {
+                            match self.patterns.regex(idx).captures(line) {
                                 Some(caps) => caps.expand(template, &mut m),
                                 None => m = template.clone(),
                             }
@@ -363,9 +398,9 @@ impl Engine {
                         taint_added: false,
                     });
                 s.last_match = Some(now);
-                let changed = !s.active || s.reason != rule.reason;
-                if changed {
-                    if !s.active {
+                let was_active = s.active;
+                if !was_active || s.reason != rule.reason {
+                    if !was_active {
                         s.since = now;
                     }
                     s.active = true;
@@ -382,10 +417,10 @@ impl Engine {
                         message,
                     });
                     if let Some((key, value, effect)) = &cond.taint
-                        && !s.taint_added
+                        && !was_active
                     {
-                        s.taint_added = true;
                         out.push(Action::Taint {
+                            condition: cond.type_.clone(),
                             key: key.clone(),
                             value: value.clone(),
                             effect: effect.clone(),
@@ -427,8 +462,8 @@ impl Engine {
         if let Some((key, value, effect)) = &cond.taint
             && s.taint_added
         {
-            s.taint_added = false;
             out.push(Action::Taint {
+                condition: cond.type_.clone(),
                 key: key.clone(),
                 value: value.clone(),
                 effect: effect.clone(),

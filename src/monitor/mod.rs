@@ -1,10 +1,13 @@
 //! The problem detector: log monitors (kernel log, files) whose rules set
 //! NodeConditions that clear, emit Events, and add taints, with state that
-//! survives restarts.
+//! survives restarts (and, for what a reboot makes stale, does not survive
+//! a reboot).
 //!
 //! [`engine`] is the decision core, [`kmsg`] the record parser, [`sources`]
-//! the bounded readers; [`run_monitors`] keeps one task per monitor and
-//! restarts only the monitors whose spec changed.
+//! the bounded readers; [`run_monitors`] keeps one task per monitor,
+//! restarts only the monitors whose spec changed (after the old task has
+//! finished), and reports each monitor to the health registry as
+//! `monitor/<name>`.
 
 pub mod engine;
 pub mod kmsg;
@@ -15,7 +18,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -25,43 +28,53 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::WallClock;
 use crate::policy::monitors::MonitorSpec;
 use crate::report::{Desired, EventKind, Reporter, Status};
-use engine::{Action, ConditionState, Engine, PluginStatus};
-use sources::{Cursor, SourceCounters, StopFlag};
+use crate::server::{Health, LoopHandle};
+use engine::{Action, ConditionState, Engine, PluginStatus, TaintOutcome};
+use sources::{Cursor, Resume, SourceCounters, StopFlag};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MonitorError {
-    #[error("API request failed: {0}")]
-    Api(#[from] kube::Error),
     #[error("cannot open log source {path}: {source}")]
     Source {
         path: String,
         #[source]
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Taint(#[from] crate::k8s::taints::TaintError),
+    /// The taint port's adapter failed (its own error inside).
+    #[error("taint update failed: {0}")]
+    Taint(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// Port: the monitor's taints on this Node.
+/// Port: the monitor's taints on this Node (implemented by `k8s::taints`).
 pub trait TaintPort: Send + Sync + 'static {
-    /// `true` when nodeguard added it (it was not there).
+    /// Adds the taint unless one with this key and effect is there; `true`
+    /// when this call added it.
     fn add(
         &self,
         key: &str,
         value: &str,
         effect: &str,
     ) -> impl Future<Output = Result<bool, MonitorError>> + Send;
+    /// Removes the taint with this key and effect, if there.
     fn remove(
         &self,
         key: &str,
         effect: &str,
     ) -> impl Future<Output = Result<(), MonitorError>> + Send;
 }
+
+/// How long a monitor may hold lines it has not processed before `/livez`
+/// fails naming it.
+pub const MONITOR_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Lines taken from the queue at once between two health reports.
+const BATCH: usize = 256;
 
 /// How many lines may wait for a monitor's rules; beyond, file and journal
 /// readers wait and kmsg records are dropped and counted
@@ -177,29 +190,64 @@ impl Collector for SourceCollector {
     }
 }
 
-/// Persisted per monitor: conditions and where the source stands.
+/// Persisted per monitor: conditions, where the source stands, and the
+/// boot both belong to.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MonitorState {
+    /// The boot (`/proc/sys/kernel/random/boot_id`) the state was saved in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
     #[serde(default)]
     pub conditions: BTreeMap<String, ConditionState>,
     #[serde(default)]
     pub cursor: Cursor,
 }
 
-fn state_path(dir: &Path, monitor: &str) -> PathBuf {
+/// Whether a saved state belongs to this boot. A state saved before boot
+/// ids were recorded counts as this boot's unless it was last written
+/// before this boot began.
+pub fn same_boot(saved: &MonitorState, boot_id: &str, written_before_boot: bool) -> bool {
+    match &saved.boot_id {
+        Some(b) => b == boot_id,
+        None => !written_before_boot,
+    }
+}
+
+/// The path of a monitor's state file.
+pub fn state_path(dir: &Path, monitor: &str) -> PathBuf {
     dir.join("monitors").join(format!("{monitor}.json"))
 }
 
-fn load_state(dir: &Path, monitor: &str) -> MonitorState {
+/// The saved state, and whether its file was last written before this boot
+/// began; `None` when the monitor has none.
+fn load_state(dir: &Path, monitor: &str) -> Option<(MonitorState, bool)> {
     let p = state_path(dir, monitor);
-    match std::fs::read_to_string(&p) {
-        Ok(t) => serde_json::from_str(&t).unwrap_or_else(|e| {
-            tracing::error!(path = %p.display(), error = %e, "monitor state unreadable; starting afresh");
-            MonitorState::default()
-        }),
-        Err(_) => MonitorState::default(),
-    }
+    let text = std::fs::read_to_string(&p).ok()?;
+    let state = serde_json::from_str(&text).unwrap_or_else(|e| {
+        tracing::error!(path = %p.display(), error = %e, "monitor state unreadable; starting afresh");
+        MonitorState::default()
+    });
+    let before_boot = match (
+        std::fs::metadata(&p).and_then(|m| m.modified()),
+        boot_time(),
+    ) {
+        (Ok(m), Some(b)) => m < b,
+        _ => false,
+    };
+    Some((state, before_boot))
+}
+
+/// When this boot began (`btime` in /proc/stat).
+fn boot_time() -> Option<SystemTime> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let secs: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
 }
 
 fn save_state(dir: &Path, monitor: &str, state: &MonitorState) {
@@ -215,24 +263,45 @@ fn save_state(dir: &Path, monitor: &str, state: &MonitorState) {
     }
 }
 
+/// What the monitors share: where they report, the Node's taints, where
+/// they keep state, and this boot.
+pub struct MonitorContext<T> {
+    pub reporter: Reporter,
+    pub taints: T,
+    pub state_dir: PathBuf,
+    /// The system bus (`None`: the default socket), for systemd monitors.
+    pub system_bus: Option<String>,
+    pub metrics: MonitorMetrics,
+    pub health: Health,
+    /// This boot's id: a state saved in another boot resets what a reboot
+    /// makes stale.
+    pub boot_id: String,
+}
+
 struct Running {
     spec: MonitorSpec,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    handle: Arc<LoopHandle>,
 }
 
-/// Keeps one task per monitor; a changed spec restarts that monitor, a
-/// removed one has its conditions and taints removed and its state dropped.
-#[allow(clippy::too_many_arguments)]
-pub async fn run_monitors<T: TaintPort + Clone>(
+fn loop_name(monitor: &str) -> String {
+    format!("monitor/{monitor}")
+}
+
+/// Keeps one task per monitor. A changed spec stops the monitor's task,
+/// waits for it (it saves its state on the way out), removes what the new
+/// spec no longer has (conditions, owned taints) and starts it again; a
+/// removed monitor has its conditions and owned taints removed, its state
+/// file deleted and its health entry dropped. A monitor that ends while the
+/// agent runs (its source ended, it panicked) fails `/livez` as
+/// `monitor/<name>`.
+pub async fn run_monitors<T: TaintPort>(
     mut specs: watch::Receiver<Vec<MonitorSpec>>,
-    reporter: Reporter,
-    taints: T,
-    state_dir: PathBuf,
-    system_bus: Option<String>,
-    metrics: MonitorMetrics,
+    ctx: MonitorContext<T>,
     stop: CancellationToken,
 ) {
+    let ctx = Arc::new(ctx);
     let mut running: HashMap<String, Running> = HashMap::new();
     loop {
         let desired: HashMap<String, MonitorSpec> = specs
@@ -240,44 +309,47 @@ pub async fn run_monitors<T: TaintPort + Clone>(
             .iter()
             .map(|m| (m.name.clone(), m.clone()))
             .collect();
-        let mut removed = Vec::new();
-        running.retain(|name, r| {
-            let keep = desired.get(name) == Some(&r.spec);
-            if !keep {
-                r.stop.cancel();
-                if !desired.contains_key(name) {
-                    removed.push((name.clone(), r.spec.clone()));
+        let changed: Vec<String> = running
+            .iter()
+            .filter(|(name, r)| desired.get(*name) != Some(&r.spec))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for r in changed.iter().filter_map(|n| running.get(n)) {
+            r.stop.cancel();
+        }
+        for name in changed {
+            let r = running.remove(&name).expect("listed above");
+            // It saves its state on the way out: wait, so that neither the
+            // new task nor the removal races with that write.
+            let _ = r.task.await;
+            let new = desired.get(&name);
+            undo(&ctx, &r.spec, new).await;
+            if new.is_none() {
+                tracing::info!(monitor = %name, "monitor removed; its conditions and taints removed");
+                if let Ok(h) = Arc::try_unwrap(r.handle) {
+                    h.deregister();
                 }
+                ctx.metrics
+                    .sources
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&name);
+            } else {
+                tracing::info!(monitor = %name, "monitor changed; restarting it");
             }
-            keep
-        });
-        for (name, spec) in removed {
-            tracing::info!(monitor = %name, "monitor removed; removing its conditions and taints");
-            let state = load_state(&state_dir, &name);
-            for c in &spec.conditions {
-                reporter.remove(&c.type_);
-                metrics.forget(&c.type_);
-                if let (Some(t), Some(s)) = (&c.taint, state.conditions.get(&c.type_))
-                    && s.taint_added
-                    && let Err(e) = taints.remove(&t.key, &t.effect).await
-                {
-                    tracing::warn!(monitor = %name, error = %e, "cannot remove the monitor's taint");
-                }
-            }
-            let _ = std::fs::remove_file(state_path(&state_dir, &name));
         }
         for (name, spec) in desired {
             if running.contains_key(&name) {
                 continue;
             }
             let token = stop.child_token();
-            let task = tokio::spawn(run_monitor(
-                spec.clone(),
-                reporter.clone(),
-                taints.clone(),
-                state_dir.clone(),
-                system_bus.clone(),
-                metrics.clone(),
+            // Registered and synced at once: a monitor is ready when it runs.
+            let handle = Arc::new(ctx.health.register(loop_name(&name), MONITOR_TIMEOUT));
+            handle.updated();
+            let task = tokio::spawn(supervise(
+                name.clone(),
+                run_monitor(spec.clone(), ctx.clone(), handle.clone(), token.clone()),
+                ctx.health.clone(),
                 token.clone(),
             ));
             running.insert(
@@ -286,6 +358,7 @@ pub async fn run_monitors<T: TaintPort + Clone>(
                     spec,
                     stop: token,
                     task,
+                    handle,
                 },
             );
         }
@@ -294,34 +367,112 @@ pub async fn run_monitors<T: TaintPort + Clone>(
             r = specs.changed() => if r.is_err() { break },
         }
     }
-    for r in running.into_values() {
+    for r in running.values() {
         r.stop.cancel();
+    }
+    for r in running.into_values() {
         let _ = r.task.await;
     }
 }
 
+/// Runs one monitor; if it ends while its token is not cancelled (its source
+/// ended, it panicked), says so and fails `/livez` naming it.
+async fn supervise(
+    name: String,
+    monitor: impl Future<Output = Result<(), String>> + Send + 'static,
+    health: Health,
+    token: CancellationToken,
+) {
+    let outcome = tokio::spawn(monitor).await;
+    if token.is_cancelled() {
+        return;
+    }
+    let reason = match outcome {
+        Ok(Err(why)) => why,
+        Ok(Ok(())) => "ended unexpectedly".to_string(),
+        Err(e) if e.is_panic() => {
+            let p = e.into_panic();
+            let text = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-text panic".into());
+            format!("panicked: {text}")
+        }
+        Err(e) => format!("was cancelled: {e}"),
+    };
+    tracing::error!(monitor = %name, %reason, "monitor stopped while the agent runs; /livez fails naming it until the agent restarts or the monitor is edited");
+    health.fail(&loop_name(&name), reason);
+}
+
+/// After `old`'s task has finished: removes what `new` (`None`: the monitor
+/// is gone) no longer has, per the state the task left.
+async fn undo<T: TaintPort>(ctx: &MonitorContext<T>, old: &MonitorSpec, new: Option<&MonitorSpec>) {
+    let mut state = load_state(&ctx.state_dir, &old.name)
+        .map(|(s, _)| s)
+        .unwrap_or_default();
+    let plan = engine::cleanup(old, new, &state.conditions);
+    if new.is_none() {
+        // First, so that nothing can bring it back.
+        let _ = std::fs::remove_file(state_path(&ctx.state_dir, &old.name));
+    }
+    for (type_, key, effect) in &plan.taints {
+        match ctx.taints.remove(key, effect).await {
+            Ok(()) => {
+                if let Some(s) = state.conditions.get_mut(type_) {
+                    s.taint_added = false;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(monitor = %old.name, taint = %key, error = %e, "cannot remove the monitor's taint")
+            }
+        }
+    }
+    for type_ in &plan.conditions {
+        ctx.reporter.remove(type_);
+        ctx.metrics.forget(type_);
+        state.conditions.remove(type_);
+    }
+    if new.is_some() {
+        if plan.reset_cursor {
+            state.cursor = Cursor::default();
+        }
+        save_state(&ctx.state_dir, &old.name, &state);
+    }
+}
+
+/// Runs until `stop`; `Err` says why it ended otherwise.
 async fn run_monitor<T: TaintPort>(
     spec: MonitorSpec,
-    reporter: Reporter,
-    taints: T,
-    state_dir: PathBuf,
-    system_bus: Option<String>,
-    metrics: MonitorMetrics,
+    ctx: Arc<MonitorContext<T>>,
+    handle: Arc<LoopHandle>,
     stop: CancellationToken,
-) {
+) -> Result<(), String> {
     let clock = WallClock::new();
     let mut engine = match Engine::new(&spec, &format!("monitor {}", spec.name)) {
         Ok(e) => e,
         Err(bad) => {
             // The policy validation rejects these; never crash on them.
             tracing::error!(monitor = %spec.name, problems = ?bad, "monitor rules do not compile; monitor not started");
-            return;
+            stop.cancelled().await;
+            return Ok(());
         }
     };
-    let mut state = load_state(&state_dir, &spec.name);
-    engine.restore(state.conditions.clone());
+    let saved = load_state(&ctx.state_dir, &spec.name);
+    let new_boot = saved
+        .as_ref()
+        .is_some_and(|(s, before)| !same_boot(s, &ctx.boot_id, *before));
+    let resume = Resume::plan(saved.as_ref().map(|(s, _)| &s.cursor), !new_boot);
+    let mut state = saved.map(|(s, _)| s).unwrap_or_default();
+    if new_boot {
+        tracing::info!(monitor = %spec.name, "state from an earlier boot: kernel log read from this boot's start, conditions that reset at boot reset");
+        // Nothing of the old boot's kernel log is left to resume after.
+        state.cursor.kmsg_sequence = None;
+    }
+    state.boot_id = Some(ctx.boot_id.clone());
+    engine.restore(std::mem::take(&mut state.conditions));
     let counters = Arc::new(SourceCounters::default());
-    metrics
+    ctx.metrics
         .sources
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -332,7 +483,7 @@ async fn run_monitor<T: TaintPort>(
     let started = if let Some(k) = &spec.source.kmsg {
         let r = sources::spawn_kmsg(
             PathBuf::from(&k.path),
-            state.cursor.kmsg_sequence,
+            resume.kmsg,
             tx,
             counters.clone(),
             source_stop.clone(),
@@ -341,7 +492,7 @@ async fn run_monitor<T: TaintPort>(
     } else if let Some(f) = &spec.source.file {
         let r = sources::spawn_file(
             PathBuf::from(&f.path),
-            state.cursor.file,
+            resume.file,
             tx,
             counters.clone(),
             source_stop.clone(),
@@ -350,18 +501,24 @@ async fn run_monitor<T: TaintPort>(
     } else if let Some(j) = &spec.source.journald {
         let r = sources::spawn_journald(
             j.clone(),
-            state.cursor.journal.clone(),
+            resume.journal.clone(),
             tx,
             counters.clone(),
             source_stop.clone(),
         );
         Some(("journalctl".to_string(), r))
     } else {
+        drop(tx);
         None
     };
+    // Whether lines come: a line source runs. Its queue closing means it ended.
+    let lines_open = matches!(started, Some((_, Ok(()))));
     let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
+    // Plugin and systemd checkers: one ending while the monitor runs is the
+    // monitor's failure too.
+    let mut checkers = JoinSet::new();
     if let Some(p) = &spec.source.plugin {
-        tokio::spawn(run_plugins(
+        checkers.spawn(run_plugins(
             spec.clone(),
             p.clone(),
             plugin_tx.clone(),
@@ -370,12 +527,12 @@ async fn run_monitor<T: TaintPort>(
         ));
     }
     if let Some(s) = &spec.source.systemd {
-        tokio::spawn(run_service_checks(
+        checkers.spawn(run_service_checks(
             spec.clone(),
             s.clone(),
             plugin_tx,
-            system_bus.clone(),
-            reporter.clone(),
+            ctx.system_bus.clone(),
+            ctx.reporter.clone(),
             counters.clone(),
             stop.clone(),
         ));
@@ -383,7 +540,7 @@ async fn run_monitor<T: TaintPort>(
     if let Some((path, Err(source))) = started {
         let e = MonitorError::Source { path, source };
         tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
-        reporter.event(
+        ctx.reporter.event(
             EventKind::Warning,
             "MonitorSourceUnavailable",
             "StartMonitor",
@@ -395,56 +552,91 @@ async fn run_monitor<T: TaintPort>(
         .iter()
         .map(|c| (c.type_.clone(), c.reason.clone()))
         .collect();
+    let save = |state: &mut MonitorState, engine: &Engine| {
+        state.conditions = engine.state().clone();
+        save_state(&ctx.state_dir, &spec.name, state);
+    };
+    handle.queued();
+    if new_boot {
+        let reset = engine.on_new_boot(clock.now());
+        apply(&reset, &mut engine, &ctx, &handle, &defaults).await;
+    }
     let initial = engine.current(clock.now());
-    apply(&initial, &reporter, &taints, &metrics, &defaults).await;
+    apply(&initial, &mut engine, &ctx, &handle, &defaults).await;
+    save(&mut state, &engine);
+    handle.updated();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut dirty = false;
-    let mut lines_open = true;
     let mut last_save = tokio::time::Instant::now();
-    loop {
+    let ended = loop {
         tokio::select! {
-            _ = stop.cancelled() => break,
+            _ = stop.cancelled() => break None,
             item = rx.recv(), if lines_open => {
-                // Plugin monitors have no line source: the channel closes at once.
-                let Some(item) = item else { lines_open = false; continue };
-                let actions = engine.on_line(&item.line, clock.now());
-                state.cursor = item.cursor;
-                dirty = true;
-                if !actions.is_empty() {
-                    apply(&actions, &reporter, &taints, &metrics, &defaults).await;
-                    state.conditions = engine.state().clone();
-                    save_state(&state_dir, &spec.name, &state);
-                    dirty = false;
-                    last_save = tokio::time::Instant::now();
+                let Some(first) = item else {
+                    let why = counters
+                        .end_reason()
+                        .unwrap_or_else(|| "its reader stopped".to_string());
+                    break Some(format!("its log source ended: {why}"));
+                };
+                handle.queued();
+                let mut next = Some(first);
+                let mut taken = 0;
+                while let Some(item) = next {
+                    let actions = engine.on_line(&item.line, clock.now());
+                    state.cursor = item.cursor;
+                    dirty = true;
+                    if !actions.is_empty() {
+                        apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                        save(&mut state, &engine);
+                        dirty = false;
+                        last_save = tokio::time::Instant::now();
+                    }
+                    taken += 1;
+                    next = if taken < BATCH { rx.try_recv().ok() } else { None };
                 }
+                handle.updated();
             }
             Some((rule, status, output)) = plugin_rx.recv() => {
+                handle.queued();
                 let actions = engine.on_plugin(rule, status, &output, clock.now());
                 if !actions.is_empty() {
-                    apply(&actions, &reporter, &taints, &metrics, &defaults).await;
-                    state.conditions = engine.state().clone();
-                    save_state(&state_dir, &spec.name, &state);
+                    apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                    save(&mut state, &engine);
                 }
+                handle.updated();
+            }
+            Some(done) = checkers.join_next(), if !checkers.is_empty() => {
+                if stop.is_cancelled() {
+                    break None;
+                }
+                break Some(match done {
+                    Err(e) if e.is_panic() => "its checker panicked".to_string(),
+                    _ => "its checker ended".to_string(),
+                });
             }
             _ = tick.tick() => {
                 let actions = engine.on_tick(clock.now());
                 if !actions.is_empty() {
-                    apply(&actions, &reporter, &taints, &metrics, &defaults).await;
+                    handle.queued();
+                    apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                    handle.updated();
                     dirty = true;
                 }
                 // The cursor is saved at most once a second under load.
                 if dirty && last_save.elapsed() >= Duration::from_secs(1) {
-                    state.conditions = engine.state().clone();
-                    save_state(&state_dir, &spec.name, &state);
+                    save(&mut state, &engine);
                     dirty = false;
                     last_save = tokio::time::Instant::now();
                 }
             }
         }
-    }
+    };
     source_stop.stop();
-    state.conditions = engine.state().clone();
-    save_state(&state_dir, &spec.name, &state);
+    save(&mut state, &engine);
+    match ended {
+        None => Ok(()),
+        Some(why) => Err(why),
+    }
 }
 
 /// What one look at a unit found.
@@ -686,9 +878,9 @@ async fn run_plugins(
 
 async fn apply<T: TaintPort>(
     actions: &[Action],
-    reporter: &Reporter,
-    taints: &T,
-    metrics: &MonitorMetrics,
+    engine: &mut Engine,
+    ctx: &MonitorContext<T>,
+    handle: &LoopHandle,
     defaults: &BTreeMap<String, String>,
 ) {
     for a in actions {
@@ -696,14 +888,15 @@ async fn apply<T: TaintPort>(
             Action::Event { reason, message } => {
                 let clearing = defaults.values().any(|d| d == reason);
                 if !clearing {
-                    metrics.problem(reason);
+                    ctx.metrics.problem(reason);
                 }
                 let kind = if clearing {
                     EventKind::Normal
                 } else {
                     EventKind::Warning
                 };
-                reporter.event(kind, reason, "DetectProblem", message.clone());
+                ctx.reporter
+                    .event(kind, reason, "DetectProblem", message.clone());
             }
             Action::Condition {
                 type_,
@@ -711,8 +904,8 @@ async fn apply<T: TaintPort>(
                 reason,
                 message,
             } => {
-                metrics.set_active(type_, reason, *active);
-                reporter.set(
+                ctx.metrics.set_active(type_, reason, *active);
+                ctx.reporter.set(
                     type_,
                     Desired {
                         status: if *active { Status::True } else { Status::False },
@@ -722,26 +915,48 @@ async fn apply<T: TaintPort>(
                 );
             }
             Action::Taint {
+                condition,
                 key,
                 value,
                 effect,
                 add,
             } => {
                 let mut backoff = Duration::from_millis(200);
+                let mut outcome = TaintOutcome::Failed;
                 for attempt in 1..=5 {
                     let r = if *add {
-                        taints.add(key, value, effect).await.map(|_| ())
+                        ctx.taints.add(key, value, effect).await.map(|added| {
+                            if added {
+                                TaintOutcome::Added
+                            } else {
+                                TaintOutcome::AlreadyPresent
+                            }
+                        })
                     } else {
-                        taints.remove(key, effect).await
+                        ctx.taints
+                            .remove(key, effect)
+                            .await
+                            .map(|()| TaintOutcome::Removed)
                     };
                     match r {
-                        Ok(()) => break,
+                        Ok(o) => {
+                            outcome = o;
+                            break;
+                        }
                         Err(e) => {
                             tracing::warn!(taint = %key, add, attempt, error = %e, "taint update failed");
+                            // Waiting on the API is not being stuck.
+                            handle.updated();
                             tokio::time::sleep(backoff).await;
+                            handle.queued();
                             backoff *= 2;
                         }
                     }
+                }
+                engine.taint_result(condition, outcome);
+                let owned = engine.state().get(condition).is_some_and(|s| s.taint_added);
+                if *add && outcome == TaintOutcome::AlreadyPresent && !owned {
+                    tracing::info!(taint = %key, condition = %condition, "the taint was there already; nodeguard will not remove it");
                 }
             }
         }

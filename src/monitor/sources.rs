@@ -5,6 +5,11 @@
 //! and the saved cursor only moves past lines the engine has seen. The
 //! kernel's ring buffer does not wait for anyone, so kmsg records that find
 //! the queue full are counted and dropped.
+//!
+//! Lines are bytes: one that is not UTF-8 is decoded lossily (U+FFFD for the
+//! bad bytes), and file offsets count bytes. A reader whose reads keep
+//! failing gives up (the queue closes and the monitor reports its source
+//! ended) rather than stay blind while looking alive.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
@@ -39,6 +44,53 @@ pub struct Cursor {
     pub journal: Option<String>,
 }
 
+/// Where a kmsg reader starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KmsgStart {
+    /// After the newest record: only what the kernel logs from now on.
+    End,
+    /// The oldest record still in the ring buffer (a new boot's records).
+    Beginning,
+    /// After this boot's record with this sequence number (a restart).
+    After(u64),
+}
+
+/// Where each source resumes, from the saved cursor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resume {
+    pub kmsg: KmsgStart,
+    pub file: Option<(u64, u64)>,
+    pub journal: Option<String>,
+}
+
+impl Resume {
+    /// `saved` is `None` when the monitor never ran here (its sources start
+    /// at the end); `same_boot` says whether the cursor was saved during
+    /// this boot. Kernel sequence numbers restart at each boot, so a
+    /// cursor of an earlier boot means nothing now: the new boot's ring
+    /// buffer is read from its start. A file's inode and offset, and a
+    /// journal cursor, stay valid across a reboot.
+    pub fn plan(saved: Option<&Cursor>, same_boot: bool) -> Resume {
+        let Some(c) = saved else {
+            return Resume {
+                kmsg: KmsgStart::End,
+                file: None,
+                journal: None,
+            };
+        };
+        let kmsg = match (same_boot, c.kmsg_sequence) {
+            (false, _) => KmsgStart::Beginning,
+            (true, Some(seq)) => KmsgStart::After(seq),
+            (true, None) => KmsgStart::End,
+        };
+        Resume {
+            kmsg,
+            file: c.file,
+            journal: c.journal.clone(),
+        }
+    }
+}
+
 /// One line for the engine, with the cursor after it.
 #[derive(Debug)]
 pub struct Item {
@@ -46,12 +98,73 @@ pub struct Item {
     pub cursor: Cursor,
 }
 
-/// Counters shared with the metrics.
+/// Counters shared with the metrics, and why the reader gave up.
 #[derive(Debug, Default)]
 pub struct SourceCounters {
     pub lines: AtomicU64,
     pub dropped: AtomicU64,
     pub malformed: AtomicU64,
+    /// Set by a reader thread that gave up, just before its queue closes.
+    pub ended: std::sync::Mutex<Option<String>>,
+}
+
+impl SourceCounters {
+    fn give_up(&self, why: String) {
+        *self.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+
+    /// Why the reader gave up, if it said.
+    pub fn end_reason(&self) -> Option<String> {
+        self.ended.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// A reader whose reads fail this many times in a row (a second apart)
+/// gives up.
+const FAILED_READS: u32 = 5;
+
+/// Counts failed reads in a row; `Some(reason)` once the reader should give
+/// up.
+#[derive(Debug)]
+struct Failures {
+    in_a_row: u32,
+    pause: Duration,
+}
+
+impl Default for Failures {
+    fn default() -> Self {
+        Failures {
+            in_a_row: 0,
+            pause: Duration::from_secs(1),
+        }
+    }
+}
+
+impl Failures {
+    fn ok(&mut self) {
+        self.in_a_row = 0;
+    }
+
+    fn failed(&mut self, what: &str, path: &Path, e: &std::io::Error) -> Option<String> {
+        self.in_a_row += 1;
+        if self.in_a_row >= FAILED_READS {
+            tracing::error!(path = %path.display(), error = %e, "{what} read failed {} times in a row; giving up", self.in_a_row);
+            return Some(format!(
+                "reading {what} {} failed {} times in a row: {e}",
+                path.display(),
+                self.in_a_row
+            ));
+        }
+        tracing::warn!(path = %path.display(), error = %e, "{what} read failed; retrying");
+        std::thread::sleep(self.pause);
+        None
+    }
+}
+
+/// A line's text: lossy where it is not UTF-8, without its newline.
+fn text(bytes: &[u8]) -> String {
+    let bytes = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// Stops the reader thread (at its next record or wake-up, within a second;
@@ -171,41 +284,47 @@ impl ChangeWaiter {
 }
 
 /// Reads kmsg-format records from `path` (`/dev/kmsg`, or a file of such
-/// records as a stand-in). With no cursor it starts at the end; with one it
-/// skips records up to the saved sequence.
+/// records as a stand-in), from `start`.
 pub fn spawn_kmsg(
     path: PathBuf,
-    resume: Option<u64>,
+    start: KmsgStart,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<()> {
     let mut file = File::open(&path)?;
-    if resume.is_none() {
+    if start == KmsgStart::End {
         file.seek(SeekFrom::End(0))?;
     }
+    let skip_to = match start {
+        KmsgStart::After(seq) => Some(seq),
+        KmsgStart::End | KmsgStart::Beginning => None,
+    };
     std::thread::Builder::new()
         .name("nodeguard-kmsg".into())
         .spawn(move || {
             let mut reader = BufReader::with_capacity(64 * 1024, file);
-            let mut buf = String::new();
-            let mut last = resume;
+            let mut buf = Vec::new();
+            let mut failures = Failures::default();
             while !stop.stopped() {
                 buf.clear();
-                match reader.read_line(&mut buf) {
-                    Ok(0) => std::thread::sleep(POLL), // a stand-in file at its end
+                match reader.read_until(b'\n', &mut buf) {
+                    Ok(0) => {
+                        failures.ok();
+                        std::thread::sleep(POLL); // a stand-in file at its end
+                    }
                     Ok(_) => {
-                        if buf.starts_with(' ') {
+                        failures.ok();
+                        if buf.starts_with(b" ") {
                             continue; // a dictionary continuation line
                         }
-                        let Some(rec) = kmsg::parse(buf.trim_end_matches('\n')) else {
+                        let Some(rec) = kmsg::parse(&text(&buf)) else {
                             counters.malformed.fetch_add(1, Ordering::Relaxed);
                             continue;
                         };
-                        if last.is_some_and(|l| rec.sequence <= l) {
+                        if skip_to.is_some_and(|l| rec.sequence <= l) {
                             continue; // seen before the restart
                         }
-                        last = Some(rec.sequence);
                         let item = Item {
                             line: rec.message,
                             cursor: Cursor {
@@ -221,12 +340,11 @@ pub fn spawn_kmsg(
                     Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
                         counters.dropped.fetch_add(1, Ordering::Relaxed);
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                        counters.malformed.fetch_add(1, Ordering::Relaxed);
-                    }
                     Err(e) => {
-                        tracing::error!(path = %path.display(), error = %e, "kernel log read failed; retrying");
-                        std::thread::sleep(Duration::from_secs(1));
+                        if let Some(why) = failures.failed("the kernel log", &path, &e) {
+                            counters.give_up(why);
+                            return;
+                        }
                     }
                 }
             }
@@ -274,12 +392,14 @@ pub fn spawn_file(
             let mut reader = BufReader::with_capacity(64 * 1024, file);
             let mut inode = inode;
             let mut offset = offset;
-            let mut partial = String::new();
-            let mut buf = String::new();
+            let mut partial = Vec::new();
+            let mut buf = Vec::new();
+            let mut failures = Failures::default();
             while !stop.stopped() {
                 buf.clear();
-                match reader.read_line(&mut buf) {
+                match reader.read_until(b'\n', &mut buf) {
                     Ok(0) => {
+                        failures.ok();
                         // At the end: rotated or truncated?
                         match std::fs::metadata(&path) {
                             Ok(m) if m.ino() != inode => {
@@ -292,7 +412,9 @@ pub fn spawn_file(
                                     continue;
                                 }
                             }
-                            Ok(m) if m.len() < offset && reader.seek(SeekFrom::Start(0)).is_ok() => {
+                            Ok(m)
+                                if m.len() < offset && reader.seek(SeekFrom::Start(0)).is_ok() =>
+                            {
                                 offset = 0;
                                 partial.clear();
                                 continue;
@@ -302,16 +424,18 @@ pub fn spawn_file(
                         waiter.wait();
                     }
                     Ok(n) => {
+                        failures.ok();
                         offset += n as u64;
-                        if !buf.ends_with('\n') {
-                            partial.push_str(&buf); // the writer is mid-line
+                        if buf.last() != Some(&b'\n') {
+                            partial.extend_from_slice(&buf); // the writer is mid-line
                             continue;
                         }
                         let line = if partial.is_empty() {
-                            buf.trim_end_matches('\n').to_string()
+                            text(&buf)
                         } else {
-                            let mut l = std::mem::take(&mut partial);
-                            l.push_str(buf.trim_end_matches('\n'));
+                            partial.extend_from_slice(&buf);
+                            let l = text(&partial);
+                            partial.clear();
                             l
                         };
                         let item = Item {
@@ -325,16 +449,11 @@ pub fn spawn_file(
                             return;
                         }
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                        // Not UTF-8: skip the line, keep going.
-                        counters.malformed.fetch_add(1, Ordering::Relaxed);
-                        let mut junk = Vec::new();
-                        let _ = reader.read_until(b'\n', &mut junk);
-                        offset += junk.len() as u64;
-                    }
                     Err(e) => {
-                        tracing::error!(path = %path.display(), error = %e, "log read failed; retrying");
-                        std::thread::sleep(Duration::from_secs(1));
+                        if let Some(why) = failures.failed("the log file", &path, &e) {
+                            counters.give_up(why);
+                            return;
+                        }
                     }
                 }
             }
@@ -372,7 +491,15 @@ pub fn spawn_journald(
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<()> {
-    spawn_journalctl("journalctl".into(), source, resume, tx, counters, stop)
+    spawn_journalctl(
+        "journalctl".into(),
+        JOURNAL_RESTART_MIN,
+        source,
+        resume,
+        tx,
+        counters,
+        stop,
+    )
 }
 
 /// How long journalctl waits before a restart: doubling from 1 s to 60 s
@@ -383,6 +510,7 @@ const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
 
 fn spawn_journalctl(
     program: PathBuf,
+    restart_min: Duration,
     source: crate::policy::monitors::JournaldSource,
     resume: Option<String>,
     tx: mpsc::Sender<Item>,
@@ -393,7 +521,7 @@ fn spawn_journalctl(
         .name("nodeguard-journal".into())
         .spawn(move || {
             let mut cursor = resume;
-            let mut backoff = JOURNAL_RESTART_MIN;
+            let mut backoff = restart_min;
             let mut last_err: Option<String> = None;
             while !stop.stopped() {
                 let mut delivered = false;
@@ -466,7 +594,7 @@ fn spawn_journalctl(
                     break;
                 }
                 if delivered {
-                    backoff = JOURNAL_RESTART_MIN;
+                    backoff = restart_min;
                 }
                 // Said once per distinct error, not once per restart.
                 let err = err.trim().to_string();
@@ -478,7 +606,11 @@ fn spawn_journalctl(
                 last_err = Some(err);
                 let until = std::time::Instant::now() + backoff;
                 while !stop.stopped() && std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(100));
+                    std::thread::sleep(
+                        until
+                            .saturating_duration_since(std::time::Instant::now())
+                            .min(Duration::from_millis(100)),
+                    );
                 }
                 backoff = (backoff * 2).min(JOURNAL_RESTART_MAX);
             }
@@ -522,7 +654,8 @@ mod tests {
 
     /// Seen on a host whose journal has no data for the current boot:
     /// journalctl exits at once, and restarting it every second flooded the
-    /// log and cost CPU. It now backs off (1 s, 2 s, 4 s, …).
+    /// log and cost CPU. It now backs off (1 s, 2 s, 4 s, …; here from
+    /// 50 ms): each pause is at least twice the one before.
     #[test]
     fn a_journalctl_that_keeps_exiting_is_restarted_with_backoff() {
         let scratch = Scratch::new("journal-backoff");
@@ -532,7 +665,7 @@ mod tests {
         std::fs::write(
             &fake,
             format!(
-                "#!/bin/sh\necho run >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
+                "#!/bin/sh\ndate +%s%N >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
                 runs.display()
             ),
         )
@@ -541,8 +674,10 @@ mod tests {
         std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
         let (tx, _rx) = mpsc::channel(4);
         let stop = StopFlag::default();
+        let min = Duration::from_millis(50);
         spawn_journalctl(
             fake,
+            min,
             Default::default(),
             None,
             tx,
@@ -550,11 +685,162 @@ mod tests {
             stop.clone(),
         )
         .unwrap();
-        // Runs at 0 s, 1 s, 3 s, 7 s: three within 4.5 s (five at a fixed 1 s).
-        std::thread::sleep(Duration::from_millis(4500));
+        let starts = || -> Vec<u64> {
+            std::fs::read_to_string(&runs)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while starts().len() < 5 {
+            assert!(std::time::Instant::now() < deadline, "{:?}", starts());
+            std::thread::sleep(Duration::from_millis(20));
+        }
         stop.stop();
-        let n = std::fs::read_to_string(&runs).unwrap().lines().count();
-        assert_eq!(n, 3, "journalctl started {n} times in 4.5 s");
+        let t = starts();
+        // The pause before start i+1 is at least min × 2^i (sleeping never
+        // ends early; a busy machine only makes the gaps longer).
+        for i in 0..4 {
+            let gap = Duration::from_nanos(t[i + 1] - t[i]);
+            assert!(gap >= min * 2u32.pow(i as u32), "gap {i}: {gap:?} in {t:?}");
+        }
+    }
+
+    /// A line that is not UTF-8 is decoded lossily; the line after it is
+    /// read whole (it used to be skipped), and the offset counts bytes.
+    #[tokio::test]
+    async fn a_line_that_is_not_utf8_loses_no_neighbour_and_offsets_count_bytes() {
+        let scratch = Scratch::new("not-utf8");
+        let path = scratch.0.join("app.log");
+        std::fs::write(&path, "").unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let stop = StopFlag::default();
+        spawn_file(path.clone(), None, tx, Default::default(), stop.clone()).unwrap();
+        let lines: [&[u8]; 3] = [
+            b"before\n",
+            b"bad \xff\xfe byte\n",
+            b"EXT4-fs error (device sda1): x\n",
+        ];
+        let mut f = append(&path);
+        for l in lines {
+            f.write_all(l).unwrap();
+        }
+        f.flush().unwrap();
+        let mut offset = 0;
+        for (l, want) in lines.iter().zip([
+            "before",
+            "bad \u{fffd}\u{fffd} byte",
+            "EXT4-fs error (device sda1): x",
+        ]) {
+            offset += l.len() as u64;
+            let item = next(&mut rx).await;
+            assert_eq!(item.line, want);
+            assert_eq!(item.cursor.file.unwrap().1, offset, "after {want:?}");
+        }
+        assert_eq!(offset, std::fs::metadata(&path).unwrap().len());
+        // A multi-byte character split across two writes is one character.
+        f.write_all("caf\u{e9}".as_bytes().split_at(4).0).unwrap();
+        f.flush().unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        f.write_all(&"caf\u{e9}\n".as_bytes()[4..]).unwrap();
+        f.flush().unwrap();
+        assert_eq!(next(&mut rx).await.line, "caf\u{e9}");
+        stop.stop();
+    }
+
+    #[test]
+    fn where_sources_resume() {
+        let saved = Cursor {
+            kmsg_sequence: Some(1000),
+            file: Some((7, 120)),
+            journal: Some("s=abc".into()),
+        };
+        assert_eq!(
+            Resume::plan(None, true),
+            Resume {
+                kmsg: KmsgStart::End,
+                file: None,
+                journal: None
+            },
+            "a monitor that never ran starts at the end"
+        );
+        assert_eq!(
+            Resume::plan(Some(&saved), true),
+            Resume {
+                kmsg: KmsgStart::After(1000),
+                file: Some((7, 120)),
+                journal: Some("s=abc".into())
+            }
+        );
+        assert_eq!(
+            Resume::plan(Some(&saved), false),
+            Resume {
+                kmsg: KmsgStart::Beginning,
+                file: Some((7, 120)),
+                journal: Some("s=abc".into())
+            },
+            "a cursor of boot A is not applied in boot B; files and the journal keep theirs"
+        );
+        assert_eq!(
+            Resume::plan(Some(&Cursor::default()), false).kmsg,
+            KmsgStart::Beginning
+        );
+        assert_eq!(
+            Resume::plan(Some(&Cursor::default()), true).kmsg,
+            KmsgStart::End
+        );
+    }
+
+    /// Boot A's reader stopped at record 1000; boot B's records start again
+    /// at 0: all of them are read (they used to be skipped up to 1000).
+    #[tokio::test]
+    async fn a_new_boots_kmsg_records_with_low_sequence_numbers_are_read() {
+        let scratch = Scratch::new("kmsg-boot");
+        let path = scratch.0.join("kmsg");
+        std::fs::write(
+            &path,
+            "6,0,0,-;Linux version 6.1\n3,1,500,-;INFO: task docker:1 blocked for more than 120 seconds.\n",
+        )
+        .unwrap();
+        let saved = Cursor {
+            kmsg_sequence: Some(1000),
+            ..Default::default()
+        };
+        let (tx, mut rx) = mpsc::channel(16);
+        let stop = StopFlag::default();
+        let start = Resume::plan(Some(&saved), false).kmsg;
+        spawn_kmsg(path.clone(), start, tx, Default::default(), stop.clone()).unwrap();
+        let first = next(&mut rx).await;
+        assert_eq!(first.line, "Linux version 6.1");
+        assert_eq!(first.cursor.kmsg_sequence, Some(0));
+        assert_eq!(
+            next(&mut rx).await.line,
+            "INFO: task docker:1 blocked for more than 120 seconds."
+        );
+        stop.stop();
+    }
+
+    #[test]
+    fn a_reader_gives_up_after_failing_reads_in_a_row() {
+        let mut f = Failures {
+            in_a_row: 0,
+            pause: Duration::ZERO,
+        };
+        let e = std::io::Error::from_raw_os_error(libc::EIO);
+        let p = Path::new("/dev/kmsg");
+        for _ in 0..FAILED_READS - 1 {
+            assert_eq!(f.failed("the kernel log", p, &e), None);
+        }
+        f.ok();
+        for _ in 0..FAILED_READS - 1 {
+            assert_eq!(f.failed("the kernel log", p, &e), None);
+        }
+        let why = f.failed("the kernel log", p, &e).unwrap();
+        assert!(
+            why.contains("/dev/kmsg") && why.contains("5 times in a row"),
+            "{why}"
+        );
     }
 
     #[tokio::test]
@@ -744,11 +1030,32 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(4);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
-        spawn_kmsg(path.clone(), Some(2), tx, counters.clone(), stop.clone()).unwrap();
+        spawn_kmsg(
+            path.clone(),
+            KmsgStart::After(2),
+            tx,
+            counters.clone(),
+            stop.clone(),
+        )
+        .unwrap();
         let item = next(&mut rx).await;
         assert_eq!(item.line, "new after restart");
         assert_eq!(item.cursor.kmsg_sequence, Some(3));
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let read = |n: u64| {
+            let counters = counters.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+                while counters.lines.load(Ordering::Relaxed)
+                    + counters.malformed.load(Ordering::Relaxed)
+                    < n
+                {
+                    assert!(tokio::time::Instant::now() < deadline, "{counters:?}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        // "new after restart" and "not a record".
+        read(2).await;
         assert_eq!(counters.malformed.load(Ordering::Relaxed), 1);
         // A flood into a queue of 4 nobody drains: bounded, counted.
         let mut f = append(&path);
@@ -756,9 +1063,11 @@ mod tests {
             writeln!(f, "4,{},{},-;flood {i}", 100 + i, i).unwrap();
         }
         f.flush().unwrap();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Until the reader has seen every flood record.
+        read(2 + 10_000).await;
         let dropped = counters.dropped.load(Ordering::Relaxed);
-        assert!(dropped >= 9_990, "dropped {dropped}");
+        // Nobody drains the queue of 4 (one record already taken).
+        assert_eq!(dropped, 10_000 - 4, "dropped {dropped}");
         assert!(rx.len() <= 4);
         stop.stop();
     }

@@ -2,11 +2,14 @@
 //! source, conditions, temporary and permanent rules), plus what NPD lacks:
 //! conditions that clear, counting rules, and taints.
 
+pub mod patterns;
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::Problem;
 use super::selector::check_label_key;
+use patterns::{BadPattern, Patterns};
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -19,6 +22,74 @@ pub struct MonitorSpec {
     pub conditions: Vec<ConditionSpec>,
     #[serde(default)]
     pub rules: Vec<RuleSpec>,
+}
+
+/// What a monitor's regular expression belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PatternOf {
+    /// `rules[i].pattern`.
+    Rule(usize),
+    /// `conditions[i].clearPattern`.
+    Clear(usize),
+}
+
+impl MonitorSpec {
+    /// Every regular expression of this monitor (log rules' patterns, then
+    /// clear patterns), with what it belongs to and its field path under
+    /// `path`.
+    pub fn patterns(&self, path: &str) -> Vec<(PatternOf, String, &str)> {
+        let rules = self
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.command.is_empty())
+            .map(|(i, r)| {
+                (
+                    PatternOf::Rule(i),
+                    format!("{path}.rules[{i}].pattern"),
+                    r.pattern.as_str(),
+                )
+            });
+        let clears = self.conditions.iter().enumerate().filter_map(|(i, c)| {
+            let p = c.clear_pattern.as_deref()?;
+            Some((
+                PatternOf::Clear(i),
+                format!("{path}.conditions[{i}].clearPattern"),
+                p,
+            ))
+        });
+        rules.chain(clears).collect()
+    }
+
+    /// Whether a new boot resets `condition` (one of this monitor's):
+    /// - every condition of a kernel-log (kmsg) monitor: the kernel's state
+    ///   (a deadlock, a read-only remount) does not survive a reboot;
+    /// - a file or journald monitor's condition that nothing else clears (no
+    ///   `clearAfterSeconds`, no `clearPattern`): node-problem-detector keeps
+    ///   such a condition until it restarts, which is at the latest the next
+    ///   boot, so nodeguard, which keeps it across its own restarts, resets
+    ///   it there.
+    ///
+    /// Plugin and systemd conditions are checked again on their interval and
+    /// clear when their check passes, so a reboot leaves them as they were.
+    pub fn resets_at_boot(&self, condition: &ConditionSpec) -> bool {
+        if self.source.kmsg.is_some() {
+            return true;
+        }
+        let log = self.source.file.is_some() || self.source.journald.is_some();
+        log && condition.clear_after_seconds.is_none() && condition.clear_pattern.is_none()
+    }
+
+    /// Compiles [`MonitorSpec::patterns`]; the `PatternOf` of each index.
+    pub fn compile_patterns(
+        &self,
+        path: &str,
+    ) -> Result<(Patterns, Vec<PatternOf>), Vec<BadPattern>> {
+        let all = self.patterns(path);
+        let of = all.iter().map(|(o, _, _)| *o).collect();
+        let compiled = Patterns::compile(path, all.into_iter().map(|(_, at, p)| (at, p)))?;
+        Ok((compiled, of))
+    }
 }
 
 /// Exactly one source.
@@ -342,7 +413,7 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                 _ => {}
             }
         }
-        if let Err(bad) = crate::monitor::engine::Engine::new(m, &at) {
+        if let Err(bad) = m.compile_patterns(&at) {
             problems.extend(bad.into_iter().map(|b| Problem::new(b.path, b.message)));
         }
     }

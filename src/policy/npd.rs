@@ -5,6 +5,16 @@
 //! monitors with the same conditions and rules; custom-plugin-monitor
 //! configs become plugin monitors; rules that run NPD's `log-counter`
 //! become native counting rules on a journald monitor.
+//!
+//! How imported conditions clear: NPD keeps a log monitor's permanent
+//! condition until NPD restarts (its status starts clean at each start).
+//! nodeguard keeps state across its own restarts but resets such a
+//! condition (one with no `clearAfterSeconds` and no `clearPattern`, and
+//! every kmsg condition) at each boot, which the notes say along with how to
+//! clear it sooner. A log-counter condition clears after its lookback window
+//! without a match (`clearAfterSeconds`), as NPD's log-counter reports OK
+//! once the window holds fewer matches. Plugin conditions clear when their
+//! check passes again.
 
 use serde_json::Value;
 
@@ -172,7 +182,7 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             return out;
         }
     };
-    let rules = config
+    let rules: Vec<RuleSpec> = config
         .get("rules")
         .and_then(Value::as_array)
         .into_iter()
@@ -192,10 +202,27 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             })
         })
         .collect();
+    let set: Vec<&str> = rules
+        .iter()
+        .filter(|r| r.kind == ProblemKind::Permanent)
+        .filter_map(|r| r.condition.as_deref())
+        .collect();
+    let conditions = conditions(config);
+    let lasting: Vec<&str> = conditions
+        .iter()
+        .map(|c| c.type_.as_str())
+        .filter(|t| set.contains(t))
+        .collect();
+    if !lasting.is_empty() {
+        out.notes.push(format!(
+            "{origin}: {} stay True until NPD restarts; nodeguard keeps them across its own restarts and resets them at the next boot: add clearAfterSeconds or clearPattern to clear them sooner",
+            lasting.join(", ")
+        ));
+    }
     out.monitors.push(MonitorSpec {
         name,
         source,
-        conditions: conditions(config),
+        conditions,
         rules,
     });
     out
@@ -281,10 +308,15 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     plugin: None,
                     systemd: None,
                 },
+                // log-counter reports OK again once the window holds fewer
+                // matches: the condition clears after a window without one.
                 conditions: conds
                     .iter()
                     .filter(|c| condition.as_ref() == Some(&c.type_))
-                    .cloned()
+                    .map(|c| ConditionSpec {
+                        clear_after_seconds: Some(window),
+                        ..c.clone()
+                    })
                     .collect(),
                 rules: vec![RuleSpec {
                     kind: kind(r),
@@ -376,6 +408,49 @@ mod tests {
         assert_eq!(go_duration_seconds("10"), None);
         assert_eq!(go_duration_seconds("5x"), None);
         assert_eq!(go_duration_seconds(""), None);
+    }
+
+    fn fixture(name: &str) -> Value {
+        let path = format!("{}/tests/fixtures/npd/{name}", env!("CARGO_MANIFEST_DIR"));
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    /// Imported permanent conditions clear: log-counter ones after their
+    /// window without a match; log monitors' ones (which NPD keeps until it
+    /// restarts) at the next boot, which the notes say.
+    #[test]
+    fn imported_permanent_conditions_have_a_way_to_clear() {
+        let counter = import("counter", &fixture("systemd-monitor-counter.json"));
+        let kubelet = counter
+            .monitors
+            .iter()
+            .find(|m| {
+                m.conditions
+                    .iter()
+                    .any(|c| c.type_ == "FrequentKubeletRestart")
+            })
+            .unwrap();
+        assert_eq!(kubelet.conditions[0].clear_after_seconds, Some(1200));
+        let docker = import("docker", &fixture("docker-monitor.json"));
+        let c = &docker.monitors[0].conditions[0];
+        assert_eq!(c.type_, "CorruptDockerOverlay2");
+        assert!(docker.monitors[0].resets_at_boot(c));
+        assert!(
+            docker.notes.iter().any(|n| n
+                .contains("CorruptDockerOverlay2 stay True until NPD restarts")
+                && n.contains("resets them at the next boot")),
+            "{:?}",
+            docker.notes
+        );
+        let kernel = import("kernel", &fixture("kernel-monitor.json"));
+        assert!(
+            kernel
+                .notes
+                .iter()
+                .any(|n| n.contains("KernelDeadlock, ReadonlyFilesystem stay True")),
+            "{:?}",
+            kernel.notes
+        );
     }
 
     #[test]

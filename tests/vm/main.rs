@@ -846,9 +846,15 @@ async fn reboot(env: &Env, disk: &Disk, dir: &Path, node: &str, policy: &str, ro
         let took = c.message.as_deref().unwrap_or("").split("took ").nth(1).and_then(|s| s.split(';').next()).unwrap_or("?").to_string();
         assert!(took.ends_with('s') && took != "?", "{:?}", c.message);
         eventually(Duration::from_secs(10), "a NodeRebooted Event", || async { events_for(node).await.contains("NodeRebooted") }).await;
+        // The kernel monitor is not blind after the reboot: boot 1's saved
+        // kmsg sequence number does not hide boot 2's records, and boot 1's
+        // kernel condition was reset by the new boot.
+        eventually(Duration::from_secs(30), "KernelDeadlock=False after the reboot", || condition_is(admin, node, "KernelDeadlock", "False")).await;
+        vm.sh("echo '<3>INFO: task docker:4343 blocked for more than 120 seconds.' > /dev/kmsg").await;
+        eventually(Duration::from_secs(10), "KernelDeadlock=True from a kernel line of the new boot", || condition_is(admin, node, "KernelDeadlock", "True")).await;
         let previous = vm.exec("journalctl -b -1 --no-pager -o short-monotonic -u nodeguard -u systemd-logind").await;
         std::fs::write(dir.join("journal-boot-1-from-boot-2.txt"), previous.stdout).unwrap();
-        rows.pass("reboot", format!("boot {}; taint removed, GracefulShutdown=False (NodeRebooted), last shutdown took {took}", secs(booted)));
+        rows.pass("reboot", format!("boot {}; taint removed, GracefulShutdown=False (NodeRebooted), last shutdown took {took}; KernelDeadlock reset, a new /dev/kmsg line detected", secs(booted)));
     })
     .catch_unwind()
     .await;

@@ -214,11 +214,13 @@ fn permanent_rules_set_captures_taint_and_clear_by_pattern() {
         message: "The app crashed (disk full).".into()
     }));
     assert!(a.contains(&Action::Taint {
+        condition: "AppBroken".into(),
         key: "example.com/app-broken".into(),
         value: "true".into(),
         effect: "NoSchedule".into(),
         add: true
     }));
+    e.taint_result("AppBroken", TaintOutcome::Added);
     // A repeat changes nothing visible.
     assert!(e.on_line("app crashed: disk full", t(2)).is_empty());
     let a = e.on_line("app recovered", t(3));
@@ -384,4 +386,231 @@ fn plugin_results_set_and_clear_permanent_conditions() {
         e.on_plugin(9, PluginStatus::Problem, "", t(4)).is_empty(),
         "no such rule"
     );
+}
+
+fn taints(actions: &[Action]) -> Vec<bool> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Taint { add, condition, .. } => {
+                assert_eq!(condition, "AppBroken");
+                Some(*add)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// An operator's identical taint was there when the condition went True:
+/// nodeguard does not own it and leaves it when the condition clears, also
+/// after a restart; a taint nodeguard added is removed.
+#[test]
+fn only_taints_nodeguard_added_are_removed() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    assert_eq!(taints(&e.on_line("app crashed: x", t(1))), [true]);
+    e.taint_result("AppBroken", TaintOutcome::AlreadyPresent);
+    assert!(!e.state()["AppBroken"].taint_added);
+    // A restart puts the taint back if it went missing, and still does not
+    // own the one that is there.
+    let mut e = {
+        let saved = e.state().clone();
+        let mut e2 = Engine::new(&monitor(), "m").unwrap();
+        e2.restore(saved);
+        e2
+    };
+    assert_eq!(taints(&e.current(t(2))), [true]);
+    e.taint_result("AppBroken", TaintOutcome::AlreadyPresent);
+    let cleared = e.on_line("app recovered", t(3));
+    assert!(matches!(
+        &cleared[0],
+        Action::Condition { active: false, .. }
+    ));
+    assert_eq!(taints(&cleared), Vec::<bool>::new(), "not ours: left alone");
+
+    // Now nodeguard adds it: it removes it on clear.
+    assert_eq!(taints(&e.on_line("app crashed: y", t(4))), [true]);
+    e.taint_result("AppBroken", TaintOutcome::Added);
+    assert!(e.state()["AppBroken"].taint_added);
+    // A reason change while active does not add it again.
+    assert!(taints(&e.on_line("app crashed: z", t(5))).is_empty());
+    assert_eq!(taints(&e.on_line("app recovered", t(6))), [false]);
+    // The removal failed: still owned, and the next start removes it.
+    e.taint_result("AppBroken", TaintOutcome::Failed);
+    assert!(e.state()["AppBroken"].taint_added);
+    assert_eq!(taints(&e.current(t(7))), [false]);
+    e.taint_result("AppBroken", TaintOutcome::Removed);
+    assert!(!e.state()["AppBroken"].taint_added);
+    assert!(taints(&e.current(t(8))).is_empty());
+}
+
+fn kernel_with_taint() -> MonitorSpec {
+    let mut k = default_kernel_monitor();
+    k.conditions[0].taint = Some(TaintSpec {
+        key: "example.com/deadlock".into(),
+        value: None,
+        effect: "NoSchedule".into(),
+    });
+    k
+}
+
+#[test]
+fn a_new_boot_resets_kernel_conditions_and_removes_their_owned_taints() {
+    let mut e = Engine::new(&kernel_with_taint(), "k").unwrap();
+    e.current(t(0));
+    e.on_line(
+        "INFO: task docker:20744 blocked for more than 120 seconds.",
+        t(1),
+    );
+    e.taint_result("KernelDeadlock", TaintOutcome::Added);
+    e.on_line("EXT4-fs (sda1): Remounting filesystem read-only", t(2));
+    let saved = e.state().clone();
+
+    let mut e = Engine::new(&kernel_with_taint(), "k").unwrap();
+    e.restore(saved);
+    let a = e.on_new_boot(t(100));
+    assert!(a.iter().any(|x| matches!(x,
+        Action::Condition { type_, active: false, reason, message }
+            if type_ == "KernelDeadlock" && reason == "KernelHasNoDeadlock" && message.contains("was DockerHung: the node rebooted"))));
+    assert!(a.iter().any(|x| matches!(x,
+        Action::Condition { type_, active: false, .. } if type_ == "ReadonlyFilesystem")));
+    assert!(a.contains(&Action::Taint {
+        condition: "KernelDeadlock".into(),
+        key: "example.com/deadlock".into(),
+        value: String::new(),
+        effect: "NoSchedule".into(),
+        add: false,
+    }));
+    e.taint_result("KernelDeadlock", TaintOutcome::Removed);
+    let now = e.current(t(101));
+    assert!(
+        now.iter().all(|x| !matches!(
+            x,
+            Action::Condition { active: true, .. } | Action::Taint { .. }
+        )),
+        "{now:?}"
+    );
+    // The new boot's records set it again.
+    let a = e.on_line(
+        "INFO: task docker:1 blocked for more than 120 seconds.",
+        t(102),
+    );
+    assert!(
+        a.iter()
+            .any(|x| matches!(x, Action::Condition { active: true, .. }))
+    );
+}
+
+#[test]
+fn which_conditions_a_new_boot_resets() {
+    let kernel = default_kernel_monitor();
+    assert!(kernel.conditions.iter().all(|c| kernel.resets_at_boot(c)));
+    let mut file = monitor();
+    // It clears by pattern and after a quiet period: kept.
+    assert!(!file.resets_at_boot(&file.conditions[0]));
+    file.conditions[0].clear_pattern = None;
+    assert!(
+        !file.resets_at_boot(&file.conditions[0]),
+        "clearAfterSeconds"
+    );
+    file.conditions[0].clear_after_seconds = None;
+    assert!(
+        file.resets_at_boot(&file.conditions[0]),
+        "nothing else clears it"
+    );
+    let mut journal = file.clone();
+    journal.source.file = None;
+    journal.source.journald = Some(Default::default());
+    assert!(journal.resets_at_boot(&journal.conditions[0]));
+    let mut plugin = journal.clone();
+    plugin.source.journald = None;
+    plugin.source.plugin = Some(crate::policy::monitors::PluginSource {
+        interval_seconds: 30,
+        timeout_seconds: 5,
+        concurrency: 1,
+        max_output_length: 80,
+    });
+    assert!(
+        !plugin.resets_at_boot(&plugin.conditions[0]),
+        "checked again"
+    );
+
+    // A kept condition stays active across a new boot.
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.on_line("app crashed: x", t(1));
+    assert!(e.on_new_boot(t(2)).is_empty());
+    assert!(e.state()["AppBroken"].active);
+}
+
+fn owned(active: bool) -> BTreeMap<String, ConditionState> {
+    BTreeMap::from([(
+        "AppBroken".to_string(),
+        ConditionState {
+            active,
+            reason: "AppCrashed".into(),
+            message: "m".into(),
+            since: t(0),
+            last_match: None,
+            taint_added: true,
+        },
+    )])
+}
+
+#[test]
+fn cleanup_after_an_edit_or_a_removal() {
+    let old = monitor();
+    let taint = (
+        "AppBroken".to_string(),
+        "example.com/app-broken".to_string(),
+        "NoSchedule".to_string(),
+    );
+    // Removed: its conditions and owned taints go.
+    assert_eq!(
+        cleanup(&old, None, &owned(true)),
+        Cleanup {
+            conditions: vec!["AppBroken".into()],
+            taints: vec![taint.clone()],
+            reset_cursor: false
+        }
+    );
+    // A taint nodeguard does not own stays.
+    let mut not_owned = owned(true);
+    not_owned.get_mut("AppBroken").unwrap().taint_added = false;
+    assert_eq!(cleanup(&old, None, &not_owned).taints, vec![]);
+    // Unchanged conditions and taints: nothing to undo.
+    let mut new = old.clone();
+    new.rules[1].reason = "Other".into();
+    assert_eq!(cleanup(&old, Some(&new), &owned(true)), Cleanup::default());
+    // The taint changed (or went): the old one is removed.
+    new.conditions[0].taint.as_mut().unwrap().key = "example.com/other".into();
+    assert_eq!(
+        cleanup(&old, Some(&new), &owned(true)),
+        Cleanup {
+            conditions: vec![],
+            taints: vec![taint.clone()],
+            reset_cursor: false
+        }
+    );
+    new.conditions[0].taint = None;
+    assert_eq!(
+        cleanup(&old, Some(&new), &owned(true)).taints,
+        vec![taint.clone()]
+    );
+    // The condition type changed: the old type and its taint go.
+    let mut renamed = old.clone();
+    renamed.conditions[0].type_ = "AppDown".into();
+    renamed.rules[0].condition = Some("AppDown".into());
+    assert_eq!(
+        cleanup(&old, Some(&renamed), &owned(false)),
+        Cleanup {
+            conditions: vec!["AppBroken".into()],
+            taints: vec![taint],
+            reset_cursor: false
+        }
+    );
+    // Another source: the cursor is dropped.
+    let mut moved = old.clone();
+    moved.source.file = Some(crate::policy::monitors::FileSource { path: "/y".into() });
+    assert!(cleanup(&old, Some(&moved), &BTreeMap::new()).reset_cursor);
 }

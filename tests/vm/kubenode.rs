@@ -98,7 +98,8 @@ fn kubelet_kubeconfig(node: &str, dir: &Path) -> String {
         .arg("-out")
         .arg(&crt));
     use base64::Engine as _;
-    let b64 = |p: PathBuf| base64::engine::general_purpose::STANDARD.encode(std::fs::read(p).unwrap());
+    let b64 =
+        |p: PathBuf| base64::engine::general_purpose::STANDARD.encode(std::fs::read(p).unwrap());
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://{GUEST_APISERVER}\n    certificate-authority-data: {}\nusers:\n- name: kubelet\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\ncontexts:\n- name: node\n  context: {{cluster: test, user: kubelet}}\ncurrent-context: node\n",
         b64(pki.join("ca.crt")),
@@ -112,7 +113,13 @@ struct KubeNode(String);
 
 impl Drop for KubeNode {
     fn drop(&mut self) {
-        let _ = kubectl_status(&["delete", "node", "--ignore-not-found", "--wait=false", &self.0]);
+        let _ = kubectl_status(&[
+            "delete",
+            "node",
+            "--ignore-not-found",
+            "--wait=false",
+            &self.0,
+        ]);
     }
 }
 
@@ -128,9 +135,21 @@ impl Drop for Release {
         let _ = Command::new(&self.helm)
             .arg("--kubeconfig")
             .arg(kubeconfig_path())
-            .args(["uninstall", &self.name, "-n", &self.namespace, "--wait=false"])
+            .args([
+                "uninstall",
+                &self.name,
+                "-n",
+                &self.namespace,
+                "--wait=false",
+            ])
             .output();
-        let _ = kubectl_status(&["delete", "namespace", "--ignore-not-found", "--wait=false", &self.namespace]);
+        let _ = kubectl_status(&[
+            "delete",
+            "namespace",
+            "--ignore-not-found",
+            "--wait=false",
+            &self.namespace,
+        ]);
         let _ = kubectl_status(&["delete", "nodeguardpolicy", "--ignore-not-found", "default"]);
     }
 }
@@ -142,8 +161,16 @@ fn kube_disk(env: &Env, node: &str, dir: &Path, agent_archive: &Path) -> Disk {
     let disk = Disk::copy_of(&env.image, dir);
     disk.write("/etc/hostname", format!("{node}\n").as_bytes(), 0o644);
     let kubelet = lib_dir("node_bin_dir").join("kubelet");
-    assert!(kubelet.is_file(), "{} is missing: run e2e/cluster/build", kubelet.display());
-    disk.write("/usr/local/bin/kubelet", &std::fs::read(&kubelet).unwrap(), 0o755);
+    assert!(
+        kubelet.is_file(),
+        "{} is missing: run e2e/cluster/build",
+        kubelet.display()
+    );
+    disk.write(
+        "/usr/local/bin/kubelet",
+        &std::fs::read(&kubelet).unwrap(),
+        0o755,
+    );
     disk.write(
         "/etc/kubernetes/kubelet.kubeconfig",
         kubelet_kubeconfig(node, dir).as_bytes(),
@@ -199,11 +226,26 @@ pub async fn daemonset_node(env: &Env, rows: &Rows) {
     let dir = node_dir(&node.0);
     let (archive, repository, tag) = agent_image();
     let disk = kube_disk(env, &node.0, &dir, &archive);
-    let mut vm =
-        Vm::boot_with_memory(&env.image, &disk, env.apiserver_port, &dir, 1, KUBE_MEMORY_MIB).await;
-    let result = std::panic::AssertUnwindSafe(daemonset(&mut vm, &admin, &node.0, &dir, &repository, &tag, rows))
-        .catch_unwind()
-        .await;
+    let mut vm = Vm::boot_with_memory(
+        &env.image,
+        &disk,
+        env.apiserver_port,
+        &dir,
+        1,
+        KUBE_MEMORY_MIB,
+    )
+    .await;
+    let result = std::panic::AssertUnwindSafe(daemonset(
+        &mut vm,
+        &admin,
+        &node.0,
+        &dir,
+        &repository,
+        &tag,
+        rows,
+    ))
+    .catch_unwind()
+    .await;
     if result.is_err() && vm.exited().is_none() {
         let d = guest_diagnostics(&mut vm).await;
         let _ = std::fs::write(dir.join("guest-diagnostics.txt"), &d);
@@ -262,7 +304,8 @@ async fn daemonset(
     // helm install as users do, scoped to this Node so the shared cluster's
     // other (kubelet-less) Nodes get no pods and no policy.
     let release = Release {
-        name: "nodeguard".to_string(),
+        // Not "nodeguard": Env applies that RBAC (manifests/nodeguard.yaml) for the host-service nodes.
+        name: "nodeguard-kube".to_string(),
         namespace: unique_name("nodeguard-vm"),
         helm: lib_dir("bin_dir").join("helm"),
     };
@@ -299,7 +342,11 @@ async fn daemonset(
     let (pod_name, pod_ready_at) = loop {
         let list = pods.list(&ListParams::default()).await.unwrap();
         if let Some(p) = list.items.first() {
-            let phase = p.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default();
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
             if phase == "Running" {
                 running.get_or_insert_with(|| t_install.elapsed());
             }
@@ -337,6 +384,17 @@ async fn daemonset(
     )
     .await;
     let policy_written = t_install.elapsed();
+    // The default policy's kubelet probe targets 127.0.0.1:10248: it passes
+    // only from the node's network (the chart's hostNetwork).
+    wait_condition(
+        admin,
+        node,
+        "KubeletUnhealthy",
+        "False",
+        Duration::from_secs(60),
+        "KubeletUnhealthy=False (the kubelet's healthz probed from the pod)",
+    )
+    .await;
 
     // A kernel problem, from the pod: the default policy's kernel monitor.
     wait_condition(
@@ -351,15 +409,25 @@ async fn daemonset(
     let t0 = Instant::now();
     vm.sh("echo '<3>INFO: task docker:4242 blocked for more than 120 seconds.' > /dev/kmsg")
         .await;
-    eventually(Duration::from_secs(20), "KernelDeadlock=True from the pod", || {
-        condition_is(admin, node, "KernelDeadlock", "True")
-    })
+    eventually(
+        Duration::from_secs(20),
+        "KernelDeadlock=True from the pod",
+        || condition_is(admin, node, "KernelDeadlock", "True"),
+    )
     .await;
     let kmsg = t0.elapsed();
-    let c = node_conditions(admin, node, "KernelDeadlock").await.remove(0);
+    let c = node_conditions(admin, node, "KernelDeadlock")
+        .await
+        .remove(0);
     assert_eq!(c.reason.as_deref(), Some("DockerHung"));
     let logs = vm.exec("cat /var/log/pods/*/nodeguard/*.log").await.stdout;
     std::fs::write(dir.join("agent-pod.log"), &logs).unwrap();
+    // Every monitor of the default policy reads its source from the pod.
+    let events = kubectl(&["events", "-A", "--for", &format!("node/{node}")]);
+    assert!(
+        !events.contains("MonitorSourceUnavailable"),
+        "a monitor cannot read its source from the pod:\n{events}"
+    );
     std::fs::write(
         dir.join("describe-pod.txt"),
         kubectl_status(&["describe", "pods", "-n", &release.namespace]).unwrap_or_else(|e| e),
@@ -368,7 +436,7 @@ async fn daemonset(
     rows.pass(
         "daemonset",
         format!(
-            "boot: guest agent {}, Node registered {}, Ready {}; helm install → pod Running {}, Ready {}, NodeGuardPolicyInvalid=False {}; /dev/kmsg line → KernelDeadlock=True (DockerHung) from the pod {}",
+            "boot: guest agent {}, Node registered {}, Ready {}; helm install → pod Running {}, Ready {}, NodeGuardPolicyInvalid=False {}, KubeletUnhealthy=False; /dev/kmsg line → KernelDeadlock=True (DockerHung) from the pod {}",
             secs(booted),
             secs(registered),
             secs(ready),

@@ -123,7 +123,8 @@ impl Drop for KubeNode {
     }
 }
 
-/// The helm release, uninstalled (and its namespace deleted) with the scenario.
+/// The helm release, uninstalled (with its policy `default`, and its namespace
+/// deleted) with the scenario.
 struct Release {
     name: String,
     namespace: String,
@@ -150,7 +151,6 @@ impl Drop for Release {
             "--wait=false",
             &self.namespace,
         ]);
-        let _ = kubectl_status(&["delete", "nodeguardpolicy", "--ignore-not-found", "default"]);
     }
 }
 

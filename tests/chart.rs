@@ -142,6 +142,38 @@ fn with_host_access_off_the_pod_is_unprivileged() {
     assert!(!out.contains("hostPath"), "no host mounts");
 }
 
+/// What the daemonset VM scenario (tests/vm/kubenode.rs) found on a real
+/// kubelet node: /dev/kmsg is refused to an unprivileged container (device
+/// cgroup, dmesg_restrict), the default policy's kubelet probe on 127.0.0.1
+/// fails from the pod's own network, and without kube-proxy the in-cluster
+/// service address is unreachable.
+#[test]
+fn kmsg_is_privileged_probes_see_the_node_and_the_api_server_is_settable() {
+    let (ok, out, err) = helm(&[
+        "template",
+        "x",
+        &chart(),
+        "--set",
+        "host.kmsg.enabled=true",
+        "--set",
+        "apiServer.host=10.0.2.100",
+        "--set",
+        "apiServer.port=6443",
+    ]);
+    assert!(ok, "{err}");
+    for want in [
+        "privileged: true",
+        "hostNetwork: true",
+        "name: KUBERNETES_SERVICE_HOST\n              value: \"10.0.2.100\"",
+        "name: KUBERNETES_SERVICE_PORT\n              value: \"6443\"",
+    ] {
+        assert!(out.contains(want), "missing {want} in:\n{out}");
+    }
+    let (ok, out, err) = helm(&["template", "x", &chart(), "--set", "hostNetwork=false"]);
+    assert!(ok, "{err}");
+    assert!(!out.contains("hostNetwork") && !out.contains("KUBERNETES_SERVICE_HOST"));
+}
+
 #[test]
 fn the_shipped_default_policy_is_the_codes_and_renders() {
     let out = Command::new(env!("CARGO_BIN_EXE_nodeguard"))

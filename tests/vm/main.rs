@@ -8,6 +8,7 @@
 //! disk `poweroff` left). Artifacts (serial logs, journals, `kubectl describe
 //! node`, Events) go to `target/e2e/vm/<node>/`.
 
+mod kubenode;
 mod qemu;
 #[path = "../support/mod.rs"]
 mod support;
@@ -25,13 +26,14 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 6] = [
+const SCENARIOS: [&str; 7] = [
     "inhibit-delay",
     "kernel-problem",
     "systemd-watchdog",
     "poweroff",
     "reboot",
     "device-watchdog",
+    "daemonset",
 ];
 /// The shutdown policy's groups need 10 + 10 + 8 s plus the 2 s margin.
 const NEEDED_DELAY_SECS: u64 = 30;
@@ -211,6 +213,11 @@ async fn run(selected: &[&'static str], rows: &Rows) -> bool {
         let (e, r) = (env.clone(), rows.clone());
         let res = tokio::spawn(async move { device_watchdog_node(&e, &r).await }).await;
         record(&["device-watchdog"], res.map_err(|e| e.into_panic()));
+    }
+    if wants("daemonset") {
+        let (e, r) = (env.clone(), rows.clone());
+        let res = tokio::spawn(async move { kubenode::daemonset_node(&e, &r).await }).await;
+        record(&["daemonset"], res.map_err(|e| e.into_panic()));
     }
     env.cleanup();
     ok

@@ -156,13 +156,25 @@ async fn connect(path: &Path) -> UnixStream {
 }
 
 impl Vm {
-    /// Starts qemu on `disk`; `boot` numbers the serial logs in `dir`.
+    /// Starts qemu on `disk` with 1 GiB; `boot` numbers the serial logs in `dir`.
     pub async fn boot(
         image: &Image,
         disk: &Disk,
         apiserver_port: u16,
         dir: &Path,
         boot: u32,
+    ) -> Vm {
+        Vm::boot_with_memory(image, disk, apiserver_port, dir, boot, 1024).await
+    }
+
+    /// `boot` with `memory_mib` of RAM (a Kubernetes node gets 2 GiB).
+    pub async fn boot_with_memory(
+        image: &Image,
+        disk: &Disk,
+        apiserver_port: u16,
+        dir: &Path,
+        boot: u32,
+        memory_mib: u32,
     ) -> Vm {
         let serial = dir.join(format!("serial-{boot}.log"));
         let qmp_path = dir.join("qmp.sock");
@@ -171,7 +183,8 @@ impl Vm {
         let _ = std::fs::remove_file(&qga_path);
         let (guest_ip, guest_port) = GUEST_APISERVER.split_once(':').unwrap();
         let child = tokio::process::Command::new("qemu-system-x86_64")
-            .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-m", "1024", "-smp", "2"])
+            .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2"])
+            .args(["-m", &memory_mib.to_string()])
             .args(["-display", "none", "-monitor", "none", "-no-reboot"])
             .arg("-kernel")
             .arg(image.dir.join("vmlinuz"))

@@ -3,7 +3,6 @@
 package main
 
 import (
-	"context"
 	"os"
 
 	"k8s.io/component-base/cli"
@@ -11,5 +10,6 @@ import (
 )
 
 func main() {
-	os.Exit(cli.Run(app.NewKubeletCommand(context.Background())))
+	// 1.33's NewKubeletCommand takes no context (it gained one later).
+	os.Exit(cli.Run(app.NewKubeletCommand()))
 }

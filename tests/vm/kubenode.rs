@@ -1,0 +1,465 @@
+//! The VM as a real Kubernetes node: its kubelet (built by e2e/cluster/build)
+//! on Debian's containerd registers the Node as `system:node:<name>`, and
+//! nodeguard is installed the way users install it, `helm install` of
+//! charts/nodeguard, running as the DaemonSet's pod.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::ListParams;
+use kube::{Api, Client};
+
+use crate::qemu::{Disk, GUEST_APISERVER, Vm};
+use crate::support::*;
+use crate::{Env, Rows, node_dir, secs};
+
+/// A Kubernetes node gets 2 GiB (kubelet, containerd, the agent's pod).
+const KUBE_MEMORY_MIB: u32 = 2048;
+const NODE_READY_TIMEOUT: Duration = Duration::from_secs(300);
+const POD_READY_TIMEOUT: Duration = Duration::from_secs(240);
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A script of e2e/ that prints a directory (building what is missing).
+fn e2e_dir(script: &str) -> PathBuf {
+    let out = Command::new(repo_root().join(script))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{script}: {e}"));
+    assert!(out.status.success(), "{script} failed");
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// `. e2e/cluster/lib.sh; FN`: where the pinned binaries are.
+fn lib_dir(function: &str) -> PathBuf {
+    let out = run(Command::new("bash").arg("-c").arg(format!(
+        ". {}/e2e/cluster/lib.sh && {function}",
+        repo_root().display()
+    )));
+    PathBuf::from(out.trim())
+}
+
+/// The agent's image archive from e2e/image and its reference.
+fn agent_image() -> (PathBuf, String, String) {
+    let cargo = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
+    let version = cargo
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("version in Cargo.toml")
+        .to_string();
+    let archive = repo_root().join(format!("target/image/nodeguard-{version}.oci.tar"));
+    assert!(
+        archive.is_file(),
+        "{} is missing: run e2e/image (make test does)",
+        archive.display()
+    );
+    (archive, "ghcr.io/nodeguard/nodeguard".to_string(), version)
+}
+
+/// A client certificate for `system:node:<node>` (group system:nodes) signed
+/// by the test CA: the kubelet's identity, as the Node authorizer expects.
+fn kubelet_kubeconfig(node: &str, dir: &Path) -> String {
+    let pki = kubeconfig_path().with_file_name("pki");
+    let (key, csr, crt, ext) = (
+        dir.join("kubelet.key"),
+        dir.join("kubelet.csr"),
+        dir.join("kubelet.crt"),
+        dir.join("kubelet.ext"),
+    );
+    run(Command::new("openssl")
+        .args(["req", "-newkey", "rsa:2048", "-nodes", "-subj"])
+        .arg(format!("/O=system:nodes/CN=system:node:{node}"))
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&csr));
+    std::fs::write(&ext, "extendedKeyUsage=clientAuth\n").unwrap();
+    run(Command::new("openssl")
+        .args(["x509", "-req", "-days", "2", "-CAcreateserial", "-in"])
+        .arg(&csr)
+        .arg("-CA")
+        .arg(pki.join("ca.crt"))
+        .arg("-CAkey")
+        .arg(pki.join("ca.key"))
+        .arg("-extfile")
+        .arg(&ext)
+        .arg("-out")
+        .arg(&crt));
+    use base64::Engine as _;
+    let b64 =
+        |p: PathBuf| base64::engine::general_purpose::STANDARD.encode(std::fs::read(p).unwrap());
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://{GUEST_APISERVER}\n    certificate-authority-data: {}\nusers:\n- name: kubelet\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\ncontexts:\n- name: node\n  context: {{cluster: test, user: kubelet}}\ncurrent-context: node\n",
+        b64(pki.join("ca.crt")),
+        b64(crt),
+        b64(key)
+    )
+}
+
+/// The Node the kubelet registers, deleted with the scenario.
+struct KubeNode(String);
+
+impl Drop for KubeNode {
+    fn drop(&mut self) {
+        let _ = kubectl_status(&[
+            "delete",
+            "node",
+            "--ignore-not-found",
+            "--wait=false",
+            &self.0,
+        ]);
+    }
+}
+
+/// The helm release, uninstalled (with its policy `default`, and its namespace
+/// deleted) with the scenario.
+struct Release {
+    name: String,
+    namespace: String,
+    helm: PathBuf,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = Command::new(&self.helm)
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .args([
+                "uninstall",
+                &self.name,
+                "-n",
+                &self.namespace,
+                "--wait=false",
+            ])
+            .output();
+        let _ = kubectl_status(&[
+            "delete",
+            "namespace",
+            "--ignore-not-found",
+            "--wait=false",
+            &self.namespace,
+        ]);
+    }
+}
+
+/// A disk that boots as a Kubernetes node named `node`: hostname, kubelet,
+/// its identity and the CA, the image archives, kubelet.service enabled
+/// (it pulls in containerd and the image import).
+fn kube_disk(env: &Env, node: &str, dir: &Path, agent_archive: &Path) -> Disk {
+    let disk = Disk::copy_of(&env.image, dir);
+    disk.write("/etc/hostname", format!("{node}\n").as_bytes(), 0o644);
+    let kubelet = lib_dir("node_bin_dir").join("kubelet");
+    assert!(
+        kubelet.is_file(),
+        "{} is missing: run e2e/cluster/build",
+        kubelet.display()
+    );
+    disk.write(
+        "/usr/local/bin/kubelet",
+        &std::fs::read(&kubelet).unwrap(),
+        0o755,
+    );
+    disk.write(
+        "/etc/kubernetes/kubelet.kubeconfig",
+        kubelet_kubeconfig(node, dir).as_bytes(),
+        0o600,
+    );
+    let ca = std::fs::read(kubeconfig_path().with_file_name("pki").join("ca.crt")).unwrap();
+    disk.write("/etc/kubernetes/pki/ca.crt", &ca, 0o644);
+    let images = e2e_dir("e2e/vm/images");
+    for name in ["pause", "busybox"] {
+        let bytes = std::fs::read(images.join(format!("{name}.oci.tar"))).unwrap();
+        disk.write(&format!("/var/lib/e2e-images/{name}.tar"), &bytes, 0o644);
+    }
+    disk.write(
+        "/var/lib/e2e-images/nodeguard.tar",
+        &std::fs::read(agent_archive).unwrap(),
+        0o644,
+    );
+    disk.symlink(
+        "/etc/systemd/system/multi-user.target.wants/kubelet.service",
+        "/etc/systemd/system/kubelet.service",
+    );
+    disk
+}
+
+fn node_ready(n: &Node) -> bool {
+    n.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn pod_ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// What the guest shows about the node's services and the agent's pod.
+async fn guest_diagnostics(vm: &mut Vm) -> String {
+    let out = vm
+        .exec("systemctl --no-pager status kubelet containerd e2e-images 2>&1 | head -40; journalctl -b --no-pager -u kubelet | tail -40; for f in /var/log/pods/*/*/*.log; do echo \"== $f\"; tail -30 \"$f\"; done")
+        .await;
+    out.stdout
+}
+
+/// Boot → Node Ready → helm install → the DaemonSet pod Running and Ready →
+/// the agent's NodeGuardPolicyInvalid=False → a /dev/kmsg line becomes the
+/// default policy's KernelDeadlock condition.
+pub async fn daemonset_node(env: &Env, rows: &Rows) {
+    let admin = env.admin.clone();
+    let node = KubeNode(unique_name("vm-kube"));
+    let dir = node_dir(&node.0);
+    let (archive, repository, tag) = agent_image();
+    let disk = kube_disk(env, &node.0, &dir, &archive);
+    let mut vm = Vm::boot_with_memory(
+        &env.image,
+        &disk,
+        env.apiserver_port,
+        &dir,
+        1,
+        KUBE_MEMORY_MIB,
+    )
+    .await;
+    let result = std::panic::AssertUnwindSafe(daemonset(
+        &mut vm,
+        &admin,
+        &node.0,
+        &dir,
+        &repository,
+        &tag,
+        rows,
+    ))
+    .catch_unwind()
+    .await;
+    if result.is_err() && vm.exited().is_none() {
+        let d = guest_diagnostics(&mut vm).await;
+        let _ = std::fs::write(dir.join("guest-diagnostics.txt"), &d);
+        eprintln!("vm: {}: guest diagnostics:\n{d}", node.0);
+    }
+    crate::artifacts(Some(&mut vm), &dir, &node.0, "boot-1").await;
+    if vm.exited().is_none() {
+        let j = vm
+            .exec("journalctl -b --no-pager -o short-monotonic -u kubelet -u containerd -u e2e-images")
+            .await;
+        let _ = std::fs::write(dir.join("journal-kube-boot-1.txt"), j.stdout);
+    }
+    vm.power_off().await;
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+}
+
+use futures::FutureExt as _;
+
+async fn daemonset(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &Path,
+    repository: &str,
+    tag: &str,
+    rows: &Rows,
+) {
+    let booted = vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let mut registered = None;
+    let deadline = Instant::now() + NODE_READY_TIMEOUT;
+    let ready = loop {
+        if let Some(n) = nodes.get_opt(node).await.unwrap() {
+            registered.get_or_insert_with(|| vm.started.elapsed());
+            if node_ready(&n) && !has_taint(&n, "node.kubernetes.io/not-ready") {
+                break vm.started.elapsed();
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Node {node} not Ready (and untainted) {NODE_READY_TIMEOUT:?} after boot (registered: {registered:?})"
+        );
+        assert!(vm.exited().is_none(), "the VM stopped");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let registered = registered.unwrap();
+    eprintln!(
+        "vm: {node}: guest agent {}, Node registered {}, Ready {}",
+        secs(booted),
+        secs(registered),
+        secs(ready)
+    );
+
+    // helm install as users do, scoped to this Node so the shared cluster's
+    // other (kubelet-less) Nodes get no pods and no policy.
+    let release = Release {
+        // Not "nodeguard": Env applies that RBAC (manifests/nodeguard.yaml) for the host-service nodes.
+        name: "nodeguard-kube".to_string(),
+        namespace: unique_name("nodeguard-vm"),
+        helm: lib_dir("bin_dir").join("helm"),
+    };
+    let default_policy = shipped_default_policy();
+    let mut spec = default_policy["spec"].clone();
+    spec["nodeSelector"] = serde_json::json!({"matchLabels": {"kubernetes.io/hostname": node}});
+    let values = serde_json::json!({
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        "apiServer": {"host": GUEST_APISERVER.split(':').next().unwrap(), "port": 6443},
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "logFormat": "text",
+        "logLevel": "info,nodeguard=debug",
+        "host": {
+            "kmsg": {"enabled": true},
+            "journal": {"enabled": true},
+            "dbus": {"enabled": true},
+            "logindDropIn": {"enabled": true},
+        },
+        "defaultPolicy": {"enabled": true, "spec": spec},
+    });
+    let values_file = dir.join("values.json");
+    std::fs::write(&values_file, serde_json::to_string_pretty(&values).unwrap()).unwrap();
+    let t_install = Instant::now();
+    run(Command::new(&release.helm)
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(["install", &release.name])
+        .arg(repo_root().join("charts/nodeguard"))
+        .args(["-n", &release.namespace, "--create-namespace", "-f"])
+        .arg(&values_file));
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
+    let deadline = Instant::now() + POD_READY_TIMEOUT;
+    let mut running = None;
+    let (pod_name, pod_ready_at) = loop {
+        let list = pods.list(&ListParams::default()).await.unwrap();
+        if let Some(p) = list.items.first() {
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
+            if phase == "Running" {
+                running.get_or_insert_with(|| t_install.elapsed());
+            }
+            if phase == "Running" && pod_ready(p) {
+                assert_eq!(
+                    p.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+                    Some(node),
+                    "the DaemonSet pod runs on the VM's Node"
+                );
+                break (p.metadata.name.clone().unwrap(), t_install.elapsed());
+            }
+        }
+        if Instant::now() > deadline {
+            let describe = kubectl_status(&["describe", "pods", "-n", &release.namespace])
+                .unwrap_or_else(|e| e);
+            panic!(
+                "the DaemonSet pod was not Running and Ready {POD_READY_TIMEOUT:?} after helm install:\n{describe}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let running = running.unwrap_or(pod_ready_at);
+    eprintln!(
+        "vm: {node}: pod {pod_name} Running {} and Ready {} after helm install",
+        secs(running),
+        secs(pod_ready_at)
+    );
+    wait_condition(
+        admin,
+        node,
+        "NodeGuardPolicyInvalid",
+        "False",
+        Duration::from_secs(60),
+        "NodeGuardPolicyInvalid=False written by the agent in the pod",
+    )
+    .await;
+    let policy_written = t_install.elapsed();
+    // The default policy's kubelet probe targets 127.0.0.1:10248: it passes
+    // only from the node's network (the chart's hostNetwork).
+    wait_condition(
+        admin,
+        node,
+        "KubeletUnhealthy",
+        "False",
+        Duration::from_secs(60),
+        "KubeletUnhealthy=False (the kubelet's healthz probed from the pod)",
+    )
+    .await;
+
+    // A kernel problem, from the pod: the default policy's kernel monitor.
+    wait_condition(
+        admin,
+        node,
+        "KernelDeadlock",
+        "False",
+        Duration::from_secs(60),
+        "KernelDeadlock=False (the kernel monitor started in the pod)",
+    )
+    .await;
+    let t0 = Instant::now();
+    vm.sh("echo '<3>INFO: task docker:4242 blocked for more than 120 seconds.' > /dev/kmsg")
+        .await;
+    eventually(
+        Duration::from_secs(20),
+        "KernelDeadlock=True from the pod",
+        || condition_is(admin, node, "KernelDeadlock", "True"),
+    )
+    .await;
+    let kmsg = t0.elapsed();
+    let c = node_conditions(admin, node, "KernelDeadlock")
+        .await
+        .remove(0);
+    assert_eq!(c.reason.as_deref(), Some("DockerHung"));
+    let logs = vm.exec("cat /var/log/pods/*/nodeguard/*.log").await.stdout;
+    std::fs::write(dir.join("agent-pod.log"), &logs).unwrap();
+    // Every monitor of the default policy reads its source from the pod.
+    let events = kubectl(&["events", "-A", "--for", &format!("node/{node}")]);
+    assert!(
+        !events.contains("MonitorSourceUnavailable"),
+        "a monitor cannot read its source from the pod:\n{events}"
+    );
+    std::fs::write(
+        dir.join("describe-pod.txt"),
+        kubectl_status(&["describe", "pods", "-n", &release.namespace]).unwrap_or_else(|e| e),
+    )
+    .unwrap();
+    rows.pass(
+        "daemonset",
+        format!(
+            "boot: guest agent {}, Node registered {}, Ready {}; helm install → pod Running {}, Ready {}, NodeGuardPolicyInvalid=False {}, KubeletUnhealthy=False; /dev/kmsg line → KernelDeadlock=True (DockerHung) from the pod {}",
+            secs(booted),
+            secs(registered),
+            secs(ready),
+            secs(running),
+            secs(pod_ready_at),
+            secs(policy_written),
+            secs(kmsg)
+        ),
+    );
+}
+
+/// The chart's shipped default policy (YAML, converted by kubectl).
+fn shipped_default_policy() -> serde_json::Value {
+    let out = kubectl(&[
+        "create",
+        "--dry-run=client",
+        "-o",
+        "json",
+        "-f",
+        repo_root()
+            .join("charts/nodeguard/files/default-policy.yaml")
+            .to_str()
+            .unwrap(),
+    ]);
+    serde_json::from_str(&out).unwrap()
+}

@@ -15,9 +15,7 @@ use super::core::PodFacts;
 use crate::k8s::taints;
 use crate::policy::Selector;
 
-/// The taint nodeguard puts on a node that is shutting down.
-pub const TAINT_KEY: &str = "nodeguard.io/shutdown";
-pub const TAINT_EFFECT: &str = "NoSchedule";
+pub use super::core::{TAINT_EFFECT, TAINT_KEY};
 
 /// The outcome of one eviction request.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -852,37 +852,47 @@ async fn execute<C: ClusterPort>(
             ),
         );
     }
-    save(&ctx, &record);
 
     let record = std::sync::Mutex::new(record);
     let release_at = start + timeline.release;
     let (outcome, taint_done) = {
+        let lock_record = || record.lock().unwrap_or_else(|e| e.into_inner());
         let taint = async {
             match ctx.cluster.add_taint().await {
-                Ok(added) => {
-                    let mut r = record.lock().unwrap_or_else(|e| e.into_inner());
-                    r.taint_added |= added;
-                    save(&ctx, &r);
-                }
+                Ok(added) => lock_record().taint_added |= added,
                 Err(e) => tracing::error!(error = %e, "cannot taint the node; evicting anyway"),
             }
+            save(&ctx, &lock_record());
         };
         let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record);
-        tokio::pin!(taint, work);
+        // The record goes to disk (an fsync, which blocks the thread) once
+        // the taint request has answered, or after a moment: the taint is
+        // what keeps new pods off the node, so its request goes first.
+        let first_save = sleep(Duration::from_millis(200));
+        tokio::pin!(taint, work, first_save);
         let mut taint_done = false;
+        let mut saved = false;
         let mut outcome = loop {
             tokio::select! {
                 _ = &mut work => break "all groups done",
-                _ = &mut taint, if !taint_done => taint_done = true,
+                _ = &mut taint, if !taint_done => {
+                    taint_done = true;
+                    saved = true;
+                }
+                _ = &mut first_save, if !saved => {
+                    saved = true;
+                    save(&ctx, &lock_record());
+                }
                 _ = sleep_until(release_at) => break "the inhibit window is closing",
                 _ = cancel.cancelled() => break "cancelled",
             }
         };
-        if !taint_done && outcome == "all groups done" {
+        if !taint_done && outcome != "cancelled" {
             // Give the taint request a moment (it is usually in flight when
-            // no group had pods), so the node is tainted and the record
-            // knows whose taint it is; one that does not answer holds the
-            // release 1 s at most, never past logind's limit.
+            // no group had pods: the plan then ends at once), so the node
+            // is tainted and the record knows whose taint it is; one that
+            // does not answer holds the release 1 s at most, never past
+            // logind's limit.
             let until = (start + limit).min(Instant::now() + core::CALL_HEADROOM);
             tokio::select! {
                 _ = &mut taint => taint_done = true,

@@ -2,40 +2,39 @@
 //! peer, and the real control plane (the controller manager's disruption
 //! controller computes the PDB): condition and taint within 300 ms, groups
 //! in order, a PDB-protected pod escalated with an Event naming the PDB,
-//! the inhibitor released in time; cancel; logind restarts.
+//! the inhibitor released in time; cancel; logind restarts; a logind
+//! limit shorter than the policy needs; policy edits during a shutdown.
 
 mod support;
 
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::dbus::{LogindPeer, PrivateBus};
-use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
+use support::pods::{
+    PodsInThreeGroups, delete_pdb, ensure_priority_class, kubelet_sim, pods_in_three_groups,
+    running_pod,
+};
 use support::*;
 
-async fn shutdown_policy(
-    client: &Client,
+/// The policy's spec: `groups`, nodeguard's drop-in going to `drop_in`
+/// (`None`: writing a drop-in is disabled).
+fn shutdown_spec(
     node: &str,
-    drop_in: &std::path::Path,
+    drop_in: Option<&std::path::Path>,
     groups: serde_json::Value,
-) -> String {
-    let name = unique_name("shutdown");
-    apply_policy(
-        client,
-        &name,
-        serde_json::json!({
-            "nodeSelector": selecting(node),
-            "shutdown": {"gracePeriodByPriority": groups, "logindDropInDir": drop_in.display().to_string(),
-                         "safetyMarginSeconds": 2, "escalateAfterPercent": 50},
-        }),
-    )
-    .await;
-    name
+) -> serde_json::Value {
+    let drop_in = drop_in.map(|d| d.display().to_string()).unwrap_or_default();
+    serde_json::json!({
+        "nodeSelector": selecting(node),
+        "shutdown": {"gracePeriodByPriority": groups, "logindDropInDir": drop_in,
+                     "safetyMarginSeconds": 2, "escalateAfterPercent": 50},
+    })
 }
 
 fn node_has(node: &Node, condition: &str, status: &str) -> bool {
@@ -66,12 +65,28 @@ struct Setup {
 }
 
 async fn setup(prefix: &str, logind_delay: Duration, groups: serde_json::Value) -> Setup {
+    setup_with(prefix, logind_delay, groups, true).await
+}
+
+/// `raise`: the policy may write a drop-in that raises logind's delay.
+async fn setup_with(
+    prefix: &str,
+    logind_delay: Duration,
+    groups: serde_json::Value,
+    raise: bool,
+) -> Setup {
     let admin = admin_client().await;
     let node = TestNode::selectable(&admin, prefix).await;
     let bus = PrivateBus::start();
     let drop_in = TempDir::new("logind.conf.d");
     let peer = LogindPeer::start(&bus.address, logind_delay, Some(&drop_in.path)).await;
-    let policy = shutdown_policy(&admin, &node.name, &drop_in.path, groups).await;
+    let policy = unique_name("shutdown");
+    apply_policy(
+        &admin,
+        &policy,
+        shutdown_spec(&node.name, raise.then_some(drop_in.path.as_path()), groups),
+    )
+    .await;
     Setup {
         admin,
         node,
@@ -173,17 +188,26 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
     let watch_nodes: Api<Node> = Api::all(s.admin.clone());
     let node_name = s.node.name.clone();
+    let (listed_tx, listed_rx) = tokio::sync::oneshot::channel();
     let watching = tokio::spawn(async move {
         let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         let mut stream = watcher(watch_nodes, cfg).applied_objects().boxed();
+        let mut listed = Some(listed_tx);
         while let Some(Ok(n)) = stream.next().await {
+            if let Some(tx) = listed.take() {
+                let _ = tx.send(());
+            }
             if node_has(&n, "GracefulShutdown", "True") && tainted(&n) {
                 let _ = seen_tx.send(Instant::now());
                 return;
             }
         }
     });
-    tokio::time::sleep(Duration::from_millis(500)).await; // the watch is established
+    // The watch is established once it has delivered the Node.
+    tokio::time::timeout(Duration::from_secs(10), listed_rx)
+        .await
+        .expect("the Node watch delivers the Node")
+        .expect("watch ran");
     let t0 = Instant::now();
     s.peer.prepare_for_shutdown(true).await;
     let seen = tokio::time::timeout(Duration::from_secs(5), seen_rx.recv())
@@ -355,7 +379,19 @@ async fn the_lock_is_retaken_within_2s_after_logind_restarts() {
     })
     .await;
     s.peer.kill().await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    eventually(
+        Duration::from_secs(10),
+        "the agent reports logind unavailable",
+        || async {
+            node_has(
+                &nodes.get(&s.node.name).await.unwrap(),
+                "GracefulShutdownUnavailable",
+                "True",
+            )
+        },
+    )
+    .await;
     let back = Instant::now();
     s.peer.come_back().await;
     eventually(
@@ -367,5 +403,404 @@ async fn the_lock_is_retaken_within_2s_after_logind_restarts() {
     eprintln!("lock re-taken {:?} after logind came back", back.elapsed());
     agent.stop().await;
     assert_eq!(s.peer.held(), 0, "released when the agent stops");
+    s.cleanup().await;
+}
+
+/// The Node's condition `type_` as (status, reason, message).
+async fn condition_of(
+    nodes: &Api<Node>,
+    node: &str,
+    type_: &str,
+) -> Option<(String, String, String)> {
+    let n = nodes.get(node).await.unwrap();
+    n.status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| {
+            (
+                c.status,
+                c.reason.unwrap_or_default(),
+                c.message.unwrap_or_default(),
+            )
+        })
+}
+
+async fn effective_policies(nodes: &Api<Node>, node: &str) -> String {
+    nodes
+        .get(node)
+        .await
+        .unwrap()
+        .metadata
+        .annotations
+        .and_then(|a| a.get("nodeguard.io/effective-policies").cloned())
+        .unwrap_or_default()
+}
+
+/// The `why` of the inhibitors the logind peer holds.
+fn held_whys(peer: &LogindPeer) -> Vec<String> {
+    peer.state
+        .lock()
+        .unwrap()
+        .inhibitors
+        .iter()
+        .filter(|i| !i.released())
+        .map(|i| i.why.clone())
+        .collect()
+}
+
+/// Removes test pods that no kubelet will finish terminating.
+async fn force_delete(client: &Client, names: &[&str]) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), TEST_NAMESPACE);
+    for n in names {
+        let _ = pods
+            .delete(n, &DeleteParams::default().grace_period(0))
+            .await;
+    }
+}
+
+/// Issue 15, item 7: logind allows 5 s, the policy needs 12 s and may not
+/// write a drop-in. GracefulShutdown was never written; now it says why.
+#[tokio::test]
+async fn a_too_short_inhibit_delay_is_reported_on_graceful_shutdown() {
+    let s = setup_with(
+        "shortdelay",
+        Duration::from_secs(5),
+        serde_json::json!([
+            {"priority": 0, "gracePeriodSeconds": 4},
+            {"priority": 2000000000, "gracePeriodSeconds": 6},
+        ]),
+        false,
+    )
+    .await;
+    let (agent, _state) = s.start_agent().await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    eventually(
+        Duration::from_secs(10),
+        "GracefulShutdown=False (InhibitDelayTooShort)",
+        || async {
+            condition_of(&nodes, &s.node.name, "GracefulShutdown")
+                .await
+                .is_some_and(|(st, reason, _)| st == "False" && reason == "InhibitDelayTooShort")
+        },
+    )
+    .await;
+    let (_, _, message) = condition_of(&nodes, &s.node.name, "GracefulShutdown")
+        .await
+        .unwrap();
+    assert_eq!(
+        message,
+        "No shutdown in progress. logind allows 5s of delay but the policy needs 12s: a shutdown would get 3s, lowest-priority groups shortened first (priority: window 0: 0s of 4s, 2000000000: 3s of 6s)."
+    );
+    let (status, reason, _) = condition_of(&nodes, &s.node.name, "GracefulShutdownUnavailable")
+        .await
+        .unwrap();
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "InhibitDelayTooShort")
+    );
+    agent.stop().await;
+    s.cleanup().await;
+}
+
+/// Issue 15, item 12: logind allows 8 s (6 s after the margin) for groups
+/// that need 10 + 4 s. The critical group keeps its 4 s; the low group gets
+/// the 2 s left and its pod is asked for 2 s, not 10. Neither pod leaves
+/// (no kubelet finishes them), so each group takes its whole window.
+#[tokio::test]
+async fn a_short_window_keeps_the_critical_groups_time_and_clips_pod_grace() {
+    let s = setup_with(
+        "shortwindow",
+        Duration::from_secs(8),
+        serde_json::json!([
+            {"priority": 0, "gracePeriodSeconds": 10},
+            {"priority": 2000000000, "gracePeriodSeconds": 4},
+        ]),
+        false,
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let (low, critical) = (unique_name("low"), unique_name("critical"));
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({"app": "low"}),
+    )
+    .await;
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &critical,
+        "system-node-critical",
+        serde_json::json!({"app": "high"}),
+    )
+    .await;
+
+    // When each pod was marked for deletion, and with what grace.
+    let marked = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
+    let m = marked.clone();
+    let pods_api: Api<Pod> = Api::all(s.admin.clone());
+    let node_name = s.node.name.clone();
+    let (listed_tx, listed_rx) = tokio::sync::oneshot::channel();
+    let watching = tokio::spawn(async move {
+        let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
+        let mut stream = watcher(pods_api, cfg).applied_objects().boxed();
+        let mut listed = Some(listed_tx);
+        while let Some(Ok(p)) = stream.next().await {
+            if let Some(tx) = listed.take() {
+                let _ = tx.send(());
+            }
+            if p.metadata.deletion_timestamp.is_some() {
+                m.lock()
+                    .unwrap()
+                    .entry(p.metadata.name.clone().unwrap())
+                    .or_insert((Instant::now(), p.metadata.deletion_grace_period_seconds));
+            }
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(10), listed_rx)
+        .await
+        .expect("the pod watch delivers the pods")
+        .expect("watch ran");
+
+    let (agent, _state) = s.start_agent().await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let mut pods_rx = agent.pods.clone();
+    eventually(Duration::from_secs(10), "agent sees the two pods", || {
+        std::future::ready(
+            pods_rx
+                .borrow_and_update()
+                .as_ref()
+                .is_some_and(|p| p.len() == 2),
+        )
+    })
+    .await;
+    let t0 = Instant::now();
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(15), "inhibitor released", || {
+        std::future::ready(s.peer.held() == 0)
+    })
+    .await;
+    let released = t0.elapsed();
+    eventually(
+        Duration::from_secs(5),
+        "both pods marked for deletion",
+        || std::future::ready(marked.lock().unwrap().len() == 2),
+    )
+    .await;
+    watching.abort();
+    let marked = marked.lock().unwrap().clone();
+    let (t_low, grace_low) = marked[&low];
+    let (t_critical, grace_critical) = marked[&critical];
+    eprintln!(
+        "low marked {:?} (grace {grace_low:?}), critical {:?} (grace {grace_critical:?}), released {released:?} after PrepareForShutdown",
+        t_low - t0,
+        t_critical - t0
+    );
+    assert_eq!(
+        grace_low,
+        Some(2),
+        "the low pod's grace is its group's shortened window"
+    );
+    assert_eq!(
+        grace_critical,
+        Some(4),
+        "the critical group keeps its full window"
+    );
+    assert!(
+        t_critical >= t0 + Duration::from_millis(1_900),
+        "the critical group opened when the low group's 2 s were over"
+    );
+    assert!(
+        released >= Duration::from_millis(5_900),
+        "the critical pods had their 4 s before the release ({released:?})"
+    );
+    agent.stop().await;
+    force_delete(&s.admin, &[&low, &critical]).await;
+    s.cleanup().await;
+}
+
+/// Issue 15, item 7: the policy is deleted while a shutdown runs. The
+/// shutdown goes on; after the cancel nodeguard does not take the
+/// inhibitor again and gives up its conditions (before, the change was
+/// lost and the old policy re-armed).
+#[tokio::test]
+async fn shutdown_turned_off_during_a_shutdown_is_not_re_armed_after_the_cancel() {
+    let s = setup(
+        "offmidway",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 30}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let slow = unique_name("slow");
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &slow,
+        "nodeguard-test-low",
+        serde_json::json!({"app": "slow"}),
+    )
+    .await;
+    let (agent, _state) = s.start_agent().await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let mut pods_rx = agent.pods.clone();
+    eventually(Duration::from_secs(10), "agent sees the pod", || {
+        std::future::ready(
+            pods_rx
+                .borrow_and_update()
+                .as_ref()
+                .is_some_and(|p| p.len() == 1),
+        )
+    })
+    .await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(5), "GracefulShutdown=True", || async {
+        node_has(
+            &nodes.get(&s.node.name).await.unwrap(),
+            "GracefulShutdown",
+            "True",
+        )
+    })
+    .await;
+    let policies: Api<NodeGuardPolicy> = Api::all(s.admin.clone());
+    policies
+        .delete(&s.policy, &DeleteParams::default())
+        .await
+        .unwrap();
+    // The agent saw the deletion (it hands the selection to the shutdown
+    // manager before it annotates the Node).
+    eventually(
+        Duration::from_secs(10),
+        "no effective policy on the node",
+        || async {
+            !effective_policies(&nodes, &s.node.name)
+                .await
+                .contains(&s.policy)
+        },
+    )
+    .await;
+    s.peer.prepare_for_shutdown(false).await;
+    eventually(
+        Duration::from_secs(10),
+        "GracefulShutdown removed",
+        || async {
+            condition_of(&nodes, &s.node.name, "GracefulShutdown")
+                .await
+                .is_none()
+        },
+    )
+    .await;
+    assert_eq!(s.peer.held(), 0, "no inhibitor for a policy that is gone");
+    assert_eq!(
+        s.peer.state.lock().unwrap().inhibitors.len(),
+        1,
+        "taken once"
+    );
+    assert!(!tainted(&nodes.get(&s.node.name).await.unwrap()));
+    eventually(
+        Duration::from_secs(10),
+        "the ShutdownPolicyDeferred Event",
+        || async {
+            events_for(&s.node.name)
+                .await
+                .contains("ShutdownPolicyDeferred")
+        },
+    )
+    .await;
+    agent.stop().await;
+    force_delete(&s.admin, &[&slow]).await;
+    s.cleanup().await;
+}
+
+/// Issue 15, item 7: an edit during a shutdown is applied after it: the
+/// inhibitor is taken again for the edited policy.
+#[tokio::test]
+async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
+    let s = setup(
+        "editmidway",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 30}]),
+    )
+    .await;
+    let (agent, _state) = s.start_agent().await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    assert_eq!(
+        held_whys(&s.peer),
+        vec!["nodeguard moves pods off the node in 1 priority group(s) within 30s".to_string()]
+    );
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(5), "GracefulShutdown=True", || async {
+        node_has(
+            &nodes.get(&s.node.name).await.unwrap(),
+            "GracefulShutdown",
+            "True",
+        )
+    })
+    .await;
+    apply_policy(
+        &s.admin,
+        &s.policy,
+        shutdown_spec(
+            &s.node.name,
+            Some(&s.drop_in.path),
+            serde_json::json!([{"priority": 0, "gracePeriodSeconds": 12}]),
+        ),
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the edit is in force on the node",
+        || async {
+            effective_policies(&nodes, &s.node.name)
+                .await
+                .contains(&format!("{}@2", s.policy))
+        },
+    )
+    .await;
+    s.peer.prepare_for_shutdown(false).await;
+    eventually(
+        Duration::from_secs(10),
+        "the inhibitor taken for the edited policy",
+        || {
+            std::future::ready(
+                held_whys(&s.peer)
+                    == vec![
+                        "nodeguard moves pods off the node in 1 priority group(s) within 12s"
+                            .to_string(),
+                    ],
+            )
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "GracefulShutdownUnavailable says 12s",
+        || async {
+            condition_of(&nodes, &s.node.name, "GracefulShutdownUnavailable")
+                .await
+                .is_some_and(|(st, _, message)| st == "False" && message.contains("within 12s"))
+        },
+    )
+    .await;
+    agent.stop().await;
     s.cleanup().await;
 }

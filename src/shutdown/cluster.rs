@@ -5,8 +5,9 @@
 use std::future::Future;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{DeleteParams, EvictParams, ListParams};
+use k8s_openapi::api::policy::v1::{Eviction, PodDisruptionBudget};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 
 use super::ShutdownError;
@@ -14,9 +15,7 @@ use super::core::PodFacts;
 use crate::k8s::taints;
 use crate::policy::Selector;
 
-/// The taint nodeguard puts on a node that is shutting down.
-pub const TAINT_KEY: &str = "nodeguard.io/shutdown";
-pub const TAINT_EFFECT: &str = "NoSchedule";
+pub use super::core::{TAINT_EFFECT, TAINT_KEY};
 
 /// The outcome of one eviction request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,6 +98,24 @@ pub fn pdb_from_message(message: &str) -> Option<String> {
     Some(name.trim_end_matches([',', '.', ':']).to_string()).filter(|n| !n.is_empty())
 }
 
+/// The Eviction for the pod `namespace/name` with `grace`. Posted as is:
+/// kube's `Api::evict` sends its delete options as `delete_options`, a key
+/// the API server ignores, so the pod would get its own grace period.
+pub fn eviction(key: &str, grace: i64) -> Eviction {
+    let (ns, name) = key.split_once('/').unwrap_or(("default", key));
+    Eviction {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            ..Default::default()
+        },
+        delete_options: Some(DeleteOptions {
+            grace_period_seconds: Some(grace.max(0)),
+            ..Default::default()
+        }),
+    }
+}
+
 /// The API adapter.
 #[derive(Clone)]
 pub struct KubeCluster {
@@ -154,14 +171,15 @@ impl ClusterPort for KubeCluster {
 
     async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {
         let (pods, name) = self.pods(key);
-        let params = EvictParams {
-            delete_options: Some(DeleteParams {
-                grace_period_seconds: Some(grace.max(0) as u32),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        match pods.evict(&name, &params).await {
+        match pods
+            .create_subresource::<_, kube::core::Status>(
+                "eviction",
+                &name,
+                &PostParams::default(),
+                &eviction(key, grace),
+            )
+            .await
+        {
             Ok(_) => Ok(Evicted::Yes),
             Err(kube::Error::Api(s)) if s.code == 404 => Ok(Evicted::Gone),
             Err(kube::Error::Api(s)) if s.code == 429 => {
@@ -241,6 +259,23 @@ mod tests {
         assert!(
             !pod_facts(&p).tolerates_shutdown,
             "another effect or key does not count"
+        );
+    }
+
+    #[test]
+    fn the_eviction_carries_the_grace_where_the_api_server_reads_it() {
+        assert_eq!(
+            serde_json::to_value(eviction("ns/web", 4)).unwrap(),
+            serde_json::json!({
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": "web", "namespace": "ns"},
+                "deleteOptions": {"gracePeriodSeconds": 4},
+            })
+        );
+        assert_eq!(
+            serde_json::to_value(eviction("ns/web", -3)).unwrap()["deleteOptions"],
+            serde_json::json!({"gracePeriodSeconds": 0})
         );
     }
 

@@ -1,8 +1,15 @@
 //! Decision core of graceful shutdown: priority groups with the kubelet's
 //! boundary rules, per-pod grace, which pods to leave alone, the timeline
-//! (group windows, escalation points, when to release the inhibitor).
+//! (group windows within logind's limit, escalation points, when to release
+//! the inhibitor), each pod's next step, and what the conditions say.
 
 use std::time::Duration;
+
+use crate::report::{Desired, Status};
+
+/// The taint nodeguard puts on a node that is shutting down.
+pub const TAINT_KEY: &str = "nodeguard.io/shutdown";
+pub const TAINT_EFFECT: &str = "NoSchedule";
 
 /// The priority of `system-cluster-critical`/`system-node-critical` pods'
 /// lower bound (`SystemCriticalPriority` in Kubernetes).
@@ -96,10 +103,11 @@ pub fn leave_alone(pod: &PodFacts, include: Include) -> Option<&'static str> {
     }
 }
 
-/// The grace a pod gets in its group: the group's window, or the pod's own
-/// terminationGracePeriodSeconds when shorter.
-pub fn pod_grace(group: &GroupSpec, pod: &PodFacts) -> i64 {
-    let window = group.grace.as_secs() as i64;
+/// The grace a pod gets: its group's window in this shutdown (to the
+/// nearest second: a window opens a few milliseconds after its slot), or
+/// the pod's own terminationGracePeriodSeconds when shorter.
+pub fn pod_grace(window: Duration, pod: &PodFacts) -> i64 {
+    let window = (window + Duration::from_millis(500)).as_secs() as i64;
     match pod.termination_grace_seconds {
         Some(own) if own >= 0 && own < window => own,
         _ => window,
@@ -137,48 +145,454 @@ pub fn group_pods(groups: &[GroupSpec], pods: &[PodFacts], include: Include) -> 
     out
 }
 
-/// When everything happens, as offsets from the start of the shutdown.
+/// The plan of one shutdown, as offsets from its start.
+///
+/// logind lets a shutdown wait at most `InhibitDelayMaxSec`; nodeguard
+/// releases its inhibitor the safety margin before that: the *limit*. When
+/// the groups that have pods need more than the limit, the time is handed
+/// out from the highest-priority group down, so the lowest-priority groups
+/// are shortened first (to nothing, if need be) and the most critical pods
+/// keep their full grace. Groups without pods reserve no time.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Timeline {
-    /// The latest each group's window may end (cumulative), clipped to
-    /// `release`. A group starts as soon as the previous one is done and
-    /// gets its own grace from then, within this bound.
+    /// The groups, sorted, with their configured grace.
+    pub groups: Vec<GroupSpec>,
+    /// The time reserved for each group: its grace, shortened when the
+    /// limit is short; zero for a group without pods.
+    pub windows: Vec<Duration>,
+    /// The latest each group's window may end: the reserved windows laid
+    /// end to end. A group starts as soon as the previous one is done and
+    /// gets its grace from then, but never past this point, so it never
+    /// takes time reserved for the groups after it.
     pub group_ends: Vec<Duration>,
-    /// When the inhibitor must be released at the latest: the end of the
-    /// last window or logind's maximum delay minus the safety margin,
-    /// whichever comes first.
+    /// When the inhibitor is released at the latest: the end of the last
+    /// window, never past the limit.
     pub release: Duration,
 }
 
+/// Plans a shutdown that is `elapsed` into its time (zero, or how long it
+/// ran before the agent restarted). `occupied[i]`: group `i` has pods to
+/// terminate. `groups` must be sorted.
 pub fn timeline(
     groups: &[GroupSpec],
-    inhibit_delay_max: Duration,
-    safety_margin: Duration,
+    occupied: &[bool],
+    limit: Duration,
+    elapsed: Duration,
 ) -> Timeline {
-    let limit = inhibit_delay_max.saturating_sub(safety_margin);
-    let mut end = Duration::ZERO;
-    let mut group_ends = Vec::with_capacity(groups.len());
-    for g in groups {
-        end += g.grace;
-        group_ends.push(end.min(limit));
+    let mut budget = limit.saturating_sub(elapsed);
+    let mut windows = vec![Duration::ZERO; groups.len()];
+    for (i, g) in groups.iter().enumerate().rev() {
+        if occupied.get(i).copied().unwrap_or(false) {
+            windows[i] = g.grace.min(budget);
+            budget -= windows[i];
+        }
     }
+    let mut end = elapsed;
+    let group_ends: Vec<Duration> = windows
+        .iter()
+        .map(|w| {
+            end += *w;
+            end
+        })
+        .collect();
     Timeline {
-        release: end.min(limit),
+        groups: groups.to_vec(),
+        windows,
         group_ends,
+        release: end,
     }
 }
 
+impl Timeline {
+    /// The window of group `i` when it opens `opens_at` into the shutdown:
+    /// its grace, but never past its latest end.
+    pub fn window(&self, i: usize, opens_at: Duration) -> Duration {
+        self.groups[i]
+            .grace
+            .min(self.group_ends[i].saturating_sub(opens_at))
+    }
+}
+
+/// What a shutdown would look like with the inhibit delay logind allows:
+/// the plan with pods in every group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Readiness {
+    /// logind's `InhibitDelayMaxSec`.
+    pub allowed: Duration,
+    pub safety_margin: Duration,
+    pub plan: Timeline,
+}
+
+impl Readiness {
+    pub fn new(groups: &[GroupSpec], allowed: Duration, safety_margin: Duration) -> Self {
+        let occupied = vec![true; groups.len()];
+        Readiness {
+            allowed,
+            safety_margin,
+            plan: timeline(
+                groups,
+                &occupied,
+                allowed.saturating_sub(safety_margin),
+                Duration::ZERO,
+            ),
+        }
+    }
+
+    /// The inhibit delay the policy needs: every group's grace plus the
+    /// margin.
+    pub fn needed(&self) -> Duration {
+        total_grace(&self.plan.groups) + self.safety_margin
+    }
+
+    /// logind allows less than the policy needs.
+    pub fn short(&self) -> bool {
+        self.allowed < self.needed()
+    }
+
+    /// "0: 4s of 10s, 2000000000: 6s", lowest priority first.
+    fn windows_text(&self) -> String {
+        self.plan
+            .groups
+            .iter()
+            .zip(&self.plan.windows)
+            .map(|(g, w)| {
+                if *w == g.grace {
+                    format!("{}: {}s", g.priority, w.as_secs())
+                } else {
+                    format!("{}: {}s of {}s", g.priority, w.as_secs(), g.grace.as_secs())
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// How long an escalating delete has at least to reach the API server: a
+/// refused eviction escalates at the latest this long before its window
+/// closes, since no API call of a group outlives the group's window.
+pub const CALL_HEADROOM: Duration = Duration::from_secs(1);
+
 /// When a pod whose eviction keeps being refused (a PodDisruptionBudget)
 /// is escalated: after `percent` of its group's window, as an offset from
-/// the window's start.
+/// the window's start, and at the latest [`CALL_HEADROOM`] before its end.
 pub fn escalate_after(window: Duration, percent: u8) -> Duration {
-    window.mul_f64(f64::from(percent.min(100)) / 100.0)
+    window
+        .mul_f64(f64::from(percent.min(100)) / 100.0)
+        .min(window.saturating_sub(CALL_HEADROOM))
 }
 
 /// The grace of an escalating delete: what is left of the window, never
 /// more than the pod's own grace, at least 0.
 pub fn escalation_grace(remaining: Duration, pod_grace: i64) -> i64 {
     (remaining.as_secs() as i64).min(pod_grace).max(0)
+}
+
+/// One pod's termination within its group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodPlan {
+    /// The group's window in this shutdown.
+    pub window: Duration,
+    /// When a refused eviction turns into a delete; `None`: never.
+    pub escalate_at: Option<Duration>,
+    /// The grace asked for in the eviction.
+    pub grace: i64,
+}
+
+impl PodPlan {
+    pub fn new(window: Duration, pod: &PodFacts, escalate: bool, percent: u8) -> Self {
+        PodPlan {
+            window,
+            escalate_at: escalate.then(|| escalate_after(window, percent)),
+            grace: pod_grace(window, pod),
+        }
+    }
+}
+
+/// What the last API call for a pod came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The eviction was accepted.
+    Evicted,
+    /// The pod no longer exists.
+    Gone,
+    /// A PodDisruptionBudget refused the eviction.
+    Blocked,
+    /// The escalating delete was accepted.
+    Deleted,
+    /// The call failed, or did not answer before the window closed.
+    Failed,
+}
+
+/// How a pod's termination ended; all but `Gone` are the `outcome` label
+/// of `nodeguard_shutdown_pods_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodEnd {
+    Evicted,
+    Gone,
+    Escalated,
+    /// Still refused when the window closed, and escalation is off.
+    Blocked,
+    /// The API failed or did not answer until the window closed.
+    Failed,
+}
+
+impl PodEnd {
+    pub fn label(self) -> &'static str {
+        match self {
+            PodEnd::Evicted => "evicted",
+            PodEnd::Gone => "gone",
+            PodEnd::Escalated => "escalated",
+            PodEnd::Blocked => "blocked",
+            PodEnd::Failed => "failed",
+        }
+    }
+}
+
+/// The executor's next step for a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodStep {
+    End(PodEnd),
+    /// Delete the pod with this grace.
+    Escalate {
+        grace: i64,
+    },
+    /// Ask for the eviction again this far into the window.
+    Retry {
+        at: Duration,
+    },
+}
+
+/// The wait before retry number `attempt + 1`: 250 ms, doubling, at most 2 s.
+pub fn retry_backoff(attempt: u32) -> Duration {
+    Duration::from_millis(250u64 << attempt.min(3)).min(Duration::from_secs(2))
+}
+
+/// What to do after `outcome`, `now` into the group's window, when
+/// `attempt` retries were made before. No call is planned at or past the
+/// window's end: what has not worked by then ends there.
+pub fn next(plan: &PodPlan, now: Duration, outcome: Outcome, attempt: u32) -> PodStep {
+    let give_up = |outcome| match outcome {
+        Outcome::Blocked if plan.escalate_at.is_none() => PodEnd::Blocked,
+        _ => PodEnd::Failed,
+    };
+    match outcome {
+        Outcome::Evicted => return PodStep::End(PodEnd::Evicted),
+        Outcome::Gone => return PodStep::End(PodEnd::Gone),
+        Outcome::Deleted => return PodStep::End(PodEnd::Escalated),
+        Outcome::Blocked | Outcome::Failed if now >= plan.window => {
+            return PodStep::End(give_up(outcome));
+        }
+        Outcome::Blocked if plan.escalate_at.is_some_and(|at| now >= at) => {
+            return PodStep::Escalate {
+                grace: escalation_grace(plan.window - now, plan.grace),
+            };
+        }
+        Outcome::Blocked | Outcome::Failed => {}
+    }
+    let mut at = now + retry_backoff(attempt);
+    if let Some(e) = plan.escalate_at.filter(|e| *e > now) {
+        at = at.min(e);
+    }
+    if at >= plan.window {
+        PodStep::End(give_up(outcome))
+    } else {
+        PodStep::Retry { at }
+    }
+}
+
+/// What the taint came to, for the reports after a shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaintAfter {
+    /// nodeguard did not add it (someone else's, or never set).
+    NotOurs,
+    Removed,
+    /// nodeguard added it and could not remove it.
+    Left,
+}
+
+/// Whether nodeguard holds its inhibitor after a cancelled shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterCancel {
+    Held,
+    /// The policy turned graceful shutdown off during the shutdown.
+    PolicyOff,
+    /// logind refused; nodeguard reconnects.
+    Reconnecting,
+}
+
+/// The last shutdown, as the condition reports it until the next one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LastShutdown {
+    Cancelled {
+        taint: TaintAfter,
+        inhibitor: AfterCancel,
+    },
+    /// The node is back after a shutdown of an earlier boot.
+    Rebooted {
+        started_at: String,
+        /// `None`: it did not finish before the machine went down.
+        took: Option<Duration>,
+        taint: TaintAfter,
+    },
+}
+
+/// Where the shutdown manager is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The policy is not known yet, or logind cannot be reached: nothing
+    /// new to say about a shutdown.
+    Waiting,
+    /// The policy has no shutdown section: the condition is not nodeguard's.
+    Off,
+    /// The inhibitor is held and no shutdown runs.
+    Armed(Readiness),
+    /// A shutdown runs (or ran, and the host is going down).
+    Running { groups: usize, release: Duration },
+}
+
+/// What to do with the `GracefulShutdown` condition.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConditionUpdate {
+    Keep,
+    Remove,
+    Set(Desired),
+    /// Set, written without waiting for the write interval.
+    Urgent(Desired),
+}
+
+fn desired(status: Status, reason: &str, message: String) -> Desired {
+    Desired {
+        status,
+        reason: reason.into(),
+        message,
+    }
+}
+
+fn taint_text(taint: TaintAfter) -> String {
+    match taint {
+        TaintAfter::NotOurs => String::new(),
+        TaintAfter::Removed => "; nodeguard removed its shutdown taint".into(),
+        TaintAfter::Left => format!(
+            "; nodeguard could not remove its shutdown taint {}: remove it with kubectl taint",
+            TAINT_KEY
+        ),
+    }
+}
+
+/// The message of a cancelled shutdown (the condition's and the Event's).
+pub fn cancel_message(taint: TaintAfter, inhibitor: AfterCancel) -> String {
+    let then = match inhibitor {
+        AfterCancel::Held => "nodeguard holds its inhibitor again",
+        AfterCancel::PolicyOff => {
+            "graceful shutdown is off by policy now, so nodeguard does not take its inhibitor again"
+        }
+        AfterCancel::Reconnecting => {
+            "nodeguard cannot take its inhibitor again yet and reconnects to systemd-logind"
+        }
+    };
+    format!("The shutdown was cancelled{}; {then}.", taint_text(taint))
+}
+
+/// The message of the first start after a reboot (the condition's and the
+/// Event's).
+pub fn rebooted_message(started_at: &str, took: Option<Duration>, taint: TaintAfter) -> String {
+    let took = match took {
+        Some(d) => format!("took {}s", d.as_secs()),
+        None => "did not finish before the machine went down".into(),
+    };
+    format!(
+        "The node is back after a shutdown that started at {started_at} and {took}{}.",
+        taint_text(taint)
+    )
+}
+
+/// The `GracefulShutdown` condition for the manager's phase and the last
+/// shutdown. A shutdown in progress wins; then the last shutdown's outcome
+/// stays until the next one (or until the policy turns shutdown off); an
+/// armed node without history reports `NoShutdown`, or
+/// `InhibitDelayTooShort` when logind allows less than the policy needs.
+pub fn condition(phase: &Phase, last: Option<&LastShutdown>) -> ConditionUpdate {
+    match (phase, last) {
+        (Phase::Off, _) => ConditionUpdate::Remove,
+        (Phase::Running { groups, release }, _) => ConditionUpdate::Urgent(desired(
+            Status::True,
+            "ShutdownInProgress",
+            format!(
+                "The host is shutting down; nodeguard is moving pods off in {groups} priority group(s) and releases the shutdown in at most {}s.",
+                release.as_secs()
+            ),
+        )),
+        (_, Some(LastShutdown::Cancelled { taint, inhibitor })) => {
+            ConditionUpdate::Urgent(desired(
+                Status::False,
+                "ShutdownCancelled",
+                cancel_message(*taint, *inhibitor),
+            ))
+        }
+        (
+            _,
+            Some(LastShutdown::Rebooted {
+                started_at,
+                took,
+                taint,
+            }),
+        ) => ConditionUpdate::Set(desired(
+            Status::False,
+            "NodeRebooted",
+            rebooted_message(started_at, *took, *taint),
+        )),
+        (Phase::Armed(r), None) if r.short() => ConditionUpdate::Set(desired(
+            Status::False,
+            "InhibitDelayTooShort",
+            format!(
+                "No shutdown in progress. logind allows {}s of delay but the policy needs {}s: a shutdown would get {}s, lowest-priority groups shortened first (priority: window {}).",
+                r.allowed.as_secs(),
+                r.needed().as_secs(),
+                r.plan.release.as_secs(),
+                r.windows_text()
+            ),
+        )),
+        (Phase::Armed(_), None) => ConditionUpdate::Set(desired(
+            Status::False,
+            "NoShutdown",
+            "No shutdown in progress.".into(),
+        )),
+        (Phase::Waiting, None) => ConditionUpdate::Keep,
+    }
+}
+
+/// `GracefulShutdownUnavailable` while the inhibitor is held: `False`, or
+/// `True` (`InhibitDelayTooShort`) when logind allows less than the policy
+/// needs. `drop_in_dir`: where nodeguard wrote its drop-in (`None`:
+/// disabled).
+pub fn availability(r: &Readiness, drop_in_dir: Option<&std::path::Path>) -> Desired {
+    if !r.short() {
+        return desired(
+            Status::False,
+            "InhibitorHeld",
+            format!(
+                "nodeguard holds a logind delay inhibitor: on shutdown it moves pods off in {} priority group(s) within {}s (logind allows {}s).",
+                r.plan.groups.len(),
+                total_grace(&r.plan.groups).as_secs(),
+                r.allowed.as_secs()
+            ),
+        );
+    }
+    desired(
+        Status::True,
+        "InhibitDelayTooShort",
+        format!(
+            "logind allows shutdown to be delayed {}s but the policy needs {}s ({}); nodeguard will release its inhibitor after {}s and shortens the lowest-priority groups first (priority: window {}). Raise InhibitDelayMaxSec= in /etc/systemd/logind.conf.d/ (or mount it for nodeguard's drop-in) and restart systemd-logind.",
+            r.allowed.as_secs(),
+            r.needed().as_secs(),
+            match drop_in_dir {
+                Some(d) => format!("the drop-in in {} did not take effect", d.display()),
+                None => "writing a drop-in is disabled".into(),
+            },
+            r.plan.release.as_secs(),
+            r.windows_text()
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -255,19 +669,27 @@ mod tests {
 
     #[test]
     fn per_pod_grace_is_the_shorter_of_window_and_own() {
-        let group = g(0, 30);
-        let mut p = pod("a/b", 0);
-        assert_eq!(pod_grace(&group, &p), 30);
-        p.termination_grace_seconds = Some(10);
-        assert_eq!(pod_grace(&group, &p), 10);
-        p.termination_grace_seconds = Some(30);
-        assert_eq!(pod_grace(&group, &p), 30);
-        p.termination_grace_seconds = Some(120);
-        assert_eq!(pod_grace(&group, &p), 30);
-        p.termination_grace_seconds = Some(0);
-        assert_eq!(pod_grace(&group, &p), 0);
-        p.termination_grace_seconds = Some(-1);
-        assert_eq!(pod_grace(&group, &p), 30, "a negative value is ignored");
+        // (window in ms, terminationGracePeriodSeconds) -> grace asked for
+        let cases = [
+            (30_000, None, 30),
+            (30_000, Some(10), 10),
+            (30_000, Some(30), 30),
+            (30_000, Some(120), 30),
+            (30_000, Some(0), 0),
+            (30_000, Some(-1), 30), // a negative value is ignored
+            (3_998, None, 4),       // to the nearest second
+            (4_400, Some(30), 4),   // clipped to a shortened window
+            (0, Some(30), 0),
+        ];
+        for (window_ms, own, want) in cases {
+            let mut p = pod("a/b", 0);
+            p.termination_grace_seconds = own;
+            assert_eq!(
+                pod_grace(Duration::from_millis(window_ms), &p),
+                want,
+                "window {window_ms} ms, own {own:?}"
+            );
+        }
     }
 
     #[test]
@@ -334,38 +756,331 @@ mod tests {
         assert!(group_pods(&[], &pods, Include::default()).is_empty());
     }
 
+    fn secs(v: &[u64]) -> Vec<Duration> {
+        v.iter().map(|s| Duration::from_secs(*s)).collect()
+    }
+
     #[test]
-    fn timeline_with_and_without_a_short_inhibit_delay() {
+    fn windows_are_handed_out_from_the_highest_priority_group_down() {
         let groups = [g(0, 10), g(1000, 20), g(2000, 5)];
-        let t = timeline(&groups, Duration::from_secs(60), Duration::from_secs(2));
-        assert_eq!(t.group_ends, [10, 30, 35].map(Duration::from_secs).to_vec());
-        assert_eq!(t.release, Duration::from_secs(35));
-        // logind allows only 25 s: everything is clipped to 23 s.
-        let t = timeline(&groups, Duration::from_secs(25), Duration::from_secs(2));
-        assert_eq!(t.group_ends, [10, 23, 23].map(Duration::from_secs).to_vec());
-        assert_eq!(t.release, Duration::from_secs(23));
-        // A margin larger than the delay: release at once.
-        let t = timeline(&groups, Duration::from_secs(1), Duration::from_secs(2));
-        assert_eq!(t.release, Duration::ZERO);
+        // (occupied, limit, elapsed) -> (windows, latest ends, release)
+        type Case = (
+            &'static [bool],
+            u64,
+            u64,
+            &'static [u64],
+            &'static [u64],
+            u64,
+        );
+        let cases: [Case; 9] = [
+            // Enough time: every group gets its grace.
+            (&[true, true, true], 58, 0, &[10, 20, 5], &[10, 30, 35], 35),
+            (&[true, true, true], 35, 0, &[10, 20, 5], &[10, 30, 35], 35),
+            // logind allows 23 s: the critical group keeps 5, the middle
+            // one 18, the lowest nothing.
+            (&[true, true, true], 23, 0, &[0, 18, 5], &[0, 18, 23], 23),
+            (&[true, true, true], 30, 0, &[5, 20, 5], &[5, 25, 30], 30),
+            (&[true, true, true], 3, 0, &[0, 0, 3], &[0, 0, 3], 3),
+            // A margin larger than the delay: nothing, release at once.
+            (&[true, true, true], 0, 0, &[0, 0, 0], &[0, 0, 0], 0),
+            // Groups without pods reserve nothing: the lowest group gets
+            // what the empty middle one would have taken.
+            (&[true, false, true], 23, 0, &[10, 0, 5], &[10, 10, 15], 15),
+            (&[false, false, false], 23, 0, &[0, 0, 0], &[0, 0, 0], 0),
+            // Resumed 4 s in with the lowest group done: 19 s left.
+            (&[false, true, true], 23, 4, &[0, 14, 5], &[4, 18, 23], 23),
+        ];
+        for (occupied, limit, elapsed, windows, ends, release) in cases {
+            let t = timeline(
+                &groups,
+                occupied,
+                Duration::from_secs(limit),
+                Duration::from_secs(elapsed),
+            );
+            let what = format!("{occupied:?} limit {limit} elapsed {elapsed}");
+            assert_eq!(t.windows, secs(windows), "windows, {what}");
+            assert_eq!(t.group_ends, secs(ends), "ends, {what}");
+            assert_eq!(t.release, Duration::from_secs(release), "release, {what}");
+        }
+    }
+
+    #[test]
+    fn a_group_opening_early_uses_the_slack_but_not_the_time_reserved_after_it() {
+        let groups = [g(0, 10), g(1000, 20), g(2000, 5)];
+        let t = timeline(
+            &groups,
+            &[true, true, true],
+            Duration::from_secs(23),
+            Duration::ZERO,
+        );
+        // (group, opens at ms) -> window ms
+        let cases = [
+            (0, 0, 0),          // shortened to nothing
+            (1, 0, 18_000),     // opens at once: up to its latest end
+            (1, 2_500, 15_500), // opens late: what is left before 18 s
+            (2, 18_000, 5_000), // the critical group keeps its 5 s
+            (2, 3_000, 5_000),  // opening early never gives more than the grace
+            (2, 21_000, 2_000), // a late start is cut at the release
+            (2, 30_000, 0),
+        ];
+        for (i, opens_ms, want_ms) in cases {
+            assert_eq!(
+                t.window(i, Duration::from_millis(opens_ms)),
+                Duration::from_millis(want_ms),
+                "group {i} opening at {opens_ms} ms"
+            );
+        }
+        let full = timeline(
+            &groups,
+            &[true, true, true],
+            Duration::from_secs(60),
+            Duration::ZERO,
+        );
+        assert_eq!(
+            full.window(1, Duration::from_secs(3)),
+            Duration::from_secs(20)
+        );
         assert_eq!(total_grace(&groups), Duration::from_secs(35));
     }
 
     #[test]
     fn escalation_timing_and_grace() {
-        assert_eq!(
-            escalate_after(Duration::from_secs(20), 50),
-            Duration::from_secs(10)
-        );
-        assert_eq!(
-            escalate_after(Duration::from_secs(20), 100),
-            Duration::from_secs(20)
-        );
-        assert_eq!(
-            escalate_after(Duration::from_secs(20), 200),
-            Duration::from_secs(20)
-        );
+        // (window s, percent) -> escalate after (ms)
+        let cases = [
+            (20, 50, 10_000),
+            (20, 10, 2_000),
+            (20, 100, 19_000), // at the latest 1 s before the window closes
+            (20, 200, 19_000),
+            (1, 50, 0),
+            (0, 50, 0),
+        ];
+        for (window, percent, want_ms) in cases {
+            assert_eq!(
+                escalate_after(Duration::from_secs(window), percent),
+                Duration::from_millis(want_ms),
+                "{window} s at {percent} %"
+            );
+        }
         assert_eq!(escalation_grace(Duration::from_secs(9), 30), 9);
         assert_eq!(escalation_grace(Duration::from_secs(9), 3), 3);
         assert_eq!(escalation_grace(Duration::from_millis(400), 3), 0);
+    }
+
+    #[test]
+    fn each_pods_next_step() {
+        let ms = Duration::from_millis;
+        let escalating = PodPlan {
+            window: ms(20_000),
+            escalate_at: Some(ms(10_000)),
+            grace: 30,
+        };
+        let never = PodPlan {
+            escalate_at: None,
+            ..escalating
+        };
+        use Outcome::*;
+        use PodStep::*;
+        // (plan, now ms, outcome, earlier retries) -> step
+        let cases = [
+            (escalating, 0, Evicted, 0, End(PodEnd::Evicted)),
+            (escalating, 0, Gone, 0, End(PodEnd::Gone)),
+            (escalating, 12_000, Deleted, 5, End(PodEnd::Escalated)),
+            // Refused: retried with a growing backoff ...
+            (escalating, 0, Blocked, 0, Retry { at: ms(250) }),
+            (escalating, 1_000, Blocked, 1, Retry { at: ms(1_500) }),
+            (escalating, 1_000, Blocked, 2, Retry { at: ms(2_000) }),
+            (escalating, 1_000, Blocked, 9, Retry { at: ms(3_000) }),
+            // ... never past the escalation point ...
+            (escalating, 9_900, Blocked, 9, Retry { at: ms(10_000) }),
+            // ... where it turns into a delete with what is left.
+            (escalating, 10_000, Blocked, 9, Escalate { grace: 10 }),
+            (escalating, 17_500, Blocked, 9, Escalate { grace: 2 }),
+            // Without escalation it is retried until the window closes.
+            (never, 10_000, Blocked, 9, Retry { at: ms(12_000) }),
+            (never, 18_500, Blocked, 9, End(PodEnd::Blocked)),
+            (never, 20_000, Blocked, 9, End(PodEnd::Blocked)),
+            // Errors (and calls that got no answer) likewise.
+            (escalating, 9_000, Failed, 3, Retry { at: ms(10_000) }),
+            (escalating, 12_000, Failed, 3, Retry { at: ms(14_000) }),
+            (escalating, 19_000, Failed, 3, End(PodEnd::Failed)),
+            (escalating, 20_000, Failed, 0, End(PodEnd::Failed)),
+            // A refusal once the window is over: nothing more is tried.
+            (escalating, 20_000, Blocked, 0, End(PodEnd::Failed)),
+        ];
+        for (plan, now, outcome, attempt, want) in cases {
+            assert_eq!(
+                next(&plan, ms(now), outcome, attempt),
+                want,
+                "{outcome:?} at {now} ms after {attempt} retries, escalating: {}",
+                plan.escalate_at.is_some()
+            );
+        }
+        let p = PodPlan::new(ms(20_000), &pod("a/b", 0), true, 50);
+        assert_eq!(
+            p,
+            PodPlan {
+                window: ms(20_000),
+                escalate_at: Some(ms(10_000)),
+                grace: 20
+            }
+        );
+        assert_eq!(
+            PodPlan::new(ms(20_000), &pod("a/b", 0), false, 50).escalate_at,
+            None
+        );
+    }
+
+    fn d(status: Status, reason: &str, message: &str) -> Desired {
+        Desired {
+            status,
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+
+    #[test]
+    fn the_graceful_shutdown_condition_for_each_state() {
+        let groups = [g(0, 10), g(2_000_000_000, 20)];
+        let ok = Phase::Armed(Readiness::new(
+            &groups,
+            Duration::from_secs(60),
+            Duration::from_secs(2),
+        ));
+        let short = Phase::Armed(Readiness::new(
+            &groups,
+            Duration::from_secs(24),
+            Duration::from_secs(2),
+        ));
+        let running = Phase::Running {
+            groups: 2,
+            release: Duration::from_secs(22),
+        };
+        let cancelled = LastShutdown::Cancelled {
+            taint: TaintAfter::Removed,
+            inhibitor: AfterCancel::Held,
+        };
+        let rebooted = LastShutdown::Rebooted {
+            started_at: "2027-01-15T08:00:00Z".into(),
+            took: Some(Duration::from_secs(17)),
+            taint: TaintAfter::Removed,
+        };
+        use ConditionUpdate::*;
+        let cases = [
+            (Phase::Off, None, Remove),
+            (Phase::Off, Some(&rebooted), Remove),
+            (Phase::Waiting, None, Keep),
+            (
+                ok.clone(),
+                None,
+                Set(d(Status::False, "NoShutdown", "No shutdown in progress.")),
+            ),
+            (
+                short.clone(),
+                None,
+                Set(d(
+                    Status::False,
+                    "InhibitDelayTooShort",
+                    "No shutdown in progress. logind allows 24s of delay but the policy needs 32s: a shutdown would get 22s, lowest-priority groups shortened first (priority: window 0: 2s of 10s, 2000000000: 20s).",
+                )),
+            ),
+            (
+                running.clone(),
+                Some(&cancelled),
+                Urgent(d(
+                    Status::True,
+                    "ShutdownInProgress",
+                    "The host is shutting down; nodeguard is moving pods off in 2 priority group(s) and releases the shutdown in at most 22s.",
+                )),
+            ),
+            (
+                ok.clone(),
+                Some(&cancelled),
+                Urgent(d(
+                    Status::False,
+                    "ShutdownCancelled",
+                    "The shutdown was cancelled; nodeguard removed its shutdown taint; nodeguard holds its inhibitor again.",
+                )),
+            ),
+            (
+                short.clone(),
+                Some(&rebooted),
+                Set(d(
+                    Status::False,
+                    "NodeRebooted",
+                    "The node is back after a shutdown that started at 2027-01-15T08:00:00Z and took 17s; nodeguard removed its shutdown taint.",
+                )),
+            ),
+            (
+                Phase::Waiting,
+                Some(&rebooted),
+                Set(d(
+                    Status::False,
+                    "NodeRebooted",
+                    "The node is back after a shutdown that started at 2027-01-15T08:00:00Z and took 17s; nodeguard removed its shutdown taint.",
+                )),
+            ),
+        ];
+        for (phase, last, want) in cases {
+            assert_eq!(condition(&phase, last), want, "{phase:?} after {last:?}");
+        }
+    }
+
+    #[test]
+    fn messages_after_a_shutdown() {
+        let cases = [
+            (
+                TaintAfter::NotOurs,
+                AfterCancel::Held,
+                "The shutdown was cancelled; nodeguard holds its inhibitor again.",
+            ),
+            (
+                TaintAfter::Removed,
+                AfterCancel::PolicyOff,
+                "The shutdown was cancelled; nodeguard removed its shutdown taint; graceful shutdown is off by policy now, so nodeguard does not take its inhibitor again.",
+            ),
+            (
+                TaintAfter::Left,
+                AfterCancel::Reconnecting,
+                "The shutdown was cancelled; nodeguard could not remove its shutdown taint nodeguard.io/shutdown: remove it with kubectl taint; nodeguard cannot take its inhibitor again yet and reconnects to systemd-logind.",
+            ),
+        ];
+        for (taint, inhibitor, want) in cases {
+            assert_eq!(cancel_message(taint, inhibitor), want);
+        }
+        assert_eq!(
+            rebooted_message("T", None, TaintAfter::NotOurs),
+            "The node is back after a shutdown that started at T and did not finish before the machine went down."
+        );
+    }
+
+    #[test]
+    fn unavailable_while_armed() {
+        let groups = [g(0, 10), g(1000, 20)];
+        let ok = Readiness::new(&groups, Duration::from_secs(32), Duration::from_secs(2));
+        assert_eq!(
+            availability(&ok, None),
+            d(
+                Status::False,
+                "InhibitorHeld",
+                "nodeguard holds a logind delay inhibitor: on shutdown it moves pods off in 2 priority group(s) within 30s (logind allows 32s)."
+            )
+        );
+        let short = Readiness::new(&groups, Duration::from_secs(12), Duration::from_secs(2));
+        assert_eq!(
+            availability(
+                &short,
+                Some(std::path::Path::new("/etc/systemd/logind.conf.d"))
+            ),
+            d(
+                Status::True,
+                "InhibitDelayTooShort",
+                "logind allows shutdown to be delayed 12s but the policy needs 32s (the drop-in in /etc/systemd/logind.conf.d did not take effect); nodeguard will release its inhibitor after 10s and shortens the lowest-priority groups first (priority: window 0: 0s of 10s, 1000: 10s of 20s). Raise InhibitDelayMaxSec= in /etc/systemd/logind.conf.d/ (or mount it for nodeguard's drop-in) and restart systemd-logind."
+            )
+        );
+        assert!(
+            availability(&short, None)
+                .message
+                .contains("(writing a drop-in is disabled)")
+        );
     }
 }

@@ -7,11 +7,15 @@
 //! terminates pods by priority group, lowest first, through the Eviction
 //! API (PodDisruptionBudgets honoured; a refusal is retried and, when the
 //! group's window is running out, escalated to a delete with the remaining
-//! grace and an Event naming the PDB). It releases the inhibitor after the
-//! last group or before logind's limit, whichever is first. On
-//! `PrepareForShutdown(false)` it stops, removes its own taint and takes
-//! the lock again. A state file lets a restarted agent resume, and the
-//! first start after a reboot clean up and report.
+//! grace and an Event naming the PDB). The decision core plans the group
+//! windows within logind's limit (the highest-priority groups keep their
+//! time, the lowest are shortened first) and steps each pod; every API call
+//! ends with its group's window, and the inhibitor is released after the
+//! last group or at the plan's end, whatever the API does. On
+//! `PrepareForShutdown(false)` it applies the policy as it is now, takes the
+//! lock again (unless the policy turned shutdown off meanwhile) and removes
+//! its own taint. A state file lets a restarted agent resume, and the first
+//! start after a reboot clean up and report.
 
 pub mod cluster;
 pub mod core;
@@ -31,7 +35,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
-use tokio::time::{Instant, sleep, sleep_until};
+use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::WallClock;
@@ -128,6 +132,11 @@ impl ShutdownConfig {
     pub fn needed_delay(&self) -> Duration {
         core::total_grace(&self.groups) + self.safety_margin
     }
+
+    /// What a shutdown would get with logind's maximum delay `allowed`.
+    pub fn readiness(&self, allowed: Duration) -> core::Readiness {
+        core::Readiness::new(&self.groups, allowed, self.safety_margin)
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -169,7 +178,7 @@ impl ShutdownMetrics {
         );
         registry.register(
             "nodeguard_shutdown_pods",
-            "Pods handled during shutdown, by priority group and outcome (evicted, deleted, escalated, blocked, failed)",
+            "Pods handled during shutdown, by priority group and outcome (evicted, escalated, blocked, failed, skipped)",
             m.pods.clone(),
         );
         registry.register(
@@ -225,6 +234,11 @@ struct Ctx<C> {
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_millis(1000);
 
+/// How long one API call outside a shutdown's windows may take: removing
+/// the taint after a cancel or a reboot. (Calls during a shutdown end with
+/// their group's window.)
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The shutdown manager loop. Runs until `stop`; then releases the lock.
 pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     host: ShutdownHost<L, C>,
@@ -248,7 +262,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     let logind = host.logind;
     handle.updated();
     tracing::debug!("shutdown manager started");
-    let mut resume = start_up(&ctx).await;
+    let (mut resume, mut last) = start_up(&ctx).await;
     let mut backoff = RECONNECT_MIN;
     let mut failing_since: Option<Instant> = None;
     // Until the first policy selection arrives, "no config" means "not known
@@ -263,7 +277,8 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
             }
             if policy_known {
                 ctx.reporter.remove(UNAVAILABLE);
-                ctx.reporter.remove(CONDITION);
+                last = None;
+                report_condition(&ctx, &core::Phase::Off, None);
                 tracing::debug!("graceful shutdown is off; waiting for a policy");
             }
             tokio::select! {
@@ -292,15 +307,19 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         }
         ctx.metrics.inhibitor_held.set(1);
         tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
-        report_armed(&ctx, &cfg, delay_max);
+        report_armed(&ctx, &cfg, delay_max, last.as_ref());
+        let mut armed_state = ArmedState {
+            cfg,
+            lock: Some(lock),
+            delay_max,
+            last: &mut last,
+        };
         match armed(
             &ctx,
             &port,
             &mut config,
-            cfg,
-            lock,
+            &mut armed_state,
             events,
-            delay_max,
             resume.take(),
             &handle,
             &stop,
@@ -360,29 +379,50 @@ fn why(cfg: &ShutdownConfig) -> String {
     )
 }
 
+/// What the armed loop works with.
+struct ArmedState<'a> {
+    /// The configuration the inhibitor was taken for (and a running
+    /// shutdown follows).
+    cfg: ShutdownConfig,
+    lock: Option<InhibitLock>,
+    delay_max: Duration,
+    /// The last shutdown, as the condition reports it.
+    last: &'a mut Option<core::LastShutdown>,
+}
+
+type Running = (CancellationToken, tokio::task::JoinHandle<ShutdownRecord>);
+
 /// Holding the lock: wait for logind's signals and policy changes.
+///
+/// A policy change while a shutdown runs does not touch that shutdown: it
+/// keeps the plan it started with (its windows are already promised to the
+/// pods and to logind). The change is kept and applied when the shutdown is
+/// cancelled: the inhibitor is then taken for the new configuration, or not
+/// at all when the policy turned graceful shutdown off. (A shutdown that is
+/// not cancelled ends with the reboot; the agent starts with the new
+/// policy.)
 #[allow(clippy::too_many_arguments)]
 async fn armed<P: LogindPort, C: ClusterPort>(
     ctx: &Arc<Ctx<C>>,
     port: &P,
     config: &mut watch::Receiver<Option<ShutdownConfig>>,
-    mut cfg: ShutdownConfig,
-    lock: InhibitLock,
+    st: &mut ArmedState<'_>,
     mut events: mpsc::Receiver<LogindEvent>,
-    mut delay_max: Duration,
     resume: Option<ShutdownRecord>,
     handle: &LoopHandle,
     stop: &CancellationToken,
 ) -> Armed {
-    let mut lock = Some(lock);
-    let mut running: Option<(CancellationToken, tokio::task::JoinHandle<ShutdownRecord>)> = None;
+    let mut running: Option<Running> = None;
+    // What the policy wants now; differs from `st.cfg` while a shutdown
+    // runs and the policy changed meanwhile.
+    let mut latest = Some(st.cfg.clone());
     if let Some(record) = resume {
         tracing::warn!("resuming the shutdown that was in progress when the agent restarted");
         running = Some(spawn_shutdown(
             ctx,
-            &cfg,
-            lock.take(),
-            delay_max,
+            &st.cfg,
+            st.lock.take(),
+            st.delay_max,
             record,
             true,
         ));
@@ -398,31 +438,40 @@ async fn armed<P: LogindPort, C: ClusterPort>(
             }
             r = config.changed() => {
                 if r.is_err() { return Armed::Stop; }
-                let new = config.borrow_and_update().clone();
-                match new {
-                    None if running.is_none() => {
+                latest = config.borrow_and_update().clone();
+                if running.is_some() {
+                    if latest.as_ref() != Some(&st.cfg) {
+                        let message = "The shutdown policy changed during a shutdown: the shutdown in progress keeps its plan; the change applies if the shutdown is cancelled, otherwise after the reboot.";
+                        tracing::info!("{message}");
+                        ctx.reporter.event(EventKind::Normal, "ShutdownPolicyDeferred", "UpdatePolicy", message);
+                    }
+                    continue;
+                }
+                match &latest {
+                    None => {
                         tracing::info!("graceful shutdown turned off by policy; releasing the inhibitor");
                         ctx.metrics.inhibitor_held.set(0);
                         return Armed::Reconnect;
                     }
-                    Some(new) if new != cfg && running.is_none() => {
+                    Some(new) if *new != st.cfg => {
                         handle.queued();
-                        cfg = new;
-                        if let Ok(d) = ensure_delay(ctx, port, &cfg).await {
-                            delay_max = d;
+                        st.cfg = new.clone();
+                        if let Ok(d) = ensure_delay(ctx, port, &st.cfg).await {
+                            st.delay_max = d;
                         }
-                        report_armed(ctx, &cfg, delay_max);
+                        report_armed(ctx, &st.cfg, st.delay_max, st.last.as_ref());
                         handle.updated();
                     }
-                    _ => {} // applied after the shutdown in progress
+                    Some(_) => {}
                 }
             }
             e = events.recv() => match e {
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     if running.is_some() { continue; }
                     tracing::warn!("PrepareForShutdown(true): the host is shutting down");
+                    *st.last = None;
                     let record = ShutdownRecord { boot_id: ctx.boot_id.clone(), ..Default::default() };
-                    running = Some(spawn_shutdown(ctx, &cfg, lock.take(), delay_max, record, false));
+                    running = Some(spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false));
                 }
                 Some(LogindEvent::PrepareForShutdown(false)) => {
                     tracing::warn!("PrepareForShutdown(false): the shutdown was cancelled");
@@ -431,31 +480,95 @@ async fn armed<P: LogindPort, C: ClusterPort>(
                         token.cancel();
                         record = task.await.ok();
                     }
-                    cancelled(ctx, record).await;
-                    if lock.is_none() {
-                        match port.inhibit(&why(&cfg)).await {
-                            Ok(l) => {
-                                lock = Some(l);
-                                ctx.metrics.inhibitor_held.set(1);
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "cannot take the inhibitor again; reconnecting");
-                                return Armed::Reconnect;
-                            }
-                        }
+                    match cancelled(ctx, port, st, latest.clone(), record, handle).await {
+                        Some(Armed::Reconnect) => return Armed::Reconnect,
+                        Some(Armed::Stop) => return Armed::Stop,
+                        None => {}
                     }
                 }
                 Some(LogindEvent::Gone) | None => {
                     tracing::warn!("systemd-logind or the system bus went away; reconnecting to take the lock again");
-                    if running.is_some() {
+                    if let Some((_, task)) = running.take() {
                         // Keep evicting: the host is going down anyway.
-                        if let Some((_, task)) = running.take() {
-                            let _ = task.await;
-                        }
+                        let _ = task.await;
                     }
                     return Armed::Reconnect;
                 }
             }
+        }
+    }
+}
+
+/// PrepareForShutdown(false): apply the policy as it is now (it may have
+/// changed during the shutdown), take the inhibitor again (first, so the
+/// node is protected while the API is slow), then undo what the shutdown
+/// did to the node. `Some` when the armed loop must end.
+async fn cancelled<P: LogindPort, C: ClusterPort>(
+    ctx: &Ctx<C>,
+    port: &P,
+    st: &mut ArmedState<'_>,
+    latest: Option<ShutdownConfig>,
+    record: Option<ShutdownRecord>,
+    handle: &LoopHandle,
+) -> Option<Armed> {
+    let inhibitor = match latest {
+        None => {
+            st.lock = None;
+            core::AfterCancel::PolicyOff
+        }
+        Some(new) => {
+            if new != st.cfg {
+                handle.queued();
+                tracing::info!("applying the policy change made during the shutdown");
+                st.cfg = new;
+                if let Ok(d) = ensure_delay(ctx, port, &st.cfg).await {
+                    st.delay_max = d;
+                }
+                // The old lock (if the shutdown never took it) names the old plan.
+                st.lock = None;
+            }
+            if st.lock.is_none() {
+                match port.inhibit(&why(&st.cfg)).await {
+                    Ok(l) => {
+                        st.lock = Some(l);
+                        ctx.metrics.inhibitor_held.set(1);
+                        core::AfterCancel::Held
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot take the inhibitor again; reconnecting");
+                        core::AfterCancel::Reconnecting
+                    }
+                }
+            } else {
+                core::AfterCancel::Held
+            }
+        }
+    };
+    if inhibitor != core::AfterCancel::Held {
+        ctx.metrics.inhibitor_held.set(0);
+    }
+    let taint = undo_taint(ctx, record.as_ref().is_some_and(|r| r.taint_added)).await;
+    if let Err(e) = state::clear(&ctx.state_dir) {
+        tracing::error!(error = %e, "cannot clear the shutdown state");
+    }
+    ctx.reporter.event(
+        EventKind::Normal,
+        "ShutdownCancelled",
+        "CancelShutdown",
+        core::cancel_message(taint, inhibitor),
+    );
+    *st.last = Some(core::LastShutdown::Cancelled { taint, inhibitor });
+    match inhibitor {
+        core::AfterCancel::Held => {
+            report_armed(ctx, &st.cfg, st.delay_max, st.last.as_ref());
+            handle.updated();
+            None
+        }
+        // The outer loop finds the policy off and removes the conditions.
+        core::AfterCancel::PolicyOff => Some(Armed::Reconnect),
+        core::AfterCancel::Reconnecting => {
+            report_condition(ctx, &core::Phase::Waiting, st.last.as_ref());
+            Some(Armed::Reconnect)
         }
     }
 }
@@ -467,7 +580,7 @@ fn spawn_shutdown<C: ClusterPort>(
     delay_max: Duration,
     record: ShutdownRecord,
     resume: bool,
-) -> (CancellationToken, tokio::task::JoinHandle<ShutdownRecord>) {
+) -> Running {
     let token = CancellationToken::new();
     let task = tokio::spawn(execute(
         ctx.clone(),
@@ -513,62 +626,46 @@ async fn ensure_delay<P: LogindPort, C: ClusterPort>(
     }
     ctx.metrics.inhibit_delay_max.set(current.as_secs_f64());
     if current < needed {
-        let message = format!(
-            "logind allows shutdown to be delayed {}s but the policy needs {}s ({}); nodeguard will release its inhibitor after {}s and pods in the last groups may be killed. Raise InhibitDelayMaxSec= in /etc/systemd/logind.conf.d/ (or mount it for nodeguard's drop-in) and restart systemd-logind.",
-            current.as_secs(),
-            needed.as_secs(),
-            match &cfg.drop_in_dir {
-                Some(d) => format!("the drop-in in {} did not take effect", d.display()),
-                None => "writing a drop-in is disabled".into(),
-            },
-            current.saturating_sub(cfg.safety_margin).as_secs(),
-        );
+        let message =
+            core::availability(&cfg.readiness(current), cfg.drop_in_dir.as_deref()).message;
         tracing::warn!("{message}");
         ctx.reporter.event(
             EventKind::Warning,
             "InhibitDelayTooShort",
             "CheckLogind",
-            message.clone(),
-        );
-        ctx.reporter.set(
-            UNAVAILABLE,
-            Desired {
-                status: Status::True,
-                reason: "InhibitDelayTooShort".into(),
-                message,
-            },
+            message,
         );
     }
     Ok(current)
 }
 
-fn report_armed<C>(ctx: &Ctx<C>, cfg: &ShutdownConfig, delay_max: Duration) {
-    if delay_max < cfg.needed_delay() {
-        return; // InhibitDelayTooShort stays
-    }
+/// Both conditions while the inhibitor is held and no shutdown runs.
+fn report_armed<C>(
+    ctx: &Ctx<C>,
+    cfg: &ShutdownConfig,
+    delay_max: Duration,
+    last: Option<&core::LastShutdown>,
+) {
+    let readiness = cfg.readiness(delay_max);
     ctx.reporter.set(
         UNAVAILABLE,
-        Desired {
-            status: Status::False,
-            reason: "InhibitorHeld".into(),
-            message: format!(
-                "nodeguard holds a logind delay inhibitor: on shutdown it moves pods off in {} priority group(s) within {}s (logind allows {}s).",
-                cfg.groups.len(),
-                core::total_grace(&cfg.groups).as_secs(),
-                delay_max.as_secs()
-            ),
-        },
+        core::availability(&readiness, cfg.drop_in_dir.as_deref()),
     );
-    if !matches!(ctx.reporter.desired().get(CONDITION), Some(Some(d)) if d.status == Status::False)
-    {
-        ctx.reporter.set(
-            CONDITION,
-            Desired {
-                status: Status::False,
-                reason: "NoShutdown".into(),
-                message: "No shutdown in progress.".into(),
-            },
-        );
+    report_condition(ctx, &core::Phase::Armed(readiness), last);
+}
+
+/// Writes `GracefulShutdown` as the decision core says.
+fn report_condition<C>(ctx: &Ctx<C>, phase: &core::Phase, last: Option<&core::LastShutdown>) {
+    match core::condition(phase, last) {
+        core::ConditionUpdate::Keep => {}
+        core::ConditionUpdate::Remove => ctx.reporter.remove(CONDITION),
+        core::ConditionUpdate::Set(d) => ctx.reporter.set(CONDITION, d),
+        core::ConditionUpdate::Urgent(d) => {
+            // Only a change is urgent.
+            if !matches!(ctx.reporter.desired().get(CONDITION), Some(Some(now)) if *now == d) {
+                ctx.reporter.set_urgent(CONDITION, d);
+            }
+        }
     }
 }
 
@@ -596,8 +693,11 @@ fn report_unavailable<C>(
 }
 
 /// At start-up: resume an unfinished shutdown of this boot, or clean up
-/// after the reboot that followed one.
-async fn start_up<C: ClusterPort>(ctx: &Ctx<C>) -> Option<ShutdownRecord> {
+/// after the reboot that followed one. Returns the record to resume and
+/// the last shutdown to report.
+async fn start_up<C: ClusterPort>(
+    ctx: &Ctx<C>,
+) -> (Option<ShutdownRecord>, Option<core::LastShutdown>) {
     let record = match state::load(&ctx.state_dir) {
         Ok(r) => r,
         Err(e) => {
@@ -612,63 +712,70 @@ async fn start_up<C: ClusterPort>(ctx: &Ctx<C>) -> Option<ShutdownRecord> {
         }
     };
     match state::on_start(record.as_ref(), &ctx.boot_id) {
-        OnStart::Nothing => None,
-        OnStart::Resume => record,
+        OnStart::Nothing => (None, None),
+        OnStart::Resume => (record, None),
         OnStart::AfterReboot { took, taint_added } => {
-            if taint_added {
-                remove_taint_until_done(ctx).await;
+            let taint = undo_taint(ctx, taint_added).await;
+            if let Some(d) = took {
+                ctx.metrics.last_duration.set(d.as_secs_f64());
             }
-            let took_text = match took {
-                Some(d) => {
-                    ctx.metrics.last_duration.set(d.as_secs_f64());
-                    format!("took {}s", d.as_secs())
-                }
-                None => "did not finish before the machine went down".into(),
-            };
-            let started = record
+            let started_at = record
                 .as_ref()
                 .and_then(|r| r.started_at)
                 .map(|t| t.to_string())
                 .unwrap_or_default();
-            let message = format!(
-                "The node is back after a shutdown that started at {started} and {took_text}; nodeguard removed its shutdown taint."
-            );
+            let message = core::rebooted_message(&started_at, took, taint);
             tracing::info!("{message}");
             ctx.reporter.event(
                 EventKind::Normal,
                 "NodeRebooted",
                 "CompleteShutdown",
-                message.clone(),
+                message,
             );
-            ctx.reporter.set(
-                CONDITION,
-                Desired {
-                    status: Status::False,
-                    reason: "NodeRebooted".into(),
-                    message,
-                },
-            );
+            let last = core::LastShutdown::Rebooted {
+                started_at,
+                took,
+                taint,
+            };
+            report_condition(ctx, &core::Phase::Waiting, Some(&last));
             if let Err(e) = state::clear(&ctx.state_dir) {
                 tracing::error!(error = %e, "cannot clear the shutdown state");
             }
-            None
+            (None, Some(last))
         }
     }
 }
 
-async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) {
+/// Removes nodeguard's taint if it added it.
+async fn undo_taint<C: ClusterPort>(ctx: &Ctx<C>, taint_added: bool) -> core::TaintAfter {
+    if !taint_added {
+        core::TaintAfter::NotOurs
+    } else if remove_taint_until_done(ctx).await {
+        core::TaintAfter::Removed
+    } else {
+        core::TaintAfter::Left
+    }
+}
+
+/// Retries removing the taint a while, each call bounded; `false` when it
+/// gave up.
+async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
     let mut backoff = Duration::from_millis(200);
     for _ in 0..20 {
-        match ctx.cluster.remove_taint().await {
-            Ok(()) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot remove the shutdown taint yet; retrying");
-                sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+        match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
+            Ok(Ok(())) => return true,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot remove the shutdown taint yet; retrying")
             }
+            Err(_) => tracing::warn!(
+                "the API server did not answer the taint removal within {CALL_TIMEOUT:?}; retrying"
+            ),
         }
+        sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
     tracing::error!(node = %ctx.node_name, "gave up removing the shutdown taint {}; remove it with kubectl taint", cluster::TAINT_KEY);
+    false
 }
 
 fn save<C>(ctx: &Ctx<C>, record: &ShutdownRecord) {
@@ -677,7 +784,11 @@ fn save<C>(ctx: &Ctx<C>, record: &ShutdownRecord) {
     }
 }
 
-/// A shutdown: condition, taint, groups, release. Returns the record.
+/// A shutdown: plan, condition, taint, groups, release. Returns the record.
+///
+/// The inhibitor is released at the plan's release point whatever the API
+/// does: every API call of a group ends with the group's window, and the
+/// taint request runs beside the groups (it holds nothing back).
 async fn execute<C: ClusterPort>(
     ctx: Arc<Ctx<C>>,
     cfg: ShutdownConfig,
@@ -702,18 +813,33 @@ async fn execute<C: ClusterPort>(
         .start_time
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
     ctx.metrics.end_time.set(0.0);
-    let timeline = core::timeline(&cfg.groups, delay_max, cfg.safety_margin);
-    ctx.reporter.set_urgent(
-        CONDITION,
-        Desired {
-            status: Status::True,
-            reason: "ShutdownInProgress".into(),
-            message: format!(
-                "The host is shutting down; nodeguard is moving pods off in {} priority group(s) and releases the shutdown in at most {}s.",
-                cfg.groups.len(),
-                timeline.release.as_secs()
-            ),
+
+    // The plan, computed once: the groups with pods share what logind allows.
+    let facts: Vec<core::PodFacts> = ctx
+        .pods
+        .borrow()
+        .as_ref()
+        .map(|s| s.values().map(|p| pod_facts(p)).collect())
+        .unwrap_or_default();
+    let groups = core::group_pods(&cfg.groups, &facts, cfg.include);
+    let occupied: Vec<bool> = groups
+        .iter()
+        .map(|g| !g.pods.is_empty() && !record.groups_done.contains(&g.spec.priority))
+        .collect();
+    let limit = delay_max.saturating_sub(cfg.safety_margin);
+    let timeline = core::timeline(
+        &cfg.groups,
+        &occupied,
+        limit,
+        Instant::now().saturating_duration_since(start),
+    );
+    report_condition(
+        &ctx,
+        &core::Phase::Running {
+            groups: cfg.groups.len(),
+            release: timeline.release,
         },
+        None,
     );
     if !resume {
         ctx.reporter.event(
@@ -721,24 +847,68 @@ async fn execute<C: ClusterPort>(
             "ShutdownStarted",
             "StartShutdown",
             format!(
-                "The host is shutting down (PrepareForShutdown); nodeguard tainted the node {} and is evicting its pods by priority.",
+                "The host is shutting down (PrepareForShutdown); nodeguard taints the node {} and evicts its pods by priority.",
                 cluster::TAINT_KEY
             ),
         );
     }
-    match ctx.cluster.add_taint().await {
-        Ok(added) => record.taint_added |= added,
-        Err(e) => tracing::error!(error = %e, "cannot taint the node; evicting anyway"),
-    }
-    save(&ctx, &record);
 
+    let record = std::sync::Mutex::new(record);
     let release_at = start + timeline.release;
-    let work = run_groups(&ctx, &cfg, &timeline, start, &mut record, &cancel);
-    let outcome = tokio::select! {
-        _ = work => "all groups done",
-        _ = sleep_until(release_at) => "the inhibit window is closing",
-        _ = cancel.cancelled() => "cancelled",
+    let (outcome, taint_done) = {
+        let lock_record = || record.lock().unwrap_or_else(|e| e.into_inner());
+        let taint = async {
+            match ctx.cluster.add_taint().await {
+                Ok(added) => lock_record().taint_added |= added,
+                Err(e) => tracing::error!(error = %e, "cannot taint the node; evicting anyway"),
+            }
+            save(&ctx, &lock_record());
+        };
+        let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record);
+        // The record goes to disk (an fsync, which blocks the thread) once
+        // the taint request has answered, or after a moment: the taint is
+        // what keeps new pods off the node, so its request goes first.
+        let first_save = sleep(Duration::from_millis(200));
+        tokio::pin!(taint, work, first_save);
+        let mut taint_done = false;
+        let mut saved = false;
+        let mut outcome = loop {
+            tokio::select! {
+                _ = &mut work => break "all groups done",
+                _ = &mut taint, if !taint_done => {
+                    taint_done = true;
+                    saved = true;
+                }
+                _ = &mut first_save, if !saved => {
+                    saved = true;
+                    save(&ctx, &lock_record());
+                }
+                _ = sleep_until(release_at) => break "the inhibit window is closing",
+                _ = cancel.cancelled() => break "cancelled",
+            }
+        };
+        if !taint_done && outcome != "cancelled" {
+            // Give the taint request a moment (it is usually in flight when
+            // no group had pods: the plan then ends at once), so the node
+            // is tainted and the record knows whose taint it is; one that
+            // does not answer holds the release 1 s at most, never past
+            // logind's limit.
+            let until = (start + limit).min(Instant::now() + core::CALL_HEADROOM);
+            tokio::select! {
+                _ = &mut taint => taint_done = true,
+                _ = sleep_until(until) => {}
+                _ = cancel.cancelled() => outcome = "cancelled",
+            }
+        }
+        (outcome, taint_done)
     };
+    let mut record = record.into_inner().unwrap_or_else(|e| e.into_inner());
+    if !taint_done {
+        // The request may have reached the API server: count the taint as
+        // nodeguard's, so a cancel or the next start removes it.
+        tracing::warn!("the API server did not answer the taint request in time");
+        record.taint_added = true;
+    }
     if outcome == "cancelled" {
         return record;
     }
@@ -766,161 +936,194 @@ async fn execute<C: ClusterPort>(
     record
 }
 
+/// The groups in order, each within the window the timeline gives it.
 async fn run_groups<C: ClusterPort>(
-    ctx: &Arc<Ctx<C>>,
+    ctx: &Ctx<C>,
     cfg: &ShutdownConfig,
+    groups: &[core::Group],
     timeline: &core::Timeline,
     start: Instant,
-    record: &mut ShutdownRecord,
-    cancel: &CancellationToken,
+    record: &std::sync::Mutex<ShutdownRecord>,
 ) {
-    let facts: Vec<core::PodFacts> = ctx
-        .pods
-        .borrow()
-        .as_ref()
-        .map(|s| s.values().map(|p| pod_facts(p)).collect())
-        .unwrap_or_default();
-    let groups = core::group_pods(&cfg.groups, &facts, cfg.include);
+    let lock = || record.lock().unwrap_or_else(|e| e.into_inner());
     for (i, group) in groups.iter().enumerate() {
-        if record.groups_done.contains(&group.spec.priority) {
+        let priority = group.spec.priority;
+        if lock().groups_done.contains(&priority) {
             continue;
         }
-        // A group's window starts when the previous group is done (early
-        // when its pods left early), never past its worst-case slot.
-        let group_start = Instant::now();
-        let group_end = (group_start + group.spec.grace).min(start + timeline.group_ends[i]);
-        let escalate_at =
-            group_start + core::escalate_after(group_end - group_start, cfg.escalate_after_percent);
-        tracing::info!(group = group.spec.priority, pods = group.pods.len(), window = ?(group_end - group_start), "terminating priority group");
-        let tasks = group
-            .pods
-            .iter()
-            .map(|pod| terminate(ctx, cfg, group.spec, pod, escalate_at, group_end, cancel));
-        join_all(tasks).await;
-        wait_gone(ctx, &group.pods, group_end, cancel).await;
-        if cancel.is_cancelled() {
-            return;
+        // A group's window opens when the previous group is done (early
+        // when its pods left early).
+        let opened = Instant::now();
+        let window = timeline.window(i, opened.saturating_duration_since(start));
+        let skipped = window.is_zero() && !group.pods.is_empty();
+        if skipped {
+            for _ in &group.pods {
+                ctx.metrics.pod(priority, "skipped");
+            }
+            let message = format!(
+                "Priority group {priority} ({} pod(s)) skipped: logind's limit leaves it no time after the higher-priority groups.",
+                group.pods.len()
+            );
+            tracing::warn!("{message}");
+            ctx.reporter.event(
+                EventKind::Warning,
+                "ShutdownGroupSkipped",
+                "EvictPods",
+                message,
+            );
+        } else {
+            tracing::info!(group = priority, pods = group.pods.len(), window = ?window, "terminating priority group");
+            let tasks = group.pods.iter().map(|pod| {
+                let plan =
+                    core::PodPlan::new(window, pod, cfg.escalate, cfg.escalate_after_percent);
+                terminate(ctx, priority, plan, pod, opened)
+            });
+            join_all(tasks).await;
+            wait_gone(ctx, &group.pods, opened + window).await;
         }
-        record.groups_done.push(group.spec.priority);
-        save(ctx, record);
-        ctx.reporter.event(
-            EventKind::Normal,
-            "ShutdownGroupDone",
-            "EvictPods",
-            format!(
-                "Priority group {} done ({} pod(s)) {:.1}s into the shutdown.",
-                group.spec.priority,
-                group.pods.len(),
-                Instant::now()
-                    .saturating_duration_since(start)
-                    .as_secs_f64()
-            ),
-        );
+        {
+            let mut r = lock();
+            r.groups_done.push(priority);
+            save(ctx, &r);
+        }
+        if !skipped {
+            ctx.reporter.event(
+                EventKind::Normal,
+                "ShutdownGroupDone",
+                "EvictPods",
+                format!(
+                    "Priority group {priority} done ({} pod(s)) {:.1}s into the shutdown.",
+                    group.pods.len(),
+                    Instant::now()
+                        .saturating_duration_since(start)
+                        .as_secs_f64()
+                ),
+            );
+        }
     }
 }
 
-/// Evicts one pod, retrying refusals, escalating when the window runs out.
+/// Terminates one pod as the decision core steps it: evictions, retries,
+/// an escalating delete. Every call ends when the window does.
 async fn terminate<C: ClusterPort>(
-    ctx: &Arc<Ctx<C>>,
-    cfg: &ShutdownConfig,
-    group: GroupSpec,
+    ctx: &Ctx<C>,
+    group: i32,
+    plan: core::PodPlan,
     pod: &core::PodFacts,
-    escalate_at: Instant,
-    group_end: Instant,
-    cancel: &CancellationToken,
+    opened: Instant,
 ) {
-    let grace = core::pod_grace(&group, pod);
-    let mut backoff = Duration::from_millis(250);
-    let mut last_pdb: Option<String> = None;
+    let window_end = opened + plan.window;
+    let mut attempt = 0;
+    let mut pdb: Option<String> = None;
+    let mut refusal = String::new();
+    let mut delete: Option<i64> = None;
     loop {
-        if cancel.is_cancelled() {
-            return;
-        }
-        match ctx.cluster.evict(&pod.key, grace).await {
-            Ok(Evicted::Yes) => {
-                tracing::info!(pod = %pod.key, grace, "evicted");
-                ctx.metrics.pod(group.priority, "evicted");
+        let outcome = match delete {
+            None => match timeout_at(window_end, ctx.cluster.evict(&pod.key, plan.grace)).await {
+                Ok(Ok(Evicted::Yes)) => core::Outcome::Evicted,
+                Ok(Ok(Evicted::Gone)) => core::Outcome::Gone,
+                Ok(Ok(Evicted::Blocked { pdb: p, message })) => {
+                    pdb = p.or(pdb);
+                    refusal = message;
+                    tracing::debug!(pod = %pod.key, pdb = ?pdb, "eviction refused");
+                    core::Outcome::Blocked
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(pod = %pod.key, error = %e, "eviction failed");
+                    core::Outcome::Failed
+                }
+                Err(_) => {
+                    tracing::warn!(pod = %pod.key, "the eviction got no answer before the group's window closed");
+                    core::Outcome::Failed
+                }
+            },
+            Some(grace) => {
+                match timeout_at(window_end, ctx.cluster.delete(&pod.key, grace)).await {
+                    Ok(Ok(())) => core::Outcome::Deleted,
+                    Ok(Err(e)) => {
+                        tracing::warn!(pod = %pod.key, error = %e, "escalating delete failed");
+                        core::Outcome::Failed
+                    }
+                    Err(_) => {
+                        tracing::warn!(pod = %pod.key, "the escalating delete got no answer before the group's window closed");
+                        core::Outcome::Failed
+                    }
+                }
+            }
+        };
+        let now = Instant::now().saturating_duration_since(opened);
+        match core::next(&plan, now, outcome, attempt) {
+            core::PodStep::End(end) => {
+                report_pod_end(
+                    ctx,
+                    group,
+                    pod,
+                    &plan,
+                    end,
+                    delete,
+                    pdb.as_deref(),
+                    &refusal,
+                );
                 return;
             }
-            Ok(Evicted::Gone) => return,
-            Ok(Evicted::Blocked { pdb, message }) => {
-                last_pdb = pdb.or(last_pdb);
-                let now = Instant::now();
-                if cfg.escalate && now >= escalate_at {
-                    let remaining = group_end.saturating_duration_since(now);
-                    let g = core::escalation_grace(remaining, grace);
-                    let pdb_text = last_pdb
-                        .as_deref()
-                        .map(|p| format!("PodDisruptionBudget {p}"))
-                        .unwrap_or_else(|| "a PodDisruptionBudget".into());
-                    match ctx.cluster.delete(&pod.key, g).await {
-                        Ok(()) => {
-                            ctx.metrics.pod(group.priority, "escalated");
-                            let note = format!(
-                                "Eviction of {} kept being refused by {pdb_text} ({message}); nodeguard deleted it with {g}s grace so the node can shut down in time.",
-                                pod.key
-                            );
-                            tracing::warn!("{note}");
-                            ctx.reporter.event(
-                                EventKind::Warning,
-                                "EvictionEscalated",
-                                "DeletePod",
-                                note,
-                            );
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::warn!(pod = %pod.key, error = %e, "escalating delete failed; retrying")
-                        }
-                    }
-                } else if !cfg.escalate && now >= group_end {
-                    ctx.metrics.pod(group.priority, "blocked");
-                    ctx.reporter.event(
-                        EventKind::Warning,
-                        "EvictionBlocked",
-                        "EvictPod",
-                        format!(
-                            "{} stays: its eviction is refused by {} and escalation is off.",
-                            pod.key,
-                            last_pdb.as_deref().unwrap_or("a PodDisruptionBudget")
-                        ),
-                    );
-                    return;
-                } else {
-                    tracing::debug!(pod = %pod.key, pdb = ?last_pdb, "eviction refused; retrying");
-                }
-            }
-            Err(e) => {
-                if Instant::now() >= group_end {
-                    ctx.metrics.pod(group.priority, "failed");
-                    tracing::error!(pod = %pod.key, error = %e, "eviction failed until the window closed");
-                    return;
-                }
-                tracing::warn!(pod = %pod.key, error = %e, "eviction failed; retrying");
+            core::PodStep::Escalate { grace } => delete = Some(grace),
+            core::PodStep::Retry { at } => {
+                delete = None;
+                attempt += 1;
+                sleep_until(opened + at).await;
             }
         }
-        let until = if cfg.escalate {
-            escalate_at.max(Instant::now())
-        } else {
-            group_end
-        };
-        let wake =
-            (Instant::now() + backoff).min(until.max(Instant::now() + Duration::from_millis(50)));
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = sleep_until(wake) => {}
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report_pod_end<C>(
+    ctx: &Ctx<C>,
+    group: i32,
+    pod: &core::PodFacts,
+    plan: &core::PodPlan,
+    end: core::PodEnd,
+    delete_grace: Option<i64>,
+    pdb: Option<&str>,
+    refusal: &str,
+) {
+    if end != core::PodEnd::Gone {
+        ctx.metrics.pod(group, end.label());
+    }
+    match end {
+        core::PodEnd::Evicted => tracing::info!(pod = %pod.key, grace = plan.grace, "evicted"),
+        core::PodEnd::Gone => {}
+        core::PodEnd::Escalated => {
+            let pdb_text = pdb
+                .map(|p| format!("PodDisruptionBudget {p}"))
+                .unwrap_or_else(|| "a PodDisruptionBudget".into());
+            let note = format!(
+                "Eviction of {} kept being refused by {pdb_text} ({refusal}); nodeguard deleted it with {}s grace so the node can shut down in time.",
+                pod.key,
+                delete_grace.unwrap_or(0)
+            );
+            tracing::warn!("{note}");
+            ctx.reporter
+                .event(EventKind::Warning, "EvictionEscalated", "DeletePod", note);
         }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        core::PodEnd::Blocked => ctx.reporter.event(
+            EventKind::Warning,
+            "EvictionBlocked",
+            "EvictPod",
+            format!(
+                "{} stays: its eviction is refused by {} and escalation is off.",
+                pod.key,
+                pdb.unwrap_or("a PodDisruptionBudget")
+            ),
+        ),
+        core::PodEnd::Failed => {
+            tracing::error!(pod = %pod.key, "the pod could not be evicted before its group's window closed")
+        }
     }
 }
 
 /// Waits until the pods have left the node (or are terminal), or `until`.
-async fn wait_gone<C>(
-    ctx: &Ctx<C>,
-    pods: &[core::PodFacts],
-    until: Instant,
-    cancel: &CancellationToken,
-) {
+async fn wait_gone<C>(ctx: &Ctx<C>, pods: &[core::PodFacts], until: Instant) {
     let keys: BTreeSet<&str> = pods.iter().map(|p| p.key.as_str()).collect();
     let mut rx = ctx.pods.clone();
     loop {
@@ -937,41 +1140,10 @@ async fn wait_gone<C>(
             return;
         }
         tokio::select! {
-            _ = cancel.cancelled() => return,
             _ = sleep_until(until) => return,
             r = rx.changed() => if r.is_err() { return },
         }
     }
-}
-
-/// PrepareForShutdown(false): undo what the shutdown did to the node.
-async fn cancelled<C: ClusterPort>(ctx: &Ctx<C>, record: Option<ShutdownRecord>) {
-    let taint_added = record.as_ref().is_some_and(|r| r.taint_added);
-    if taint_added {
-        remove_taint_until_done(ctx).await;
-    }
-    if let Err(e) = state::clear(&ctx.state_dir) {
-        tracing::error!(error = %e, "cannot clear the shutdown state");
-    }
-    let message = if taint_added {
-        "The shutdown was cancelled; nodeguard removed its shutdown taint and holds its inhibitor again."
-    } else {
-        "The shutdown was cancelled; nodeguard holds its inhibitor again."
-    };
-    ctx.reporter.set_urgent(
-        CONDITION,
-        Desired {
-            status: Status::False,
-            reason: "ShutdownCancelled".into(),
-            message: message.into(),
-        },
-    );
-    ctx.reporter.event(
-        EventKind::Normal,
-        "ShutdownCancelled",
-        "CancelShutdown",
-        message,
-    );
 }
 
 /// Path of the shutdown state file in `dir` (for tests and docs).

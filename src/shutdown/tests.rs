@@ -4,10 +4,9 @@
 use super::*;
 use crate::report::ReportConfig;
 use crate::server::Health;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One inhibitor handed out: the read end tells whether it is still held.
 struct Held(OwnedFd);
@@ -39,6 +38,8 @@ struct LogindState {
     after_reload: Option<Duration>,
     reloads: usize,
     locks: Vec<(Instant, Held)>,
+    /// The `why` of each inhibitor taken.
+    whys: Vec<String>,
     signals: Option<mpsc::Sender<LogindEvent>>,
     up: bool,
 }
@@ -74,9 +75,12 @@ impl LogindPort for FakeLogind {
     async fn inhibit_delay_max(&self) -> Result<Duration, ShutdownError> {
         Ok(self.with(|s| s.delay_max))
     }
-    async fn inhibit(&self, _why: &str) -> Result<InhibitLock, ShutdownError> {
+    async fn inhibit(&self, why: &str) -> Result<InhibitLock, ShutdownError> {
         let (r, w) = pipe();
-        self.with(|s| s.locks.push((Instant::now(), Held(r))));
+        self.with(|s| {
+            s.locks.push((Instant::now(), Held(r)));
+            s.whys.push(why.into());
+        });
         Ok(InhibitLock(w))
     }
     async fn reload(&self) -> Result<(), ShutdownError> {
@@ -120,6 +124,14 @@ struct ClusterState {
     tainted: bool,
     /// Pods whose eviction a PDB refuses.
     blocked: BTreeMap<String, String>,
+    /// Pods that stay (terminating) after their eviction, like pods whose
+    /// containers take their grace period to stop.
+    lingering: BTreeSet<String>,
+    /// Pods whose eviction or delete never gets an answer (a connection
+    /// that stopped answering).
+    hung: BTreeSet<String>,
+    /// The taint request never gets an answer.
+    taint_hangs: bool,
 }
 
 #[derive(Clone)]
@@ -153,10 +165,13 @@ impl FakeCluster {
 
 impl ClusterPort for FakeCluster {
     async fn add_taint(&self) -> Result<bool, ShutdownError> {
-        Ok(self.with(|s| {
+        if self.with(|s| {
             s.calls.push((Instant::now(), Call::Taint));
-            !std::mem::replace(&mut s.tainted, true)
-        }))
+            s.taint_hangs
+        }) {
+            std::future::pending::<()>().await;
+        }
+        Ok(self.with(|s| !std::mem::replace(&mut s.tainted, true)))
     }
     async fn remove_taint(&self) -> Result<(), ShutdownError> {
         self.with(|s| {
@@ -166,27 +181,40 @@ impl ClusterPort for FakeCluster {
         Ok(())
     }
     async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {
-        let blocked = self.with(|s| {
+        let (blocked, hung, lingers) = self.with(|s| {
             s.calls
                 .push((Instant::now(), Call::Evict(key.into(), grace)));
-            s.blocked.get(key).cloned()
+            (
+                s.blocked.get(key).cloned(),
+                s.hung.contains(key),
+                s.lingering.contains(key),
+            )
         });
+        if hung {
+            std::future::pending::<()>().await;
+        }
         match blocked {
             Some(pdb) => Ok(Evicted::Blocked {
                 pdb: Some(pdb),
                 message: "Cannot evict pod as it would violate the pod's disruption budget.".into(),
             }),
             None => {
-                self.remove(key);
+                if !lingers {
+                    self.remove(key);
+                }
                 Ok(Evicted::Yes)
             }
         }
     }
     async fn delete(&self, key: &str, grace: i64) -> Result<(), ShutdownError> {
-        self.with(|s| {
+        let hung = self.with(|s| {
             s.calls
-                .push((Instant::now(), Call::Delete(key.into(), grace)))
+                .push((Instant::now(), Call::Delete(key.into(), grace)));
+            s.hung.contains(key)
         });
+        if hung {
+            std::future::pending::<()>().await;
+        }
         self.remove(key);
         Ok(())
     }
@@ -303,6 +331,19 @@ async fn ms(n: u64) {
     tokio::time::sleep(Duration::from_millis(n)).await;
 }
 
+/// How long after `t0` the inhibitor was released (to 100 ms); fails when
+/// it is still held a minute later.
+async fn released_after(r: &Rig, t0: Instant) -> Duration {
+    while r.logind.held() > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the inhibitor is still held a minute after the signal"
+        );
+        ms(100).await;
+    }
+    t0.elapsed()
+}
+
 fn condition(r: &Rig, t: &str) -> Option<Desired> {
     r.reporter.desired().get(t).cloned().flatten()
 }
@@ -416,10 +457,7 @@ async fn a_short_logind_limit_releases_before_the_window_closes() {
     );
     r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
     let t0 = Instant::now();
-    while r.logind.held() > 0 {
-        ms(100).await;
-    }
-    let held_for = t0.elapsed();
+    let held_for = released_after(&r, t0).await;
     assert!(
         held_for >= Duration::from_millis(9_900) && held_for <= Duration::from_millis(10_200),
         "released {held_for:?} after the signal: 12 s limit minus the 2 s margin"
@@ -538,10 +576,7 @@ async fn logind_going_away_and_coming_back_retakes_the_lock_quickly() {
     let r = rig("gone", logind, Some(config(&[(0, 5)])), vec![], "b1");
     ms(100).await;
     assert_eq!(r.logind.held(), 1);
-    r.logind.with(|s| {
-        s.up = false;
-        s.locks.iter_mut().for_each(|_| {});
-    });
+    r.logind.with(|s| s.up = false);
     r.logind.signal(LogindEvent::Gone).await;
     ms(3000).await;
     let c = condition(&r, UNAVAILABLE).unwrap();
@@ -734,12 +769,351 @@ fn config_from_spec_migrates_the_simple_form() {
     let c = ShutdownConfig::from_spec(&spec);
     assert_eq!(
         c.groups,
-        core::migrate(Duration::from_secs(30), Duration::from_secs(10))
+        vec![
+            GroupSpec {
+                priority: 0,
+                grace: Duration::from_secs(20)
+            },
+            GroupSpec {
+                priority: 2_000_000_000,
+                grace: Duration::from_secs(10)
+            },
+        ]
     );
     assert_eq!(c.needed_delay(), Duration::from_secs(32));
     assert_eq!(
         c.drop_in_dir,
         Some(PathBuf::from("/etc/systemd/logind.conf.d"))
     );
-    let _ = AtomicUsize::new(0).load(Ordering::SeqCst);
+}
+
+#[test]
+fn config_from_spec_sorts_the_priority_form() {
+    let spec = ShutdownSpec {
+        grace_period_by_priority: vec![
+            crate::policy::PriorityGracePeriod {
+                priority: 100_000,
+                grace_period_seconds: 10,
+            },
+            crate::policy::PriorityGracePeriod {
+                priority: 0,
+                grace_period_seconds: 20,
+            },
+        ],
+        safety_margin_seconds: 5,
+        logind_drop_in_dir: String::new(),
+        ..Default::default()
+    };
+    let c = ShutdownConfig::from_spec(&spec);
+    assert_eq!(
+        c.groups
+            .iter()
+            .map(|g| (g.priority, g.grace.as_secs()))
+            .collect::<Vec<_>>(),
+        vec![(0, 20), (100_000, 10)]
+    );
+    assert_eq!(c.needed_delay(), Duration::from_secs(35));
+    assert_eq!(c.drop_in_dir, None);
+}
+
+/// The evictions and deletes, as (time after the first call, call).
+fn evictions(r: &Rig) -> Vec<(Duration, Call)> {
+    let calls = r.cluster.calls();
+    let first = calls.first().map(|(t, _)| *t).unwrap_or_default();
+    calls
+        .into_iter()
+        .filter(|(_, c)| matches!(c, Call::Evict(..) | Call::Delete(..)))
+        .map(|(t, c)| (t - first, c))
+        .collect()
+}
+
+/// Found by review (issue 15, item 7): the policy turned graceful shutdown
+/// off while a shutdown ran; the change was consumed and lost, and the
+/// cancel took the inhibitor again for the old policy.
+#[tokio::test(start_paused = true)]
+async fn shutdown_turned_off_during_a_shutdown_is_not_re_armed_after_the_cancel() {
+    let pods = vec![pod("a/slow", 0, None)];
+    let r = rig(
+        "off-midway",
+        FakeLogind::new(Duration::from_secs(120)),
+        Some(config(&[(0, 20)])),
+        pods,
+        "b1",
+    );
+    r.cluster.with(|s| s.lingering.insert("a/slow".into()));
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(2000).await;
+    r.config.send_replace(None);
+    ms(100).await;
+    assert_eq!(
+        condition(&r, CONDITION).unwrap().reason,
+        "ShutdownInProgress",
+        "the running shutdown goes on"
+    );
+    r.logind
+        .signal(LogindEvent::PrepareForShutdown(false))
+        .await;
+    ms(500).await;
+    assert_eq!(r.logind.held(), 0, "no inhibitor for a policy that is off");
+    assert_eq!(r.logind.locks_taken(), 1);
+    assert!(!r.cluster.with(|s| s.tainted), "the taint is removed");
+    assert!(
+        condition(&r, CONDITION).is_none() && condition(&r, UNAVAILABLE).is_none(),
+        "the conditions are no longer nodeguard's"
+    );
+    // Turning it on again arms as usual.
+    r.config.send_replace(Some(config(&[(0, 20)])));
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1);
+    assert_eq!(condition(&r, CONDITION).unwrap().reason, "NoShutdown");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Issue 15, item 7: an edit during a shutdown leaves the running shutdown
+/// alone and applies after it.
+#[tokio::test(start_paused = true)]
+async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
+    let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
+    let r = rig(
+        "edit-midway",
+        FakeLogind::new(Duration::from_secs(120)),
+        Some(config(&[(0, 4), (1000, 20)])),
+        pods,
+        "b1",
+    );
+    r.cluster.with(|s| {
+        s.lingering.insert("a/low".into());
+        s.lingering.insert("b/high".into());
+    });
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(1000).await;
+    r.config.send_replace(Some(config(&[(0, 4), (1000, 8)])));
+    ms(5000).await;
+    assert_eq!(
+        evictions(&r),
+        vec![
+            (Duration::ZERO, Call::Evict("a/low".into(), 4)),
+            (Duration::from_secs(4), Call::Evict("b/high".into(), 20)),
+        ],
+        "the running shutdown keeps the plan it started with"
+    );
+    r.logind
+        .signal(LogindEvent::PrepareForShutdown(false))
+        .await;
+    ms(500).await;
+    assert_eq!(r.logind.held(), 1);
+    assert_eq!(
+        r.logind.with(|s| s.whys.clone()),
+        vec![
+            "nodeguard moves pods off the node in 2 priority group(s) within 24s".to_string(),
+            "nodeguard moves pods off the node in 2 priority group(s) within 12s".to_string(),
+        ],
+        "the inhibitor is taken again for the edited policy"
+    );
+    let c = condition(&r, UNAVAILABLE).unwrap();
+    assert_eq!(
+        c.message,
+        "nodeguard holds a logind delay inhibitor: on shutdown it moves pods off in 2 priority group(s) within 12s (logind allows 120s)."
+    );
+    assert_eq!(
+        condition(&r, CONDITION).unwrap().reason,
+        "ShutdownCancelled"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Issue 15, item 7: with a delay logind will not raise, GracefulShutdown
+/// was never written (an early return before the report).
+#[tokio::test(start_paused = true)]
+async fn a_too_short_inhibit_delay_is_reported_on_graceful_shutdown() {
+    let r = rig(
+        "short-condition",
+        FakeLogind::new(Duration::from_secs(12)),
+        Some(config(&[(0, 10), (2_000_000_000, 20)])),
+        vec![],
+        "b1",
+    );
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1, "armed anyway: some time beats none");
+    assert_eq!(
+        condition(&r, CONDITION),
+        Some(Desired {
+            status: Status::False,
+            reason: "InhibitDelayTooShort".into(),
+            message: "No shutdown in progress. logind allows 12s of delay but the policy needs 32s: a shutdown would get 10s, lowest-priority groups shortened first (priority: window 0: 0s of 10s, 2000000000: 10s of 20s).".into(),
+        })
+    );
+    assert_eq!(
+        condition(&r, UNAVAILABLE).unwrap().reason,
+        "InhibitDelayTooShort"
+    );
+    // Raised from outside (an operator's drop-in): the next policy read says so.
+    r.logind.with(|s| s.delay_max = Duration::from_secs(60));
+    r.config
+        .send_replace(Some(config(&[(0, 10), (2_000_000_000, 21)])));
+    ms(100).await;
+    assert_eq!(condition(&r, CONDITION).unwrap().reason, "NoShutdown");
+    assert_eq!(condition(&r, UNAVAILABLE).unwrap().reason, "InhibitorHeld");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Issue 15, item 12: logind allows 12 s (10 s after the margin) for
+/// groups that need 10 + 6 s. The critical group keeps its 6 s; the low
+/// group gets the 4 s left, and its pods are asked for 4 s, not 10.
+#[tokio::test(start_paused = true)]
+async fn a_short_window_keeps_the_critical_groups_time_and_clips_pod_grace() {
+    let pods = vec![
+        pod("a/low", 0, None),
+        pod("a/low-own-grace", 0, Some(2)),
+        pod("sys/critical", 2_000_000_000, None),
+    ];
+    let r = rig(
+        "short-window",
+        FakeLogind::new(Duration::from_secs(12)),
+        Some(config(&[(0, 10), (2_000_000_000, 6)])),
+        pods,
+        "b1",
+    );
+    r.cluster.with(|s| {
+        s.lingering.insert("a/low".into());
+        s.lingering.insert("sys/critical".into());
+    });
+    ms(100).await;
+    let t0 = Instant::now();
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(50).await;
+    assert_eq!(
+        condition(&r, CONDITION).unwrap().message,
+        "The host is shutting down; nodeguard is moving pods off in 2 priority group(s) and releases the shutdown in at most 10s."
+    );
+    let held_for = released_after(&r, t0).await;
+    assert!(
+        held_for >= Duration::from_secs(10) && held_for <= Duration::from_millis(10_100),
+        "released {held_for:?} after the signal: logind's limit minus the margin"
+    );
+    assert_eq!(
+        evictions(&r),
+        vec![
+            (Duration::ZERO, Call::Evict("a/low".into(), 4)),
+            (Duration::ZERO, Call::Evict("a/low-own-grace".into(), 2)),
+            (
+                Duration::from_secs(4),
+                Call::Evict("sys/critical".into(), 6)
+            ),
+        ]
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// When logind leaves a group no time at all, its pods are not touched
+/// (they would take time from the groups above) and that is reported.
+#[tokio::test(start_paused = true)]
+async fn a_group_left_no_time_is_skipped() {
+    let pods = vec![
+        pod("a/low", 0, None),
+        pod("sys/critical", 2_000_000_000, None),
+    ];
+    let r = rig(
+        "skip",
+        FakeLogind::new(Duration::from_secs(8)),
+        Some(config(&[(0, 10), (2_000_000_000, 6)])),
+        pods,
+        "b1",
+    );
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(1000).await;
+    assert_eq!(
+        evictions(&r),
+        vec![(Duration::ZERO, Call::Evict("sys/critical".into(), 6))]
+    );
+    assert_eq!(r.logind.held(), 0, "done: released");
+    let text = crate::server::metrics::encode(&r.registry).unwrap();
+    assert!(
+        text.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"skipped\"} 1"),
+        "{text}"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Issue 15, item 13: an eviction whose connection stops answering ends
+/// with its group's window; the next group starts on time and the
+/// inhibitor is released when it is done.
+#[tokio::test(start_paused = true)]
+async fn a_hung_eviction_holds_back_neither_the_next_group_nor_the_release() {
+    let pods = vec![pod("a/hung", 0, None), pod("b/next", 1000, None)];
+    let r = rig(
+        "hung-evict",
+        FakeLogind::new(Duration::from_secs(120)),
+        Some(config(&[(0, 5), (1000, 5)])),
+        pods,
+        "b1",
+    );
+    r.cluster.with(|s| s.hung.insert("a/hung".into()));
+    ms(100).await;
+    let t0 = Instant::now();
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    let held_for = released_after(&r, t0).await;
+    assert!(
+        held_for >= Duration::from_secs(5) && held_for <= Duration::from_millis(5_100),
+        "released {held_for:?} after the signal: when the second group was done"
+    );
+    assert_eq!(
+        evictions(&r),
+        vec![
+            (Duration::ZERO, Call::Evict("a/hung".into(), 5)),
+            (Duration::from_secs(5), Call::Evict("b/next".into(), 5)),
+        ]
+    );
+    let text = crate::server::metrics::encode(&r.registry).unwrap();
+    assert!(
+        text.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"failed\"} 1"),
+        "{text}"
+    );
+    assert_eq!(
+        state::load(&r.state_dir).unwrap().unwrap().groups_done,
+        vec![0, 1000]
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Issue 15, item 13: a taint request that never gets an answer held back
+/// every eviction and the release. Now it runs beside the groups and may
+/// hold the release 1 s; as it may have reached the API server, the taint
+/// counts as nodeguard's.
+#[tokio::test(start_paused = true)]
+async fn a_hung_taint_request_holds_back_neither_evictions_nor_the_release() {
+    let pods = vec![pod("a/one", 0, None)];
+    let r = rig(
+        "hung-taint",
+        FakeLogind::new(Duration::from_secs(120)),
+        Some(config(&[(0, 5)])),
+        pods,
+        "b1",
+    );
+    r.cluster.with(|s| s.taint_hangs = true);
+    ms(100).await;
+    let t0 = Instant::now();
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    let held_for = released_after(&r, t0).await;
+    assert!(
+        held_for >= Duration::from_secs(1) && held_for <= Duration::from_millis(1_100),
+        "released {held_for:?} after the signal: the group was done at once, the taint request had 1 s"
+    );
+    assert_eq!(
+        evictions(&r),
+        vec![(Duration::ZERO, Call::Evict("a/one".into(), 5))]
+    );
+    let record = state::load(&r.state_dir).unwrap().unwrap();
+    assert!(record.ended_at.is_some() && record.taint_added);
+    r.stop.cancel();
+    r.task.await.unwrap();
 }

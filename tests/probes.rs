@@ -1008,16 +1008,12 @@ async fn set_container_id(admin: &Client, name: &str, id: &str) {
         .unwrap();
 }
 
+/// A gate condition's statuses in order, each with its lastTransitionTime.
+type GateLog = Arc<std::sync::Mutex<Vec<(String, Option<k8s_openapi::jiff::Timestamp>)>>>;
+
 /// Every status the pod's `gate` condition had, in order, from a watch on
 /// the pod (with each one's lastTransitionTime).
-fn record_gate(
-    admin: &Client,
-    pod: &str,
-    gate: &str,
-) -> (
-    Arc<std::sync::Mutex<Vec<(String, Option<k8s_openapi::jiff::Timestamp>)>>>,
-    tokio::task::JoinHandle<()>,
-) {
+fn record_gate(admin: &Client, pod: &str, gate: &str) -> (GateLog, tokio::task::JoinHandle<()>) {
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
     let seen: Arc<std::sync::Mutex<Vec<_>>> = Arc::default();

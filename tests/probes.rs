@@ -977,3 +977,221 @@ async fn a_replaced_worker_abandons_its_probe_before_the_new_one_runs() {
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// The readiness-gate condition `gate` of a pod (status, lastTransitionTime).
+async fn gate_condition(
+    admin: &Client,
+    pod: &str,
+    gate: &str,
+) -> Option<(String, Option<k8s_openapi::jiff::Timestamp>)> {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    pods.get_status(pod)
+        .await
+        .ok()?
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == gate)
+        .map(|c| (c.status, c.last_transition_time.map(|t| t.0)))
+}
+
+/// Sets the pod's one container status, as a kubelet does when it
+/// (re)starts the container.
+async fn set_container_id(admin: &Client, name: &str, id: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let status = serde_json::json!({"status": {"containerStatuses": [{
+        "name": "c", "image": "example.invalid/app", "imageID": "", "ready": true, "restartCount": 0,
+        "containerID": id, "state": {"running": {"startedAt": now}}}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+/// A gate condition's statuses in order, each with its lastTransitionTime.
+type GateLog = Arc<std::sync::Mutex<Vec<(String, Option<k8s_openapi::jiff::Timestamp>)>>>;
+
+/// Every status the pod's `gate` condition had, in order, from a watch on
+/// the pod (with each one's lastTransitionTime).
+fn record_gate(admin: &Client, pod: &str, gate: &str) -> (GateLog, tokio::task::JoinHandle<()>) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let seen: Arc<std::sync::Mutex<Vec<_>>> = Arc::default();
+    let (pods, cfg) = (
+        Api::<Pod>::namespaced(admin.clone(), TEST_NAMESPACE),
+        watcher::Config::default().fields(&format!("metadata.name={pod}")),
+    );
+    let (gate, log) = (gate.to_string(), seen.clone());
+    let task = tokio::spawn(async move {
+        let mut stream = watcher(pods, cfg).applied_objects().boxed();
+        while let Some(Ok(p)) = stream.next().await {
+            let c = p
+                .status
+                .and_then(|s| s.conditions)
+                .into_iter()
+                .flatten()
+                .find(|c| c.type_ == gate);
+            if let Some(c) = c {
+                let entry = (c.status, c.last_transition_time.map(|t| t.0));
+                let mut log = log.lock().unwrap();
+                if log.last() != Some(&entry) {
+                    log.push(entry);
+                }
+            }
+        }
+    });
+    (seen, task)
+}
+
+#[tokio::test]
+async fn a_held_pod_liveness_probe_resumes_on_a_new_container() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "live-restart").await;
+    let ep = Endpoint::new(true, 0);
+    let port = ep.serve().await.port();
+    let app = unique_name("app");
+    let gate = "nodeguard.io/alive";
+    let pod_name = unique_name("alive");
+    running_gated_pod(&admin, &node.name, &pod_name, &app, &[gate]).await;
+    set_container_id(&admin, &pod_name, "containerd://first").await;
+    let policy = unique_name("live-restart");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "alive", "role": "Liveness", "pods": {"selector": {"matchLabels": {"app": app}}},
+             "http": {"port": port, "path": "/healthz"}, "periodSeconds": 1, "failureThreshold": 2,
+             "readinessGate": gate},
+        ]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(Duration::from_secs(15), "gate True", || async {
+        pod_gate(&admin, &pod_name, gate).await.as_deref() == Some("True")
+    })
+    .await;
+    ep.set_healthy(false);
+    eventually(Duration::from_secs(15), "gate False", || async {
+        pod_gate(&admin, &pod_name, gate).await.as_deref() == Some("False")
+    })
+    .await;
+    // Held: the endpoint is not probed any more, even once it passes.
+    ep.set_healthy(true);
+    let held = ep.requests().len();
+    assert!(
+        agent
+            .probes
+            .trigger("alive", &format!("{TEST_NAMESPACE}/{pod_name}")),
+        "the worker runs"
+    );
+    // The kubelet restarts the container (a new container ID): the hold
+    // ends, the probe runs again and the gate follows it.
+    set_container_id(&admin, &pod_name, "containerd://second").await;
+    eventually(
+        Duration::from_secs(15),
+        "gate True again on the new container",
+        || async { pod_gate(&admin, &pod_name, gate).await.as_deref() == Some("True") },
+    )
+    .await;
+    assert!(ep.requests().len() > held, "probed again");
+    agent.stop().await;
+    delete_pod(&admin, &pod_name).await;
+    delete_policy(&admin, &policy).await;
+}
+
+#[tokio::test]
+async fn an_agent_restart_does_not_make_a_held_pod_ready() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "live-agent").await;
+    let ep = Endpoint::new(false, 0); // fails throughout
+    let port = ep.serve().await.port();
+    let app = unique_name("app");
+    let gate = "nodeguard.io/alive-across";
+    let pod_name = unique_name("alive");
+    running_gated_pod(&admin, &node.name, &pod_name, &app, &[gate]).await;
+    let policy = unique_name("live-agent");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "alive", "role": "Liveness", "pods": {"selector": {"matchLabels": {"app": app}}},
+             "http": {"port": port, "path": "/healthz"}, "periodSeconds": 1, "failureThreshold": 3,
+             "readinessGate": gate},
+        ]),
+    )
+    .await;
+    let (first, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(
+        Duration::from_secs(20),
+        "gate False after the failures",
+        || async { pod_gate(&admin, &pod_name, gate).await.as_deref() == Some("False") },
+    )
+    .await;
+    first.stop().await;
+    let (_, before) = gate_condition(&admin, &pod_name, gate).await.unwrap();
+    let before = before.expect("a lastTransitionTime");
+    let (seen, watch) = record_gate(&admin, &pod_name, gate);
+    let (second, _state2) = start_agent(admin.clone(), &node.name).await;
+    // The second agent's own verdict (False, written anew) is the signal
+    // it has run; nothing it wrote before may say True.
+    eventually(
+        Duration::from_secs(20),
+        "the second agent's verdict written",
+        || {
+            let seen = seen.lock().unwrap().clone();
+            assert!(
+                seen.iter().all(|(s, _)| s == "False"),
+                "the gate turned True after the agent restart: {seen:?}"
+            );
+            std::future::ready(seen.iter().any(|(_, t)| t.is_some_and(|t| t > before)))
+        },
+    )
+    .await;
+    watch.abort();
+    second.stop().await;
+    delete_pod(&admin, &pod_name).await;
+    delete_policy(&admin, &policy).await;
+}
+
+#[tokio::test]
+async fn a_gate_write_for_a_deleted_pod_does_not_land_on_its_namesake() {
+    use nodeguard::probe::{KubePodConditions, PodConditionPort, ProbeError};
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "uid").await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let (app, name, gate) = (unique_name("app"), unique_name("same"), "nodeguard.io/uid");
+    let uid = |p: Pod| p.metadata.uid.unwrap();
+    running_gated_pod(&admin, &node.name, &name, &app, &[gate]).await;
+    let old = uid(pods.get(&name).await.unwrap());
+    pods.delete(&name, &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(10), "the pod gone", || async {
+        pods.get_opt(&name).await.unwrap().is_none()
+    })
+    .await;
+    running_gated_pod(&admin, &node.name, &name, &app, &[gate]).await;
+    let new = uid(pods.get(&name).await.unwrap());
+    assert_ne!(old, new);
+    let port = KubePodConditions::new(admin.clone());
+    let key = format!("{TEST_NAMESPACE}/{name}");
+    // The predecessor's write: refused by the API server (422: the UID of
+    // the pod under that name cannot change).
+    let late = port.set_on(&key, Some(&old), gate, true, "late").await;
+    match &late {
+        Err(ProbeError::Api(kube::Error::Api(e))) => {
+            assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"), "{e:?}");
+            assert!(e.message.contains("metadata.uid"), "{e:?}");
+        }
+        other => panic!("a write with the old pod's UID must be refused: {other:?}"),
+    }
+    assert_eq!(pod_gate(&admin, &name, gate).await, None, "nothing landed");
+    // The new pod's own write goes through.
+    port.set_on(&key, Some(&new), gate, true, "mine")
+        .await
+        .unwrap();
+    assert_eq!(pod_gate(&admin, &name, gate).await.as_deref(), Some("True"));
+    delete_pod(&admin, &name).await;
+}

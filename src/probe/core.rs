@@ -32,8 +32,8 @@ pub enum Role {
     /// Starts as Failure; keeps probing after failures.
     Readiness,
     /// Starts as Success; on a pod, after a published failure, holds until
-    /// the target changes (a new pod IP). On the node (nothing to restart)
-    /// it keeps probing, as readiness does.
+    /// the target changes (a new container ID, pod IP or UID). On the node
+    /// (nothing to restart) it keeps probing, as readiness does.
     Liveness,
     /// Starts as Unknown; gates the probes that name it; stops probing
     /// once successful. On a pod it holds after a published failure; on
@@ -41,8 +41,9 @@ pub enum Role {
     Startup,
 }
 
-/// What a worker probes: the node cannot be replaced, a pod can (a new
-/// pod IP or UID), which is what ends an on-hold.
+/// What a worker probes: the node cannot be replaced, a pod can (a
+/// restarted container, a new pod IP or UID), which is what ends an
+/// on-hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TargetKind {
     Node,
@@ -57,7 +58,10 @@ pub enum Sink {
     /// carried over from before a restart).
     NodeCondition,
     /// A pod's readiness-gate condition: follows the published result,
-    /// the role's initial value included (a new pod starts not-ready).
+    /// the role's initial value included, on a pod that does not carry the
+    /// condition yet (a new pod starts not-ready). On a pod that carries
+    /// it (written before an agent restart or a container restart), what
+    /// it says stands until real results cross a threshold.
     ReadinessGate,
 }
 
@@ -67,14 +71,20 @@ pub enum Sink {
 /// included), `verdict` the last result that crossed its threshold on the
 /// current target, `written` what the sink last accepted for the current
 /// target. A failed write leaves `written` alone, so it is retried.
+/// `carried`: the pod already carries the readiness-gate condition (only
+/// read for [`Sink::ReadinessGate`]); before a verdict on the current target
+/// what it says stands, so an agent restart does not replace a held False
+/// with a Liveness probe's initial True.
 pub fn should_write(
     sink: Sink,
     published: Option<ProbeResult>,
     verdict: Option<ProbeResult>,
     written: Option<ProbeResult>,
+    carried: bool,
 ) -> Option<ProbeResult> {
     let want = match sink {
         Sink::NodeCondition => verdict,
+        Sink::ReadinessGate if carried && verdict.is_none() => None,
         Sink::ReadinessGate => published,
     }?;
     (written != Some(want)).then_some(want)
@@ -113,16 +123,32 @@ pub enum Step {
     Stop,
 }
 
-/// `running`: `None` when the key has no worker, else whether its
-/// definition is the desired one; `desired`: whether the key should have
-/// a worker. A worker that ended on its own (a deleted pod's liveness
+/// The worker a key has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Existing {
+    /// Its definition is the desired one.
+    pub same: bool,
+    /// Its task panicked (it ended, but not on its own decision).
+    pub panicked: bool,
+}
+
+/// `running`: the key's worker, if any; `desired`: whether the key should
+/// have a worker. A worker that ended on its own (a deleted pod's liveness
 /// probe) is kept, not restarted, while its definition is unchanged; a
-/// changed one is stopped, then started again on the same pass.
-pub fn reconcile(running: Option<bool>, desired: bool) -> Option<Step> {
+/// changed one, or one whose task panicked, is stopped, then started again
+/// on the same pass.
+pub fn reconcile(running: Option<Existing>, desired: bool) -> Option<Step> {
     match (running, desired) {
         (None, true) => Some(Step::Start),
-        (None, false) | (Some(true), true) => None,
-        (Some(false), true) | (Some(_), false) => Some(Step::Stop),
+        (None, false) => None,
+        (
+            Some(Existing {
+                same: true,
+                panicked: false,
+            }),
+            true,
+        ) => None,
+        (Some(_), _) => Some(Step::Stop),
     }
 }
 
@@ -150,8 +176,9 @@ pub struct TargetView {
     pub known: bool,
     /// The pod Succeeded or Failed.
     pub terminal: bool,
-    /// Changes when the target is replaced (container ID, pod UID + IP);
-    /// `None` while it does not exist yet.
+    /// Changes when the target is replaced (for a pod: its UID, IP and
+    /// container IDs, so a restarted container is a new target); `None`
+    /// while it does not exist yet.
     pub identity: Option<String>,
     /// The target is running.
     pub running: bool,
@@ -220,10 +247,11 @@ impl Worker {
         self.verdict
     }
 
-    /// What to write to `sink` now ([`should_write`]); call
+    /// What to write to `sink` now ([`should_write`]; `carried`: the pod
+    /// carries the readiness-gate condition already); call
     /// [`Worker::wrote`] once the sink accepted it.
-    pub fn to_write(&self, sink: Sink) -> Option<ProbeResult> {
-        should_write(sink, self.published, self.verdict, self.written)
+    pub fn to_write(&self, sink: Sink, carried: bool) -> Option<ProbeResult> {
+        should_write(sink, self.published, self.verdict, self.written, carried)
     }
 
     /// The sink accepted `result`.
@@ -402,7 +430,7 @@ mod tests {
                 if w.tick(view) == Tick::Probe {
                     w.record::<()>(Ok(*r));
                 }
-                let out = w.to_write(sink);
+                let out = w.to_write(sink, false);
                 if let Some(r) = out {
                     w.wrote(r);
                 }
@@ -505,13 +533,21 @@ mod tests {
     #[test]
     fn should_write_table() {
         use Sink::*;
-        // (sink, published, verdict, written, want)
-        let cases = [
+        // (sink, published, verdict, written, carried, want)
+        type Case = (
+            Sink,
+            Option<ProbeResult>,
+            Option<ProbeResult>,
+            Option<ProbeResult>,
+            bool,
+            Option<ProbeResult>,
+        );
+        let cases: &[Case] = &[
             // A node condition waits for a real threshold crossing...
-            (NodeCondition, Some(Failure), None, None, None),
-            (NodeCondition, Some(Success), None, None, None),
-            (NodeCondition, Some(Unknown), None, None, None),
-            (NodeCondition, None, None, None, None),
+            (NodeCondition, Some(Failure), None, None, false, None),
+            (NodeCondition, Some(Success), None, None, false, None),
+            (NodeCondition, Some(Unknown), None, None, false, None),
+            (NodeCondition, None, None, None, false, None),
             // ...then writes it, even when it equals the initial value
             // (it replaces whatever the Node carried over)...
             (
@@ -519,6 +555,7 @@ mod tests {
                 Some(Failure),
                 Some(Failure),
                 None,
+                false,
                 Some(Failure),
             ),
             (
@@ -526,6 +563,7 @@ mod tests {
                 Some(Success),
                 Some(Success),
                 None,
+                false,
                 Some(Success),
             ),
             (
@@ -533,6 +571,7 @@ mod tests {
                 Some(Unknown),
                 Some(Unknown),
                 None,
+                false,
                 Some(Unknown),
             ),
             // ...once.
@@ -541,6 +580,7 @@ mod tests {
                 Some(Failure),
                 Some(Failure),
                 Some(Failure),
+                false,
                 None,
             ),
             (
@@ -548,6 +588,7 @@ mod tests {
                 Some(Success),
                 Some(Success),
                 Some(Failure),
+                false,
                 Some(Success),
             ),
             // Not-running / deletion publish without a verdict: not for nodes.
@@ -556,16 +597,51 @@ mod tests {
                 Some(Success),
                 Some(Failure),
                 Some(Failure),
+                false,
                 None,
             ),
-            // A readiness gate follows the published result, initial included.
-            (ReadinessGate, Some(Failure), None, None, Some(Failure)),
-            (ReadinessGate, Some(Unknown), None, None, Some(Unknown)),
+            // `carried` is only for readiness gates.
+            (NodeCondition, Some(Success), None, None, true, None),
+            (
+                NodeCondition,
+                Some(Failure),
+                Some(Failure),
+                None,
+                true,
+                Some(Failure),
+            ),
+            // A new pod's readiness gate follows the published result,
+            // initial included.
+            (
+                ReadinessGate,
+                Some(Failure),
+                None,
+                None,
+                false,
+                Some(Failure),
+            ),
+            (
+                ReadinessGate,
+                Some(Unknown),
+                None,
+                None,
+                false,
+                Some(Unknown),
+            ),
+            (
+                ReadinessGate,
+                Some(Success),
+                None,
+                None,
+                false,
+                Some(Success),
+            ),
             (
                 ReadinessGate,
                 Some(Success),
                 Some(Success),
                 Some(Failure),
+                false,
                 Some(Success),
             ),
             (
@@ -573,6 +649,7 @@ mod tests {
                 Some(Success),
                 Some(Success),
                 Some(Success),
+                false,
                 None,
             ),
             (
@@ -580,17 +657,115 @@ mod tests {
                 Some(Failure),
                 Some(Success),
                 Some(Success),
+                false,
                 Some(Failure),
             ),
-            (ReadinessGate, None, None, None, None),
+            (ReadinessGate, None, None, None, false, None),
+            // A gate the pod carries (from before an agent restart, or from
+            // the previous container) stands until a verdict: a Liveness
+            // probe's initial Success does not turn a held False True...
+            (ReadinessGate, Some(Success), None, None, true, None),
+            (ReadinessGate, Some(Failure), None, None, true, None),
+            (ReadinessGate, Some(Unknown), None, None, true, None),
+            // ...nor does a worker's own earlier write change that.
+            (
+                ReadinessGate,
+                Some(Success),
+                None,
+                Some(Failure),
+                true,
+                None,
+            ),
+            // A verdict is written, even one equal to the initial value...
+            (
+                ReadinessGate,
+                Some(Success),
+                Some(Success),
+                None,
+                true,
+                Some(Success),
+            ),
+            (
+                ReadinessGate,
+                Some(Failure),
+                Some(Failure),
+                None,
+                true,
+                Some(Failure),
+            ),
+            // ...once; after it the gate follows the published result.
+            (
+                ReadinessGate,
+                Some(Failure),
+                Some(Failure),
+                Some(Failure),
+                true,
+                None,
+            ),
+            (
+                ReadinessGate,
+                Some(Failure),
+                Some(Success),
+                Some(Success),
+                true,
+                Some(Failure),
+            ),
         ];
-        for (sink, published, verdict, written, want) in cases {
+        for &(sink, published, verdict, written, carried, want) in cases {
             assert_eq!(
-                should_write(sink, published, verdict, written),
+                should_write(sink, published, verdict, written, carried),
                 want,
-                "{sink:?} published={published:?} verdict={verdict:?} written={written:?}"
+                "{sink:?} published={published:?} verdict={verdict:?} written={written:?} carried={carried}"
             );
         }
+    }
+
+    #[test]
+    fn a_restarted_agent_leaves_a_held_liveness_gate_until_its_verdict() {
+        // A fresh worker on a pod whose gate a previous agent set False.
+        let mut w = pod(Role::Liveness, th(5, 1, 2));
+        let v = running("uid/10.0.0.1/containerd://a", 3);
+        assert_eq!(w.tick(&v), Tick::Wait, "initial delay");
+        assert_eq!(w.published(), Some(Success), "the role's initial value");
+        assert_eq!(
+            w.to_write(Sink::ReadinessGate, true),
+            None,
+            "carried: stands"
+        );
+        let v = running("uid/10.0.0.1/containerd://a", 10);
+        assert_eq!(
+            writes_carried(&mut w, &v, &[Failure, Failure]),
+            [None, Some(Failure)],
+            "the real verdict, equal to what the pod says, is written"
+        );
+        // A restarted container is a new target: the hold ends, the gate
+        // the pod carries stands until the new container's verdict.
+        let v2 = running("uid/10.0.0.1/containerd://b", 10);
+        assert_eq!(w.tick(&v2), Tick::Probe);
+        assert_eq!(w.to_write(Sink::ReadinessGate, true), None);
+        w.record::<()>(Ok(Success));
+        assert_eq!(w.to_write(Sink::ReadinessGate, true), Some(Success));
+    }
+
+    /// As [`writes`], for a readiness gate the pod carries already.
+    fn writes_carried(
+        w: &mut Worker,
+        view: &TargetView,
+        results: &[ProbeResult],
+    ) -> Vec<Option<ProbeResult>> {
+        results
+            .iter()
+            .map(|r| {
+                if w.tick(view) == Tick::Probe {
+                    w.record::<()>(Ok(*r));
+                }
+                let out = w.to_write(Sink::ReadinessGate, true);
+                if let Some(r) = out {
+                    w.wrote(r);
+                }
+                out
+            })
+            .collect()
     }
 
     #[test]
@@ -645,12 +820,12 @@ mod tests {
         // but a NodeCondition is not written; a readiness gate would be.
         assert_eq!(w.tick(&running("node", 3)), Tick::Wait);
         assert_eq!(w.published(), Some(Failure));
-        assert_eq!(w.to_write(Sink::NodeCondition), None);
-        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        assert_eq!(w.to_write(Sink::NodeCondition, false), None);
+        assert_eq!(w.to_write(Sink::ReadinessGate, false), Some(Failure));
         // After it: a real failure equals the initial value, and is written.
         assert_eq!(w.tick(&running("node", 10)), Tick::Probe);
         assert_eq!(w.record::<()>(Ok(Failure)), None, "published unchanged");
-        assert_eq!(w.to_write(Sink::NodeCondition), Some(Failure));
+        assert_eq!(w.to_write(Sink::NodeCondition, false), Some(Failure));
     }
 
     #[test]
@@ -658,14 +833,14 @@ mod tests {
         let mut w = pod(Role::Readiness, th(0, 1, 1));
         let v = running("uid1/10.0.0.1", 1);
         w.tick(&v);
-        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        assert_eq!(w.to_write(Sink::ReadinessGate, false), Some(Failure));
         // The write failed (not acknowledged): still to write.
-        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        assert_eq!(w.to_write(Sink::ReadinessGate, false), Some(Failure));
         w.wrote(Failure);
-        assert_eq!(w.to_write(Sink::ReadinessGate), None);
+        assert_eq!(w.to_write(Sink::ReadinessGate, false), None);
         // A new pod under the same name: its gate is written afresh.
         w.tick(&running("uid2/10.0.0.2", 1));
-        assert_eq!(w.to_write(Sink::ReadinessGate), Some(Failure));
+        assert_eq!(w.to_write(Sink::ReadinessGate, false), Some(Failure));
         assert_eq!(w.verdict(), None);
     }
 
@@ -715,14 +890,20 @@ mod tests {
 
     #[test]
     fn reconcile_table() {
-        // (running: None or same definition, desired, step)
+        let w = |same, panicked| Some(Existing { same, panicked });
+        // (the key's worker, desired, step)
         for (running, desired, want) in [
             (None, true, Some(Step::Start)),
             (None, false, None),
-            (Some(true), true, None), // unchanged, ended on its own or not
-            (Some(false), true, Some(Step::Stop)), // then started afresh
-            (Some(true), false, Some(Step::Stop)),
-            (Some(false), false, Some(Step::Stop)),
+            (w(true, false), true, None), // unchanged, ended on its own or not
+            (w(false, false), true, Some(Step::Stop)), // then started afresh
+            (w(true, false), false, Some(Step::Stop)),
+            (w(false, false), false, Some(Step::Stop)),
+            // A panicked worker is replaced even when unchanged...
+            (w(true, true), true, Some(Step::Stop)),
+            (w(false, true), true, Some(Step::Stop)),
+            // ...and forgotten when no longer desired.
+            (w(true, true), false, Some(Step::Stop)),
         ] {
             assert_eq!(reconcile(running, desired), want, "{running:?} {desired}");
         }

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
 
 use super::core::{
-    self, ProbeResult, Role, Sink, Step, TargetKind, TargetView, Thresholds, Tick, Worker,
+    self, Existing, ProbeResult, Role, Sink, Step, TargetKind, TargetView, Thresholds, Tick, Worker,
 };
 use super::prober::{Action, Outcome, Probers, join_host_port};
 use super::{ProbeError, ProbeMetrics};
@@ -27,6 +28,7 @@ use crate::server::LoopHandle;
 
 /// Port: writes a pod's readiness-gate condition.
 pub trait PodConditionPort: Send + Sync + 'static {
+    /// Writes to the pod named `pod` (`namespace/name`), whichever it is.
     fn set(
         &self,
         pod: &str,
@@ -34,6 +36,22 @@ pub trait PodConditionPort: Send + Sync + 'static {
         passing: bool,
         message: &str,
     ) -> impl Future<Output = Result<(), ProbeError>> + Send;
+
+    /// Writes to the pod named `pod` only while it is the one with UID
+    /// `uid` (when given), so a write meant for a deleted pod never lands
+    /// on a pod recreated under its name. The manager writes through this.
+    /// The default, for ports that cannot check, writes by name.
+    fn set_on(
+        &self,
+        pod: &str,
+        uid: Option<&str>,
+        condition: &str,
+        passing: bool,
+        message: &str,
+    ) -> impl Future<Output = Result<(), ProbeError>> + Send {
+        let _ = uid;
+        self.set(pod, condition, passing, message)
+    }
 }
 
 /// A worker's key: the probe's name and its target (`node`, or the pod's
@@ -66,9 +84,15 @@ struct Running {
     trigger: Arc<Notify>,
     stop: CancellationToken,
     task: JoinHandle<()>,
+    /// Set once the worker's task panicked (and its restart delay passed).
+    panicked: Arc<AtomicBool>,
     /// Increments each time a worker for this key is (re)started.
     generation: u64,
 }
+
+/// How long a panicked worker stays down before the manager restarts it,
+/// so one that panics at once again does not spin.
+pub const PANIC_RESTART_DELAY: Duration = Duration::from_secs(10);
 
 /// Shared by every worker.
 struct Shared<P> {
@@ -81,6 +105,8 @@ struct Shared<P> {
     startup: Mutex<HashMap<WorkerKey, ProbeResult>>,
     concurrency: Semaphore,
     agent_start: Instant,
+    /// Wakes the manager when a panicked worker is due for a restart.
+    respawn: Notify,
 }
 
 /// Handle for tests and shutdown: trigger a worker, see worker identities.
@@ -142,6 +168,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
         startup: Mutex::new(HashMap::new()),
         concurrency: Semaphore::new(MAX_CONCURRENT_PROBES),
         agent_start: Instant::now(),
+        respawn: Notify::new(),
     });
     let mut running: HashMap<WorkerKey, Running> = HashMap::new();
     // Workers being stopped, by key: a replacement starts only once its
@@ -164,13 +191,17 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
                 _ => None,
             })
             .collect();
-        // Stop removed and changed workers. One that ended on its own (a
-        // deleted pod's liveness probe) stays ended while it is unchanged.
+        // Stop removed and changed workers, and those that panicked. One
+        // that ended on its own (a deleted pod's liveness probe) stays ended
+        // while it is unchanged.
         let stopping: Vec<WorkerKey> = running
             .iter()
             .filter(|(key, r)| {
-                let same = desired.get(*key) == Some(&r.def);
-                core::reconcile(Some(same), desired.contains_key(*key)) == Some(Step::Stop)
+                let existing = Existing {
+                    same: desired.get(*key) == Some(&r.def),
+                    panicked: r.panicked.load(Ordering::SeqCst),
+                };
+                core::reconcile(Some(existing), desired.contains_key(*key)) == Some(Step::Stop)
             })
             .map(|(key, _)| key.clone())
             .collect();
@@ -194,19 +225,30 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
         }
         // Start new and changed ones.
         for (key, def) in desired {
-            if core::reconcile(running.get(&key).map(|r| r.def == def), true) != Some(Step::Start) {
+            let existing = running.get(&key).map(|r| Existing {
+                same: r.def == def,
+                panicked: r.panicked.load(Ordering::SeqCst),
+            });
+            if core::reconcile(existing, true) != Some(Step::Start) {
                 continue;
             }
             generation += 1;
             let trigger = Arc::new(Notify::new());
             let stop_worker = stop.child_token();
-            let task = tokio::spawn(run_worker(
+            let panicked = Arc::new(AtomicBool::new(false));
+            let task = tokio::spawn(supervised(
                 shared.clone(),
                 key.clone(),
-                def.clone(),
-                trigger.clone(),
+                panicked.clone(),
                 stop_worker.clone(),
-                retiring.remove(&key),
+                run_worker(
+                    shared.clone(),
+                    key.clone(),
+                    def.clone(),
+                    trigger.clone(),
+                    stop_worker.clone(),
+                    retiring.remove(&key),
+                ),
             ));
             running.insert(
                 key,
@@ -215,6 +257,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
                     trigger,
                     stop: stop_worker,
                     task,
+                    panicked,
                     generation,
                 },
             );
@@ -235,6 +278,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
             _ = stop.cancelled() => break,
             r = specs.changed() => if r.is_err() { break },
             r = pods.changed() => if r.is_err() { break },
+            _ = shared.respawn.notified() => {}
             // A periodic pass all the same (it also forgets retirements
             // that ended).
             _ = sleep(Duration::from_secs(30)) => {}
@@ -247,6 +291,43 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
     for t in retiring.into_values() {
         let _ = t.await;
     }
+}
+
+/// Runs a worker's task; when it panics: an ERROR naming the probe and its
+/// target, `nodeguard_probe_worker_panics_total`, and after
+/// [`PANIC_RESTART_DELAY`] the flag that has the manager restart it (a
+/// worker that ends normally is not restarted).
+async fn supervised<P>(
+    shared: Arc<Shared<P>>,
+    key: WorkerKey,
+    panicked: Arc<AtomicBool>,
+    stop: CancellationToken,
+    worker: impl Future<Output = ()>,
+) {
+    use futures::FutureExt;
+    let Err(panic) = std::panic::AssertUnwindSafe(worker).catch_unwind().await else {
+        return;
+    };
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    tracing::error!(probe = %key.0, target = %key.1, panic = %what, delay = ?PANIC_RESTART_DELAY, "probe worker panicked; restarting it after the delay");
+    shared.metrics.panicked(&key.0);
+    // What the worker would have cleaned up on its way out.
+    shared.metrics.forget(&key);
+    shared
+        .startup
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&key);
+    tokio::select! {
+        _ = stop.cancelled() => return,
+        _ = sleep(PANIC_RESTART_DELAY) => {}
+    }
+    panicked.store(true, Ordering::SeqCst);
+    shared.respawn.notify_one();
 }
 
 /// The NodeCondition of a stopped worker's definition that no desired
@@ -382,8 +463,9 @@ fn action(spec: &ProbeSpec, ip: Option<&str>) -> Option<Action> {
     })
 }
 
-/// The target as the decision core sees it, plus the pod IP.
-fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Option<String>) {
+/// The target as the decision core sees it, the pod IP, and whether the
+/// pod carries the worker's readiness-gate condition already.
+fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Option<String>, bool) {
     let gate_open = core::gate_open(def.spec.gated_by.as_ref().map(|g| {
         shared
             .startup
@@ -405,11 +487,39 @@ fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Optio
                 gate_open,
             },
             None,
+            false,
         );
     };
     let pods = shared.pods.borrow();
-    let Some(pod) = pods.as_ref().and_then(|p| p.get(pod_key)) else {
-        // Gone from the node: the worker ends.
+    let pod = pods.as_ref().and_then(|p| p.get(pod_key));
+    let gate = match output(&def.spec) {
+        Some(Output::ReadinessGate(g)) => Some(g),
+        _ => None,
+    };
+    pod_view(
+        def,
+        pod.map(|p| &**p),
+        gate.as_deref(),
+        jiff::Timestamp::now(),
+        gate_open,
+    )
+}
+
+/// [`view`] of a pod target, from the pod in the snapshot (`None`: not
+/// there). A pod with another UID than the worker's is a different pod
+/// recreated under the same name: for this worker it is gone. The
+/// identity is the pod's UID, IP and container IDs, so a container the
+/// kubelet restarted is a new target (it ends an on-hold).
+fn pod_view(
+    def: &Def,
+    pod: Option<&Pod>,
+    gate: Option<&str>,
+    now: jiff::Timestamp,
+    gate_open: bool,
+) -> (TargetView, Option<String>, bool) {
+    let pod = pod.filter(|p| def.uid.is_none() || p.metadata.uid == def.uid);
+    let Some(pod) = pod else {
+        // Gone from the node (or replaced): the worker ends.
         return (
             TargetView {
                 known: true,
@@ -422,25 +532,40 @@ fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Optio
                 gate_open,
             },
             None,
+            false,
         );
     };
     let status = pod.status.as_ref();
     let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
     let ip = status.and_then(|s| s.pod_ip.clone());
     let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let mut containers: Vec<&str> = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.container_id.as_deref())
+        .filter(|id| !id.is_empty())
+        .collect();
+    containers.sort_unstable();
+    let containers = containers.join(",");
     let running_for = status
         .and_then(|s| s.start_time.as_ref())
         .map(|t| {
-            let secs = (jiff::Timestamp::now() - t.0).get_seconds().max(0);
+            let secs = (now - t.0).get_seconds().max(0);
             Duration::from_secs(secs as u64)
         })
         .unwrap_or_default();
     let restart = pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) != Some("Never");
+    let carried = gate.is_some_and(|g| {
+        status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == g))
+    });
     (
         TargetView {
             known: true,
             terminal: matches!(phase, "Succeeded" | "Failed"),
-            identity: ip.as_ref().map(|ip| format!("{uid}/{ip}")),
+            identity: ip.as_ref().map(|ip| format!("{uid}/{ip}/{containers}")),
             running: phase == "Running",
             running_for,
             finished_for_good: phase != "Running" && phase != "Pending" && !restart,
@@ -448,6 +573,7 @@ fn view<P>(shared: &Shared<P>, key: &WorkerKey, def: &Def) -> (TargetView, Optio
             gate_open,
         },
         ip,
+        carried,
     )
 }
 
@@ -502,7 +628,7 @@ async fn run_worker<P: PodConditionPort>(
     let mut failing_since: Option<jiff::Timestamp> = None;
     let mut detail = String::new();
     loop {
-        let (target, ip) = view(&shared, &key, &def);
+        let (target, ip, carried) = view(&shared, &key, &def);
         let tick = worker.tick(&target);
         if tick == Tick::Probe
             && let Some(action) = action(spec, ip.as_deref())
@@ -541,7 +667,7 @@ async fn run_worker<P: PodConditionPort>(
             break; // replaced or removed: the output is no longer ours
         }
         if let Some(sink) = sink
-            && let Some(result) = worker.to_write(sink)
+            && let Some(result) = worker.to_write(sink, carried)
         {
             if result == ProbeResult::Failure {
                 failing_since.get_or_insert_with(jiff::Timestamp::now);
@@ -551,7 +677,7 @@ async fn run_worker<P: PodConditionPort>(
             if publish(
                 &shared,
                 &key,
-                spec,
+                &def,
                 out.as_ref(),
                 result,
                 &detail,
@@ -598,12 +724,13 @@ pub fn camel(name: &str) -> String {
 async fn publish<P: PodConditionPort>(
     shared: &Shared<P>,
     key: &WorkerKey,
-    spec: &ProbeSpec,
+    def: &Def,
     out: Option<&Output>,
     result: ProbeResult,
     detail: &str,
     failing_since: Option<jiff::Timestamp>,
 ) -> bool {
+    let spec = &def.spec;
     let what = action(spec, Some("<pod IP>").filter(|_| spec.pods.is_some()))
         .map(|a| a.describe())
         .unwrap_or_default();
@@ -673,7 +800,11 @@ async fn publish<P: PodConditionPort>(
                 spec.name,
                 if passing { "passes" } else { "does not pass" }
             );
-            match shared.pod_port.set(&key.1, gate, passing, &message).await {
+            match shared
+                .pod_port
+                .set_on(&key.1, def.uid.as_deref(), gate, passing, &message)
+                .await
+            {
                 Ok(()) => true,
                 Err(e) => {
                     tracing::warn!(probe = %key.0, pod = %key.1, error = %e, "cannot write the readiness gate; retrying");
@@ -801,5 +932,189 @@ mod tests {
             uid: None,
         };
         assert_eq!(stale_condition(&gate, &HashSet::new()), None);
+    }
+
+    fn gated_pod(uid: &str, containers: &[&str], gate: Option<&str>) -> Pod {
+        let statuses: Vec<serde_json::Value> = containers
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                serde_json::json!({"name": format!("c{i}"), "image": "x", "imageID": "", "ready": true,
+                    "restartCount": 0, "containerID": id})
+            })
+            .collect();
+        let conditions: Vec<serde_json::Value> = gate
+            .into_iter()
+            .map(|g| serde_json::json!({"type": g, "status": "False"}))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "a", "name": "p", "uid": uid},
+            "spec": {"containers": []},
+            "status": {"phase": "Running", "podIP": "10.0.0.1", "startTime": "2030-01-01T00:00:00Z",
+                       "containerStatuses": statuses, "conditions": conditions}
+        }))
+        .unwrap()
+    }
+
+    fn gate_def(uid: &str) -> Def {
+        Def {
+            spec: spec(
+                serde_json::json!({"name": "g", "pods": {"selector": {}}, "tcp": {"port": 1}, "readinessGate": "x/y"}),
+            ),
+            pod: Some("a/p".into()),
+            uid: Some(uid.into()),
+        }
+    }
+
+    #[test]
+    fn a_pods_identity_has_its_container_ids_and_another_uid_is_gone() {
+        let now: jiff::Timestamp = "2030-01-01T00:00:30Z".parse().unwrap();
+        let def = gate_def("u1");
+        let id = |pod: &Pod| pod_view(&def, Some(pod), Some("x/y"), now, true).0.identity;
+        let first = id(&gated_pod(
+            "u1",
+            &["containerd://b", "containerd://a"],
+            None,
+        ));
+        assert_eq!(
+            first.as_deref(),
+            Some("u1/10.0.0.1/containerd://a,containerd://b")
+        );
+        assert_eq!(
+            id(&gated_pod(
+                "u1",
+                &["containerd://a", "containerd://b"],
+                None
+            )),
+            first,
+            "the order of the statuses does not matter"
+        );
+        assert_ne!(
+            id(&gated_pod(
+                "u1",
+                &["containerd://a", "containerd://c"],
+                None
+            )),
+            first,
+            "a restarted container is a new target"
+        );
+        let (v, _, _) = pod_view(&def, Some(&gated_pod("u1", &[], None)), None, now, true);
+        assert_eq!(v.running_for, Duration::from_secs(30));
+        assert!(!v.terminal);
+        // A pod recreated under the same name is not this worker's pod.
+        for pod in [Some(gated_pod("u2", &[], None)), None] {
+            let (v, ip, _) = pod_view(&def, pod.as_ref(), Some("x/y"), now, true);
+            assert!(v.terminal && v.identity.is_none() && ip.is_none(), "{v:?}");
+            let mut w = Worker::new(
+                Role::Readiness,
+                Thresholds {
+                    initial_delay: Duration::ZERO,
+                    success: 1,
+                    failure: 1,
+                },
+                TargetKind::Pod,
+            );
+            assert_eq!(w.tick(&v), Tick::Stop);
+            assert_eq!(
+                w.to_write(Sink::ReadinessGate, false),
+                None,
+                "nothing written"
+            );
+        }
+        // Whether the pod carries the gate condition already.
+        let carried = |pod: &Pod| pod_view(&def, Some(pod), Some("x/y"), now, true).2;
+        assert!(carried(&gated_pod("u1", &[], Some("x/y"))));
+        assert!(!carried(&gated_pod("u1", &[], Some("x/other"))));
+        assert!(!carried(&gated_pod("u1", &[], None)));
+    }
+
+    /// A pod-condition port whose first write panics; later writes are sent
+    /// to the test.
+    #[derive(Clone)]
+    struct PanicsOnce {
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+        writes: tokio::sync::mpsc::UnboundedSender<(String, Option<String>, bool)>,
+    }
+
+    impl PodConditionPort for PanicsOnce {
+        async fn set(&self, pod: &str, c: &str, passing: bool, m: &str) -> Result<(), ProbeError> {
+            self.set_on(pod, None, c, passing, m).await
+        }
+
+        async fn set_on(
+            &self,
+            pod: &str,
+            uid: Option<&str>,
+            _: &str,
+            passing: bool,
+            _: &str,
+        ) -> Result<(), ProbeError> {
+            if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("injected panic in the pod-condition port");
+            }
+            let _ = self
+                .writes
+                .send((pod.to_string(), uid.map(str::to_string), passing));
+            Ok(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicked_worker_is_restarted_after_a_delay() {
+        use crate::report::{ReportConfig, Reporter};
+        let mut registry = prometheus_client::registry::Registry::default();
+        let (reporter, _queue) = Reporter::new(&ReportConfig::default(), &mut registry);
+        let metrics = ProbeMetrics::register(&mut registry);
+        // A readiness gate on a new pod: its initial False is written at the
+        // first tick, without probing (the initial delay is long).
+        let probe = spec(serde_json::json!({"name": "gate", "pods": {"selector": {}},
+            "tcp": {"port": 1}, "initialDelaySeconds": 3600, "readinessGate": "x/y"}));
+        let mut pod = gated_pod("u1", &["containerd://a"], None);
+        pod.status.as_mut().unwrap().start_time = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()),
+        );
+        let pods: Snapshot<Pod> = [("a/p".to_string(), Arc::new(pod))].into_iter().collect();
+        let (_specs_tx, specs_rx) = watch::channel(vec![probe]);
+        let (_pods_tx, pods_rx) = watch::channel(Some(pods));
+        let (tx, mut writes) = tokio::sync::mpsc::unbounded_channel();
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let port = PanicsOnce {
+            calls: calls.clone(),
+            writes: tx,
+        };
+        let health = crate::server::Health::new();
+        let handle = ProbeHandle::default();
+        let stop = CancellationToken::new();
+        let manager = tokio::spawn(run_probe_manager(
+            specs_rx,
+            pods_rx,
+            reporter,
+            port,
+            metrics,
+            handle.clone(),
+            health.register("probe-manager", Duration::from_secs(60)),
+            stop.clone(),
+        ));
+        let t0 = Instant::now();
+        let write = tokio::time::timeout(Duration::from_secs(300), writes.recv())
+            .await
+            .expect("the panicked worker was restarted and wrote the gate");
+        assert_eq!(write, Some(("a/p".into(), Some("u1".into()), false)));
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "one panic, one write");
+        assert!(
+            t0.elapsed() >= PANIC_RESTART_DELAY,
+            "restarted after the delay, not at once: {:?}",
+            t0.elapsed()
+        );
+        let key = ("gate".to_string(), "a/p".to_string());
+        assert_eq!(handle.workers().get(&key), Some(&2), "a second worker");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("nodeguard_probe_worker_panics_total{probe=\"gate\"} 1"),
+            "{text}"
+        );
+        stop.cancel();
+        manager.await.unwrap();
     }
 }

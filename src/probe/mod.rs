@@ -42,12 +42,14 @@ struct ProbeLabels {
     probe: String,
 }
 
-/// `nodeguard_probe_total{probe,target,result}` and
-/// `nodeguard_probe_duration_seconds{probe}`.
+/// `nodeguard_probe_total{probe,target,result}`,
+/// `nodeguard_probe_duration_seconds{probe}` and
+/// `nodeguard_probe_worker_panics_total{probe}`.
 #[derive(Clone, Debug)]
 pub struct ProbeMetrics {
     total: Family<ResultLabels, Counter>,
     duration: Family<ProbeLabels, Histogram>,
+    panics: Family<ProbeLabels, Counter>,
 }
 
 impl ProbeMetrics {
@@ -59,6 +61,7 @@ impl ProbeMetrics {
                     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 ])
             }),
+            panics: Family::default(),
         };
         registry.register(
             "nodeguard_probe",
@@ -70,7 +73,20 @@ impl ProbeMetrics {
             "How long probes took, by probe",
             m.duration.clone(),
         );
+        registry.register(
+            "nodeguard_probe_worker_panics",
+            "Probe workers that panicked (each is restarted), by probe",
+            m.panics.clone(),
+        );
         m
+    }
+
+    fn panicked(&self, probe: &str) {
+        self.panics
+            .get_or_create(&ProbeLabels {
+                probe: probe.to_string(),
+            })
+            .inc();
     }
 
     fn observe(
@@ -111,7 +127,10 @@ impl ProbeMetrics {
 
 /// Writes readiness-gate conditions with server-side apply on
 /// `pods/status`, one field manager per condition type, so each gate is
-/// owned separately and the kubelet's conditions are never touched.
+/// owned separately and the kubelet's conditions are never touched. With a
+/// UID ([`PodConditionPort::set_on`]) the apply carries it, and the API
+/// server refuses it (422 Invalid: `metadata.uid` is immutable) when the
+/// pod under that name is another one.
 #[derive(Clone)]
 pub struct KubePodConditions {
     client: Client,
@@ -138,12 +157,27 @@ impl PodConditionPort for KubePodConditions {
         passing: bool,
         message: &str,
     ) -> Result<(), ProbeError> {
+        self.set_on(pod, None, condition, passing, message).await
+    }
+
+    async fn set_on(
+        &self,
+        pod: &str,
+        uid: Option<&str>,
+        condition: &str,
+        passing: bool,
+        message: &str,
+    ) -> Result<(), ProbeError> {
         let (ns, name) = pod.split_once('/').unwrap_or(("default", pod));
         let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now());
+        let mut metadata = serde_json::json!({"name": name, "namespace": ns});
+        if let Some(uid) = uid {
+            metadata["uid"] = uid.into();
+        }
         let body = serde_json::json!({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns},
+            "metadata": metadata,
             "status": {"conditions": [{
                 "type": condition,
                 "status": if passing { "True" } else { "False" },

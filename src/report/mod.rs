@@ -380,9 +380,21 @@ pub async fn run_condition_writer<P: StatusPort>(
         health.queued();
         let urgent = shared.urgent.swap(false, Ordering::SeqCst);
         if !urgent {
-            sleep(config.coalesce).await;
+            // Coalesce and space out ordinary writes, but an urgent change
+            // (a shutdown starting) that arrives meanwhile goes out at once.
+            let mut until = Instant::now() + config.coalesce;
             if let Some(t) = last_write {
-                sleep_until(t + config.min_write_interval).await;
+                until = until.max(t + config.min_write_interval);
+            }
+            loop {
+                tokio::select! {
+                    _ = sleep_until(until) => break,
+                    _ = shared.changed.notified() => {
+                        if shared.urgent.swap(false, Ordering::SeqCst) {
+                            break;
+                        }
+                    }
+                }
             }
         }
         let mut backoff = config.backoff_initial;

@@ -204,6 +204,21 @@ async fn urgent_changes_skip_the_write_interval() {
     );
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(h.port.with(|n| n.applies), 3);
+    // An urgent change that arrives while an ordinary one waits for the
+    // interval goes out at once, with it.
+    h.reporter.set("A", desired(Status::False, "FineAgain"));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(h.port.with(|n| n.applies), 3, "ordinary change waits");
+    h.reporter.set_urgent(
+        "GracefulShutdown",
+        desired(Status::False, "ShutdownCancelled"),
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        4,
+        "urgent write during an ordinary wait went out at once"
+    );
     h.shutdown.cancel();
 }
 

@@ -106,8 +106,12 @@ pub fn leave_alone(pod: &PodFacts, include: Include) -> Option<&'static str> {
 /// The grace a pod gets: its group's window in this shutdown (to the
 /// nearest second: a window opens a few milliseconds after its slot), or
 /// the pod's own terminationGracePeriodSeconds when shorter.
+///
+/// Never 0 unless the pod itself asks for 0: a grace of 0 is a force-kill
+/// (the API server removes the object at once). A group whose window is
+/// under [`MIN_GROUP_WINDOW`] is skipped instead of evicted.
 pub fn pod_grace(window: Duration, pod: &PodFacts) -> i64 {
-    let window = (window + Duration::from_millis(500)).as_secs() as i64;
+    let window = ((window + Duration::from_millis(500)).as_secs() as i64).max(1);
     match pod.termination_grace_seconds {
         Some(own) if own >= 0 && own < window => own,
         _ => window,
@@ -282,9 +286,20 @@ pub fn escalate_after(window: Duration, percent: u8) -> Duration {
 }
 
 /// The grace of an escalating delete: what is left of the window, never
-/// more than the pod's own grace, at least 0.
+/// more than the pod's own grace, and at least 1 s unless the pod's own
+/// grace is 0 (a delete with grace 0 is a force-kill).
 pub fn escalation_grace(remaining: Duration, pod_grace: i64) -> i64 {
-    (remaining.as_secs() as i64).min(pod_grace).max(0)
+    let floor = pod_grace.clamp(0, 1);
+    (remaining.as_secs() as i64).min(pod_grace).max(floor)
+}
+
+/// A group with less time than this is skipped (Event
+/// `ShutdownGroupSkipped`): there is no whole second to give its pods.
+pub const MIN_GROUP_WINDOW: Duration = Duration::from_secs(1);
+
+/// Whether a group's window is too short to evict its pods gracefully.
+pub fn too_short(window: Duration) -> bool {
+    window < MIN_GROUP_WINDOW
 }
 
 /// One pod's termination within its group.
@@ -679,7 +694,9 @@ mod tests {
             (30_000, Some(-1), 30), // a negative value is ignored
             (3_998, None, 4),       // to the nearest second
             (4_400, Some(30), 4),   // clipped to a shortened window
-            (0, Some(30), 0),
+            (0, Some(30), 1),       // never 0 (a force-kill); such a group is skipped
+            (290, None, 1),         // a fractional window rounding to 0
+            (290, Some(0), 0),      // the pod's own 0 stands
         ];
         for (window_ms, own, want) in cases {
             let mut p = pod("a/b", 0);
@@ -863,7 +880,19 @@ mod tests {
         }
         assert_eq!(escalation_grace(Duration::from_secs(9), 30), 9);
         assert_eq!(escalation_grace(Duration::from_secs(9), 3), 3);
-        assert_eq!(escalation_grace(Duration::from_millis(400), 3), 0);
+        // Less than a second left: still a graceful second, never 0.
+        assert_eq!(escalation_grace(Duration::from_millis(400), 3), 1);
+        assert_eq!(escalation_grace(Duration::ZERO, 30), 1);
+        assert_eq!(escalation_grace(Duration::from_millis(400), 0), 0);
+        for (ms, want) in [
+            (0, true),
+            (290, true),
+            (999, true),
+            (1000, false),
+            (5000, false),
+        ] {
+            assert_eq!(too_short(Duration::from_millis(ms)), want, "{ms} ms");
+        }
     }
 
     #[test]

@@ -955,13 +955,13 @@ async fn run_groups<C: ClusterPort>(
         // when its pods left early).
         let opened = Instant::now();
         let window = timeline.window(i, opened.saturating_duration_since(start));
-        let skipped = window.is_zero() && !group.pods.is_empty();
+        let skipped = core::too_short(window) && !group.pods.is_empty();
         if skipped {
             for _ in &group.pods {
                 ctx.metrics.pod(priority, "skipped");
             }
             let message = format!(
-                "Priority group {priority} ({} pod(s)) skipped: logind's limit leaves it no time after the higher-priority groups.",
+                "Priority group {priority} ({} pod(s)) skipped: logind's limit leaves it less than a second after the higher-priority groups.",
                 group.pods.len()
             );
             tracing::warn!("{message}");

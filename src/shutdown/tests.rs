@@ -1043,6 +1043,39 @@ async fn a_group_left_no_time_is_skipped() {
     r.task.await.unwrap();
 }
 
+/// Review finding: a window under a second (a fractional logind limit, or
+/// a resume part-way through) is skipped, never evicted with grace 0 (a
+/// force-kill).
+#[tokio::test(start_paused = true)]
+async fn a_group_left_less_than_a_second_is_skipped_not_force_killed() {
+    let pods = vec![
+        pod("a/low", 0, None),
+        pod("sys/critical", 2_000_000_000, None),
+    ];
+    let r = rig(
+        "skip-fraction",
+        FakeLogind::new(Duration::from_millis(8_400)),
+        Some(config(&[(0, 10), (2_000_000_000, 6)])),
+        pods,
+        "b1",
+    );
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(1500).await;
+    assert_eq!(
+        evictions(&r),
+        vec![(Duration::ZERO, Call::Evict("sys/critical".into(), 6))],
+        "the low group (0.4 s) is skipped; nobody is evicted with grace 0"
+    );
+    let text = crate::server::metrics::encode(&r.registry).unwrap();
+    assert!(
+        text.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"skipped\"} 1"),
+        "{text}"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
 /// Issue 15, item 13: an eviction whose connection stops answering ends
 /// with its group's window; the next group starts on time and the
 /// inhibitor is released when it is done.

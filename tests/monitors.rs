@@ -371,6 +371,60 @@ async fn an_unreadable_source_is_a_warning_event_on_the_node() {
     delete_policy(&admin, &policy).await;
 }
 
+/// Same boot, agent restarted before the monitor read any line: a kernel
+/// record logged while the agent was down is read after the restart (the
+/// first start saves where it began reading, not an empty cursor).
+#[tokio::test]
+async fn a_kernel_record_logged_while_the_agent_was_down_is_read_after_a_restart() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "kmsggap").await;
+    let logs = TempDir::new("kmsggap-logs");
+    let kmsg = logs.path.join("kmsg");
+    std::fs::write(&kmsg, "6,1,100,-;Linux version (this boot)\n").unwrap();
+    let kernel = serde_json::json!({
+        "name": "kernel", "source": {"kmsg": {"path": kmsg.display().to_string()}},
+        "conditions": [{"type": "KernelDeadlock", "reason": "KernelHasNoDeadlock", "message": "kernel has no deadlock"}],
+        "rules": [{"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
+                   "pattern": "task docker:\\w+ blocked for more than \\w+ seconds\\."}],
+    });
+    let policy = unique_name("kmsggap");
+    apply_monitors(&admin, &policy, &node.name, serde_json::json!([kernel])).await;
+    let state = TempDir::new("kmsggap-state");
+    let sd = state.path.clone();
+    let (agent, _u) = start_agent_with(admin.clone(), &node.name, move |c| c.state_dir = sd).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "False",
+        Duration::from_secs(15),
+        "False at start",
+    )
+    .await;
+    agent.stop().await;
+    let saved = saved_state(&state.path, "kernel").expect("state saved");
+    // Logged while the agent was down (e.g. during a rolling upgrade).
+    append(
+        &kmsg,
+        "3,2,5000000,-;INFO: task docker:20744 blocked for more than 120 seconds.",
+    );
+    let sd = state.path.clone();
+    let (agent, _u2) = start_agent_with(admin.clone(), &node.name, move |c| c.state_dir = sd).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "True",
+        Duration::from_secs(15),
+        &format!(
+            "the record logged while the agent was down read after the restart (saved {saved})"
+        ),
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 /// Writes one journal entry into a new journal file in `dir`, as a real
 /// journald would (systemd-journal-remote writes the same format).
 fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str) {

@@ -512,7 +512,12 @@ async fn run_monitor<T: TaintPort>(
         None
     };
     // Whether lines come: a line source runs. Its queue closing means it ended.
-    let lines_open = matches!(started, Some((_, Ok(()))));
+    let lines_open = matches!(started, Some((_, Ok(_))));
+    // Where it starts is saved at once: a restart before the first line
+    // resumes there instead of at the (then later) end.
+    if let Some((_, Ok(start))) = &started {
+        state.cursor = start.clone();
+    }
     let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
     // Plugin and systemd checkers: one ending while the monitor runs is the
     // monitor's failure too.

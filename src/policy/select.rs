@@ -100,20 +100,36 @@ fn drop_condition_conflicts(out: &mut Selection) {
             }
         }
     });
+    // A taint (key:effect) is one condition's: the first to clear would
+    // remove a shared one while the other is still True.
+    let mut taint_owner: BTreeMap<String, String> = BTreeMap::new();
+    let taint_of = |c: &crate::policy::monitors::ConditionSpec| {
+        c.taint.as_ref().map(|t| format!("{}:{}", t.key, t.effect))
+    };
     out.monitors.retain(|m| {
         let me = format!("monitor {}", m.name);
-        let clash = m
-            .conditions
-            .iter()
-            .find_map(|c| owner.get(&c.type_).map(|f| (c.type_.clone(), f.clone())));
+        let clash = m.conditions.iter().find_map(|c| {
+            owner
+                .get(&c.type_)
+                .map(|f| (format!("condition {}", c.type_), f.clone()))
+                .or_else(|| {
+                    let t = taint_of(c)?;
+                    taint_owner
+                        .get(&t)
+                        .map(|f| (format!("taint {t}"), f.clone()))
+                })
+        });
         match clash {
-            Some((t, first)) => {
-                conflicts.push((format!("condition {t}"), first, vec![me]));
+            Some((what, first)) => {
+                conflicts.push((what, first, vec![me]));
                 false
             }
             None => {
                 for c in &m.conditions {
                     owner.insert(c.type_.clone(), me.clone());
+                    if let Some(t) = taint_of(c) {
+                        taint_owner.insert(t, me.clone());
+                    }
                 }
                 true
             }

@@ -367,6 +367,29 @@ async fn an_unreadable_source_is_a_warning_event_on_the_node() {
     )
     .await;
     assert!(events.contains("Warning"), "{events}");
+    // Blind is not "all clear": the condition is Unknown, naming the path.
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "Unknown",
+        Duration::from_secs(15),
+        "KernelDeadlock Unknown while the source cannot be read",
+    )
+    .await;
+    let c = node_conditions(&admin, &node.name, "KernelDeadlock").await;
+    assert_eq!(
+        c[0].reason.as_deref(),
+        Some("MonitorSourceUnavailable"),
+        "{c:?}"
+    );
+    assert!(
+        c[0].message
+            .as_deref()
+            .unwrap_or_default()
+            .contains(missing),
+        "{c:?}"
+    );
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }

@@ -542,9 +542,16 @@ async fn run_monitor<T: TaintPort>(
             stop.clone(),
         ));
     }
+    // Set while the line source could not be opened: its conditions are
+    // Unknown (blind is not "all clear"), with this message.
+    let mut blind: Option<String> = None;
     if let Some((path, Err(source))) = started {
         let e = MonitorError::Source { path, source };
         tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
+        blind = Some(format!(
+            "Monitor {} cannot read its source: {e}; the condition is unknown until it can.",
+            spec.name
+        ));
         ctx.reporter.event(
             EventKind::Warning,
             "MonitorSourceUnavailable",
@@ -564,10 +571,26 @@ async fn run_monitor<T: TaintPort>(
     handle.queued();
     if new_boot {
         let reset = engine.on_new_boot(clock.now());
-        apply(&reset, &mut engine, &ctx, &handle, &defaults).await;
+        apply(
+            &reset,
+            &mut engine,
+            &ctx,
+            &handle,
+            &defaults,
+            blind.as_deref(),
+        )
+        .await;
     }
     let initial = engine.current(clock.now());
-    apply(&initial, &mut engine, &ctx, &handle, &defaults).await;
+    apply(
+        &initial,
+        &mut engine,
+        &ctx,
+        &handle,
+        &defaults,
+        blind.as_deref(),
+    )
+    .await;
     save(&mut state, &engine);
     handle.updated();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -591,7 +614,7 @@ async fn run_monitor<T: TaintPort>(
                     state.cursor = item.cursor;
                     dirty = true;
                     if !actions.is_empty() {
-                        apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                        apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                         save(&mut state, &engine);
                         dirty = false;
                         last_save = tokio::time::Instant::now();
@@ -605,7 +628,7 @@ async fn run_monitor<T: TaintPort>(
                 handle.queued();
                 let actions = engine.on_plugin(rule, status, &output, clock.now());
                 if !actions.is_empty() {
-                    apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                    apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     save(&mut state, &engine);
                 }
                 handle.updated();
@@ -623,7 +646,7 @@ async fn run_monitor<T: TaintPort>(
                 let actions = engine.on_tick(clock.now());
                 if !actions.is_empty() {
                     handle.queued();
-                    apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                    apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     handle.updated();
                     dirty = true;
                 }
@@ -881,12 +904,16 @@ async fn run_plugins(
     }
 }
 
+/// `blind`: the monitor cannot read its source (why); a condition that
+/// would be written False (no problem seen) is written Unknown with reason
+/// `MonitorSourceUnavailable` and this message instead.
 async fn apply<T: TaintPort>(
     actions: &[Action],
     engine: &mut Engine,
     ctx: &MonitorContext<T>,
     handle: &LoopHandle,
     defaults: &BTreeMap<String, String>,
+    blind: Option<&str>,
 ) {
     for a in actions {
         match a {
@@ -910,14 +937,24 @@ async fn apply<T: TaintPort>(
                 message,
             } => {
                 ctx.metrics.set_active(type_, reason, *active);
-                ctx.reporter.set(
-                    type_,
-                    Desired {
-                        status: if *active { Status::True } else { Status::False },
+                let desired = match (active, blind) {
+                    (true, _) => Desired {
+                        status: Status::True,
                         reason: reason.clone(),
                         message: message.clone(),
                     },
-                );
+                    (false, Some(why)) => Desired {
+                        status: Status::Unknown,
+                        reason: "MonitorSourceUnavailable".into(),
+                        message: why.to_string(),
+                    },
+                    (false, None) => Desired {
+                        status: Status::False,
+                        reason: reason.clone(),
+                        message: message.clone(),
+                    },
+                };
+                ctx.reporter.set(type_, desired);
             }
             Action::Taint {
                 condition,

@@ -437,4 +437,31 @@ mod tests {
         );
         assert_eq!(s.generations.len(), 2);
     }
+
+    #[test]
+    fn two_monitors_with_one_taint_conflict_and_the_later_is_dropped() {
+        let mon = |name: &str, type_: &str| -> crate::policy::monitors::MonitorSpec {
+            serde_json::from_value(serde_json::json!({
+            "name": name, "source": {"file": {"path": "/x"}},
+            "conditions": [{"type": type_, "reason": "Fine", "message": "fine",
+                            "taint": {"key": "example.com/unhealthy", "effect": "NoSchedule"}}],
+            "rules": []}))
+            .unwrap()
+        };
+        let mut a = policy("a", &[], &[]);
+        a.spec.monitors = vec![mon("ma", "ABroken")];
+        let mut b = policy("b", &[], &[]);
+        b.spec.monitors = vec![mon("mb", "BBroken")];
+        let s = select(&[a, b], &labels(&[]));
+        assert_eq!(s.monitors.len(), 1, "the later monitor is dropped");
+        assert_eq!(s.monitors[0].name, "ma");
+        assert_eq!(
+            s.conflicts,
+            vec![(
+                "taint example.com/unhealthy:NoSchedule".to_string(),
+                "monitor ma".to_string(),
+                vec!["monitor mb".to_string()]
+            )]
+        );
+    }
 }

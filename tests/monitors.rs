@@ -367,6 +367,83 @@ async fn an_unreadable_source_is_a_warning_event_on_the_node() {
     )
     .await;
     assert!(events.contains("Warning"), "{events}");
+    // Blind is not "all clear": the condition is Unknown, naming the path.
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "Unknown",
+        Duration::from_secs(15),
+        "KernelDeadlock Unknown while the source cannot be read",
+    )
+    .await;
+    let c = node_conditions(&admin, &node.name, "KernelDeadlock").await;
+    assert_eq!(
+        c[0].reason.as_deref(),
+        Some("MonitorSourceUnavailable"),
+        "{c:?}"
+    );
+    assert!(
+        c[0].message
+            .as_deref()
+            .unwrap_or_default()
+            .contains(missing),
+        "{c:?}"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// Same boot, agent restarted before the monitor read any line: a kernel
+/// record logged while the agent was down is read after the restart (the
+/// first start saves where it began reading, not an empty cursor).
+#[tokio::test]
+async fn a_kernel_record_logged_while_the_agent_was_down_is_read_after_a_restart() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "kmsggap").await;
+    let logs = TempDir::new("kmsggap-logs");
+    let kmsg = logs.path.join("kmsg");
+    std::fs::write(&kmsg, "6,1,100,-;Linux version (this boot)\n").unwrap();
+    let kernel = serde_json::json!({
+        "name": "kernel", "source": {"kmsg": {"path": kmsg.display().to_string()}},
+        "conditions": [{"type": "KernelDeadlock", "reason": "KernelHasNoDeadlock", "message": "kernel has no deadlock"}],
+        "rules": [{"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
+                   "pattern": "task docker:\\w+ blocked for more than \\w+ seconds\\."}],
+    });
+    let policy = unique_name("kmsggap");
+    apply_monitors(&admin, &policy, &node.name, serde_json::json!([kernel])).await;
+    let state = TempDir::new("kmsggap-state");
+    let sd = state.path.clone();
+    let (agent, _u) = start_agent_with(admin.clone(), &node.name, move |c| c.state_dir = sd).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "False",
+        Duration::from_secs(15),
+        "False at start",
+    )
+    .await;
+    agent.stop().await;
+    let saved = saved_state(&state.path, "kernel").expect("state saved");
+    // Logged while the agent was down (e.g. during a rolling upgrade).
+    append(
+        &kmsg,
+        "3,2,5000000,-;INFO: task docker:20744 blocked for more than 120 seconds.",
+    );
+    let sd = state.path.clone();
+    let (agent, _u2) = start_agent_with(admin.clone(), &node.name, move |c| c.state_dir = sd).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "True",
+        Duration::from_secs(15),
+        &format!(
+            "the record logged while the agent was down read after the restart (saved {saved})"
+        ),
+    )
+    .await;
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
@@ -1066,4 +1143,93 @@ async fn a_monitor_whose_source_ends_fails_livez_naming_it() {
     .await;
     agent.stop().await;
     delete_policy(&admin, &policy).await;
+}
+
+/// Two conditions must not share a taint (key and effect): the first to
+/// clear would remove it while the other is still True. Within a policy it
+/// is a validation problem naming both; across policies the later monitor
+/// is dropped with a PolicyConflict Event, as for a shared condition type.
+#[tokio::test]
+async fn conditions_sharing_a_taint_are_rejected() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "shtaint").await;
+    let logs = TempDir::new("shtaint-logs");
+    let a_log = logs.path.join("a.log");
+    let b_log = logs.path.join("b.log");
+    std::fs::write(&a_log, "").unwrap();
+    std::fs::write(&b_log, "").unwrap();
+    let taint = serde_json::json!({"key": "example.com/unhealthy", "effect": "NoSchedule"});
+    let mon = |name: &str, path: &std::path::Path, t: &str| {
+        serde_json::json!({
+            "name": name, "source": {"file": {"path": path.display().to_string()}},
+            "conditions": [{"type": t, "reason": "Fine", "message": "fine", "clearPattern": "recovered", "taint": taint}],
+            "rules": [{"type": "permanent", "condition": t, "reason": "Broken", "pattern": "crashed"}],
+        })
+    };
+    // Within one policy: `nodeguard check` names both conditions.
+    let dir = TempDir::new("shtaint-check");
+    let f = dir.path.join("p.json");
+    let both = serde_json::json!({
+        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy", "metadata": {"name": "shared"},
+        "spec": {"monitors": [mon("a", &a_log, "ABroken"), mon("b", &b_log, "BBroken")]},
+    });
+    std::fs::write(&f, both.to_string()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["check", "-f", f.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("spec.monitors[1].conditions[0].taint")
+            && text.contains("ABroken")
+            && text.contains("BBroken"),
+        "{text}"
+    );
+    // Across policies: the agent runs one of them and says why not the other.
+    let base = unique_name("shtaint");
+    let (pa, pb) = (format!("{base}-a"), format!("{base}-b"));
+    apply_monitors(
+        &admin,
+        &pa,
+        &node.name,
+        serde_json::json!([mon("a", &a_log, "ABroken")]),
+    )
+    .await;
+    apply_monitors(
+        &admin,
+        &pb,
+        &node.name,
+        serde_json::json!([mon("b", &b_log, "BBroken")]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    let mut events = String::new();
+    eventually(
+        Duration::from_secs(15),
+        "a PolicyConflict event naming the shared taint",
+        || {
+            events = kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)]);
+            let found = events.contains("PolicyConflict")
+                && events.contains("example.com/unhealthy:NoSchedule");
+            async move { found }
+        },
+    )
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "ABroken",
+        "False",
+        Duration::from_secs(15),
+        "the first policy's monitor runs",
+    )
+    .await;
+    assert!(
+        !agent.reporter.desired().contains_key("BBroken"),
+        "the second monitor must not run: {events}"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &pa).await;
+    delete_policy(&admin, &pb).await;
 }

@@ -5,7 +5,7 @@
 //! the ones nodeguard added are removed), and a state that survives
 //! restarts.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -98,6 +98,9 @@ pub struct Engine {
     conditions: Vec<Condition>,
     state: BTreeMap<String, ConditionState>,
     counts: HashMap<usize, VecDeque<Timestamp>>,
+    /// Conditions whose last taint update failed: retried by
+    /// [`Engine::taint_retries`] until the Node matches.
+    taint_failed: BTreeSet<String>,
 }
 
 /// A plugin command's verdict: exit 0, exit 1, anything else.
@@ -209,6 +212,7 @@ impl Engine {
             conditions,
             state: BTreeMap::new(),
             counts: HashMap::new(),
+            taint_failed: BTreeSet::new(),
         })
     }
 
@@ -272,6 +276,11 @@ impl Engine {
     /// Records what a [`Action::Taint`] did: nodeguard owns the taint only
     /// when its add put it there.
     pub fn taint_result(&mut self, condition: &str, outcome: TaintOutcome) {
+        if outcome == TaintOutcome::Failed {
+            self.taint_failed.insert(condition.to_string());
+        } else {
+            self.taint_failed.remove(condition);
+        }
         let Some(s) = self.state.get_mut(condition) else {
             return;
         };
@@ -280,6 +289,36 @@ impl Engine {
             TaintOutcome::Removed => s.taint_added = false,
             TaintOutcome::AlreadyPresent | TaintOutcome::Failed => {}
         }
+    }
+
+    /// The taint updates to try again: for each condition whose last one
+    /// failed, what its taint should be now (added while the condition is
+    /// True, removed while it is clear and nodeguard added it). A condition
+    /// that needs nothing any more is forgotten.
+    pub fn taint_retries(&mut self) -> Vec<Action> {
+        let mut out = Vec::new();
+        let failed = std::mem::take(&mut self.taint_failed);
+        for type_ in failed {
+            let Some(c) = self.conditions.iter().find(|c| c.type_ == type_) else {
+                continue;
+            };
+            let (Some((key, value, effect)), Some(s)) = (&c.taint, self.state.get(&type_)) else {
+                continue;
+            };
+            if !s.active && !s.taint_added {
+                continue;
+            }
+            out.push(Action::Taint {
+                condition: type_.clone(),
+                key: key.clone(),
+                value: value.clone(),
+                effect: effect.clone(),
+                add: s.active,
+            });
+            // Still pending until its outcome says otherwise.
+            self.taint_failed.insert(type_);
+        }
+        out
     }
 
     /// This is a new boot (the saved state is from an earlier one): the

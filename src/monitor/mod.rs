@@ -73,6 +73,10 @@ pub trait TaintPort: Send + Sync + 'static {
 /// fails naming it.
 pub const MONITOR_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How often a taint update that failed (after its attempts) is tried
+/// again while the monitor runs, until the Node matches the condition.
+pub const TAINT_RETRY: Duration = Duration::from_secs(10);
+
 /// Lines taken from the queue at once between two health reports.
 const BATCH: usize = 256;
 
@@ -512,7 +516,12 @@ async fn run_monitor<T: TaintPort>(
         None
     };
     // Whether lines come: a line source runs. Its queue closing means it ended.
-    let lines_open = matches!(started, Some((_, Ok(()))));
+    let lines_open = matches!(started, Some((_, Ok(_))));
+    // Where it starts is saved at once: a restart before the first line
+    // resumes there instead of at the (then later) end.
+    if let Some((_, Ok(start))) = &started {
+        state.cursor = start.clone();
+    }
     let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
     // Plugin and systemd checkers: one ending while the monitor runs is the
     // monitor's failure too.
@@ -537,9 +546,16 @@ async fn run_monitor<T: TaintPort>(
             stop.clone(),
         ));
     }
+    // Set while the line source could not be opened: its conditions are
+    // Unknown (blind is not "all clear"), with this message.
+    let mut blind: Option<String> = None;
     if let Some((path, Err(source))) = started {
         let e = MonitorError::Source { path, source };
         tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
+        blind = Some(format!(
+            "Monitor {} cannot read its source: {e}; the condition is unknown until it can.",
+            spec.name
+        ));
         ctx.reporter.event(
             EventKind::Warning,
             "MonitorSourceUnavailable",
@@ -559,15 +575,32 @@ async fn run_monitor<T: TaintPort>(
     handle.queued();
     if new_boot {
         let reset = engine.on_new_boot(clock.now());
-        apply(&reset, &mut engine, &ctx, &handle, &defaults).await;
+        apply(
+            &reset,
+            &mut engine,
+            &ctx,
+            &handle,
+            &defaults,
+            blind.as_deref(),
+        )
+        .await;
     }
     let initial = engine.current(clock.now());
-    apply(&initial, &mut engine, &ctx, &handle, &defaults).await;
+    apply(
+        &initial,
+        &mut engine,
+        &ctx,
+        &handle,
+        &defaults,
+        blind.as_deref(),
+    )
+    .await;
     save(&mut state, &engine);
     handle.updated();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut dirty = false;
     let mut last_save = tokio::time::Instant::now();
+    let mut last_taint_retry = tokio::time::Instant::now();
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break None,
@@ -586,7 +619,7 @@ async fn run_monitor<T: TaintPort>(
                     state.cursor = item.cursor;
                     dirty = true;
                     if !actions.is_empty() {
-                        apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                        apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                         save(&mut state, &engine);
                         dirty = false;
                         last_save = tokio::time::Instant::now();
@@ -600,7 +633,7 @@ async fn run_monitor<T: TaintPort>(
                 handle.queued();
                 let actions = engine.on_plugin(rule, status, &output, clock.now());
                 if !actions.is_empty() {
-                    apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                    apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     save(&mut state, &engine);
                 }
                 handle.updated();
@@ -615,10 +648,14 @@ async fn run_monitor<T: TaintPort>(
                 });
             }
             _ = tick.tick() => {
-                let actions = engine.on_tick(clock.now());
+                let mut actions = engine.on_tick(clock.now());
+                if last_taint_retry.elapsed() >= TAINT_RETRY {
+                    last_taint_retry = tokio::time::Instant::now();
+                    actions.extend(engine.taint_retries());
+                }
                 if !actions.is_empty() {
                     handle.queued();
-                    apply(&actions, &mut engine, &ctx, &handle, &defaults).await;
+                    apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     handle.updated();
                     dirty = true;
                 }
@@ -876,12 +913,16 @@ async fn run_plugins(
     }
 }
 
+/// `blind`: the monitor cannot read its source (why); a condition that
+/// would be written False (no problem seen) is written Unknown with reason
+/// `MonitorSourceUnavailable` and this message instead.
 async fn apply<T: TaintPort>(
     actions: &[Action],
     engine: &mut Engine,
     ctx: &MonitorContext<T>,
     handle: &LoopHandle,
     defaults: &BTreeMap<String, String>,
+    blind: Option<&str>,
 ) {
     for a in actions {
         match a {
@@ -905,14 +946,24 @@ async fn apply<T: TaintPort>(
                 message,
             } => {
                 ctx.metrics.set_active(type_, reason, *active);
-                ctx.reporter.set(
-                    type_,
-                    Desired {
-                        status: if *active { Status::True } else { Status::False },
+                let desired = match (active, blind) {
+                    (true, _) => Desired {
+                        status: Status::True,
                         reason: reason.clone(),
                         message: message.clone(),
                     },
-                );
+                    (false, Some(why)) => Desired {
+                        status: Status::Unknown,
+                        reason: "MonitorSourceUnavailable".into(),
+                        message: why.to_string(),
+                    },
+                    (false, None) => Desired {
+                        status: Status::False,
+                        reason: reason.clone(),
+                        message: message.clone(),
+                    },
+                };
+                ctx.reporter.set(type_, desired);
             }
             Action::Taint {
                 condition,
@@ -960,5 +1011,114 @@ async fn apply<T: TaintPort>(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    /// A Node's taint through an API that fails its first `fails` calls.
+    #[derive(Default)]
+    struct Flaky {
+        fails: AtomicU32,
+        calls: AtomicU32,
+        present: std::sync::Mutex<bool>,
+    }
+
+    impl Flaky {
+        fn call(&self) -> Result<(), MonitorError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let left = self.fails.load(Ordering::SeqCst);
+            if left > 0 {
+                self.fails.store(left - 1, Ordering::SeqCst);
+                return Err(MonitorError::Taint("the API server is down".into()));
+            }
+            Ok(())
+        }
+    }
+
+    impl TaintPort for Arc<Flaky> {
+        async fn add(&self, _key: &str, _value: &str, _effect: &str) -> Result<bool, MonitorError> {
+            self.call()?;
+            let mut p = self.present.lock().unwrap();
+            let added = !*p;
+            *p = true;
+            Ok(added)
+        }
+
+        async fn remove(&self, _key: &str, _effect: &str) -> Result<(), MonitorError> {
+            self.call()?;
+            *self.present.lock().unwrap() = false;
+            Ok(())
+        }
+    }
+
+    /// A taint add that fails all its attempts (an API outage longer than
+    /// its backoff) is tried again while the monitor runs, not only at the
+    /// next agent restart: the condition is True, so the taint gets there.
+    #[tokio::test(start_paused = true)]
+    async fn a_taint_update_that_failed_is_retried_until_it_succeeds() {
+        let dir = std::env::temp_dir().join(format!("ng-taint-retry-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("app.log");
+        std::fs::write(&log, "").unwrap();
+        let spec: MonitorSpec = serde_json::from_value(serde_json::json!({
+            "name": "m", "source": {"file": {"path": log.display().to_string()}},
+            "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "app is fine",
+                            "taint": {"key": "example.com/app-broken", "effect": "NoSchedule"}}],
+            "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": "crashed"}],
+        }))
+        .unwrap();
+        // True since before this start; its taint is not on the Node yet.
+        let saved: MonitorState = serde_json::from_value(serde_json::json!({
+            "bootId": "this-boot",
+            "conditions": {"AppBroken": {"active": true, "reason": "AppCrashed", "message": "crashed",
+                                         "since": "2026-01-01T00:00:00Z", "lastMatch": null, "taintAdded": false}},
+        }))
+        .unwrap();
+        save_state(&dir, "m", &saved);
+        // More failures than one update's attempts.
+        let port = Arc::new(Flaky::default());
+        port.fails.store(7, Ordering::SeqCst);
+        let (reporter, _events) = Reporter::new(&Default::default(), &mut Registry::default());
+        let health = Health::new();
+        let handle = Arc::new(health.register(loop_name("m"), MONITOR_TIMEOUT));
+        let ctx = Arc::new(MonitorContext {
+            reporter,
+            taints: port.clone(),
+            state_dir: dir.clone(),
+            system_bus: None,
+            metrics: MonitorMetrics::default(),
+            health,
+            boot_id: "this-boot".into(),
+        });
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
+        let tainted = tokio::time::timeout(Duration::from_secs(600), async {
+            while !*port.present.lock().unwrap() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        stop.cancel();
+        let _ = task.await;
+        let state = load_state(&dir, "m").map(|(s, _)| s);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            tainted.is_ok(),
+            "the taint was never added after {} failed calls",
+            port.calls.load(Ordering::SeqCst)
+        );
+        assert!(
+            port.calls.load(Ordering::SeqCst) > 5,
+            "a retry after the first 5 attempts"
+        );
+        assert!(
+            state.is_some_and(|s| s.conditions["AppBroken"].taint_added),
+            "the added taint is owned and saved"
+        );
     }
 }

@@ -283,27 +283,68 @@ impl ChangeWaiter {
     }
 }
 
+/// Reads the records already in the ring buffer without delivering them;
+/// the sequence number of the newest (`None`: there were none).
+fn skip_to_end(reader: &mut BufReader<File>) -> std::io::Result<Option<u64>> {
+    let mut newest = None;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) => return Ok(newest),
+            Ok(_) => {
+                if let Some(rec) = kmsg::parse(&text(&buf)) {
+                    newest = Some(rec.sequence);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(newest),
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Reads kmsg-format records from `path` (`/dev/kmsg`, or a file of such
-/// records as a stand-in), from `start`.
+/// records as a stand-in), from `start`. Returns where it starts, to be
+/// saved before any record is read: starting at the end, the newest
+/// record's sequence number, so that a restart in the same boot resumes
+/// after it rather than at the (then later) end.
 pub fn spawn_kmsg(
     path: PathBuf,
     start: KmsgStart,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
-) -> std::io::Result<()> {
-    let mut file = File::open(&path)?;
-    if start == KmsgStart::End {
-        file.seek(SeekFrom::End(0))?;
-    }
+) -> std::io::Result<Cursor> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Non-blocking while skipping what is there (/dev/kmsg answers EAGAIN
+    // at its end), blocking afterwards.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&path)?;
+    let mut reader = BufReader::with_capacity(64 * 1024, file);
     let skip_to = match start {
         KmsgStart::After(seq) => Some(seq),
-        KmsgStart::End | KmsgStart::Beginning => None,
+        KmsgStart::End => skip_to_end(&mut reader)?,
+        KmsgStart::Beginning => None,
+    };
+    let fd = reader.get_ref().as_raw_fd();
+    // SAFETY: fcntl on a descriptor this function owns.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    let started = Cursor {
+        kmsg_sequence: skip_to,
+        ..Default::default()
     };
     std::thread::Builder::new()
         .name("nodeguard-kmsg".into())
         .spawn(move || {
-            let mut reader = BufReader::with_capacity(64 * 1024, file);
             let mut buf = Vec::new();
             let mut failures = Failures::default();
             while !stop.stopped() {
@@ -349,7 +390,7 @@ pub fn spawn_kmsg(
                 }
             }
         })?;
-    Ok(())
+    Ok(started)
 }
 
 fn open_at(path: &Path, resume: Option<(u64, u64)>) -> std::io::Result<(File, u64, u64)> {
@@ -368,14 +409,16 @@ fn open_at(path: &Path, resume: Option<(u64, u64)>) -> std::io::Result<(File, u6
 
 /// Follows a text file: new lines as they come, across rotation (the path
 /// names a new inode: read the rest of the old one, then the new one from
-/// its start) and truncation (the file shrank: start over).
+/// its start) and truncation (the file shrank: start over). Returns where
+/// it starts (inode and offset; inode 0 for a file not there yet, read
+/// from its start once it is), to be saved before any line is read.
 pub fn spawn_file(
     path: PathBuf,
     resume: Option<(u64, u64)>,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
-) -> std::io::Result<()> {
+) -> std::io::Result<Cursor> {
     let (file, inode, offset) = match open_at(&path, resume) {
         Ok(x) => x,
         // Not there yet: wait for it and read it from the start.
@@ -384,6 +427,10 @@ pub fn spawn_file(
             (File::open("/dev/null")?, 0, 0)
         }
         Err(e) => return Err(e),
+    };
+    let started = Cursor {
+        file: Some((inode, offset)),
+        ..Default::default()
     };
     std::thread::Builder::new()
         .name("nodeguard-file".into())
@@ -458,7 +505,7 @@ pub fn spawn_file(
                 }
             }
         })?;
-    Ok(())
+    Ok(started)
 }
 
 /// The text of a journal entry in `journalctl --output=json`: MESSAGE is a
@@ -479,7 +526,8 @@ pub fn journal_message(entry: &serde_json::Value) -> Option<String> {
 
 /// Follows the journal with a supervised `journalctl --follow --output=json`
 /// child (restarted with a pause when it exits), resuming after the saved
-/// cursor; with none it starts at the end.
+/// cursor; with none it starts at the end. Returns that cursor: with none,
+/// a restart before the first entry was read starts at the end again.
 ///
 /// journalctl rather than a library binding: it reads every journal format
 /// the host's systemd writes (compression, compact mode) with no C
@@ -490,7 +538,11 @@ pub fn spawn_journald(
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
-) -> std::io::Result<()> {
+) -> std::io::Result<Cursor> {
+    let started = Cursor {
+        journal: resume.clone(),
+        ..Default::default()
+    };
     spawn_journalctl(
         "journalctl".into(),
         JOURNAL_RESTART_MIN,
@@ -499,7 +551,8 @@ pub fn spawn_journald(
         tx,
         counters,
         stop,
-    )
+    )?;
+    Ok(started)
 }
 
 /// How long journalctl waits before a restart: doubling from 1 s to 60 s

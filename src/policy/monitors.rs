@@ -316,6 +316,8 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
     let mut problems = Vec::new();
     let mut names = std::collections::BTreeSet::new();
     let mut types = std::collections::BTreeSet::new();
+    // (key, effect) -> the condition whose taint it is.
+    let mut taints: std::collections::BTreeMap<(&str, &str), &str> = Default::default();
     for (i, m) in monitors.iter().enumerate() {
         let at = format!("{path}[{i}]");
         if !names.insert(m.name.as_str()) {
@@ -354,6 +356,15 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                 ));
             }
             if let Some(t) = &c.taint {
+                if let Some(first) = taints.insert((&t.key, &t.effect), &c.type_) {
+                    problems.push(Problem::new(
+                        format!("{cat}.taint"),
+                        format!(
+                            "taint {}:{} of condition {:?} is condition {first:?}'s too: the first to clear would remove it while the other is True; give each condition its own taint key",
+                            t.key, t.effect, c.type_
+                        ),
+                    ));
+                }
                 check_label_key(&t.key, &format!("{cat}.taint.key"), &mut problems);
                 if !matches!(
                     t.effect.as_str(),

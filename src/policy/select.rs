@@ -100,20 +100,36 @@ fn drop_condition_conflicts(out: &mut Selection) {
             }
         }
     });
+    // A taint (key:effect) is one condition's: the first to clear would
+    // remove a shared one while the other is still True.
+    let mut taint_owner: BTreeMap<String, String> = BTreeMap::new();
+    let taint_of = |c: &crate::policy::monitors::ConditionSpec| {
+        c.taint.as_ref().map(|t| format!("{}:{}", t.key, t.effect))
+    };
     out.monitors.retain(|m| {
         let me = format!("monitor {}", m.name);
-        let clash = m
-            .conditions
-            .iter()
-            .find_map(|c| owner.get(&c.type_).map(|f| (c.type_.clone(), f.clone())));
+        let clash = m.conditions.iter().find_map(|c| {
+            owner
+                .get(&c.type_)
+                .map(|f| (format!("condition {}", c.type_), f.clone()))
+                .or_else(|| {
+                    let t = taint_of(c)?;
+                    taint_owner
+                        .get(&t)
+                        .map(|f| (format!("taint {t}"), f.clone()))
+                })
+        });
         match clash {
-            Some((t, first)) => {
-                conflicts.push((format!("condition {t}"), first, vec![me]));
+            Some((what, first)) => {
+                conflicts.push((what, first, vec![me]));
                 false
             }
             None => {
                 for c in &m.conditions {
                     owner.insert(c.type_.clone(), me.clone());
+                    if let Some(t) = taint_of(c) {
+                        taint_owner.insert(t, me.clone());
+                    }
                 }
                 true
             }
@@ -420,5 +436,32 @@ mod tests {
             )]
         );
         assert_eq!(s.generations.len(), 2);
+    }
+
+    #[test]
+    fn two_monitors_with_one_taint_conflict_and_the_later_is_dropped() {
+        let mon = |name: &str, type_: &str| -> crate::policy::monitors::MonitorSpec {
+            serde_json::from_value(serde_json::json!({
+            "name": name, "source": {"file": {"path": "/x"}},
+            "conditions": [{"type": type_, "reason": "Fine", "message": "fine",
+                            "taint": {"key": "example.com/unhealthy", "effect": "NoSchedule"}}],
+            "rules": []}))
+            .unwrap()
+        };
+        let mut a = policy("a", &[], &[]);
+        a.spec.monitors = vec![mon("ma", "ABroken")];
+        let mut b = policy("b", &[], &[]);
+        b.spec.monitors = vec![mon("mb", "BBroken")];
+        let s = select(&[a, b], &labels(&[]));
+        assert_eq!(s.monitors.len(), 1, "the later monitor is dropped");
+        assert_eq!(s.monitors[0].name, "ma");
+        assert_eq!(
+            s.conflicts,
+            vec![(
+                "taint example.com/unhealthy:NoSchedule".to_string(),
+                "monitor ma".to_string(),
+                vec!["monitor mb".to_string()]
+            )]
+        );
     }
 }

@@ -614,3 +614,31 @@ fn cleanup_after_an_edit_or_a_removal() {
     moved.source.file = Some(crate::policy::monitors::FileSource { path: "/y".into() });
     assert!(cleanup(&old, Some(&moved), &BTreeMap::new()).reset_cursor);
 }
+
+#[test]
+fn a_failed_taint_update_is_retried_until_its_outcome_is_known() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.on_line("app crashed: oom", t(1));
+    e.taint_result("AppBroken", TaintOutcome::Failed);
+    let retry = e.taint_retries();
+    assert!(
+        matches!(retry.as_slice(), [Action::Taint { add: true, .. }]),
+        "{retry:?}"
+    );
+    // Still failing: asked again.
+    e.taint_result("AppBroken", TaintOutcome::Failed);
+    assert_eq!(e.taint_retries().len(), 1);
+    e.taint_result("AppBroken", TaintOutcome::Added);
+    assert!(e.taint_retries().is_empty());
+    // A removal that failed is retried as a removal; once the condition
+    // neither is True nor owns a taint, nothing is left to do.
+    e.on_line("app recovered", t(2));
+    e.taint_result("AppBroken", TaintOutcome::Failed);
+    assert!(matches!(
+        e.taint_retries().as_slice(),
+        [Action::Taint { add: false, .. }]
+    ));
+    e.taint_result("AppBroken", TaintOutcome::Removed);
+    assert!(e.taint_retries().is_empty());
+}

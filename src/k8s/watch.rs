@@ -110,7 +110,7 @@ pub async fn watch_objects<K, F>(
                     failing = None;
                     backoff.reset();
                 }
-                let f = failing.get_or_insert_with(|| Failing {
+                let f = failing.get_or_insert(Failing {
                     since: now,
                     last_error: now,
                     last_delay: Duration::ZERO,

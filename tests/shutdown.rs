@@ -307,18 +307,26 @@ async fn a_cancelled_shutdown_restores_the_node() {
         },
     )
     .await;
-    // An operator's own taint must survive the cancel.
-    let mut n = nodes.get(&s.node.name).await.unwrap();
-    n.spec.as_mut().unwrap().taints.as_mut().unwrap().push(
-        serde_json::from_value(
-            serde_json::json!({"key": "example.com/mine", "effect": "NoSchedule"}),
-        )
-        .unwrap(),
-    );
-    nodes
-        .replace(&s.node.name, &PostParams::default(), &n)
-        .await
-        .unwrap();
+    // An operator's own taint must survive the cancel. (Read-modify-write
+    // as kubectl does: the agent writes the Node meanwhile, so a 409 means
+    // read again.)
+    for attempt in 1.. {
+        let mut n = nodes.get(&s.node.name).await.unwrap();
+        n.spec.as_mut().unwrap().taints.as_mut().unwrap().push(
+            serde_json::from_value(
+                serde_json::json!({"key": "example.com/mine", "effect": "NoSchedule"}),
+            )
+            .unwrap(),
+        );
+        match nodes
+            .replace(&s.node.name, &PostParams::default(), &n)
+            .await
+        {
+            Ok(_) => break,
+            Err(kube::Error::Api(e)) if e.code == 409 && attempt < 10 => continue,
+            Err(e) => panic!("cannot add the operator's taint: {e}"),
+        }
+    }
     s.peer.prepare_for_shutdown(false).await;
     eventually(Duration::from_secs(5), "restored", || async {
         let n = nodes.get(&s.node.name).await.unwrap();

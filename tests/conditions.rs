@@ -11,16 +11,8 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use nodeguard::report::{Desired, EventKind, Status};
+use nodeguard::report::{EventKind, Status};
 use support::*;
-
-fn desired(status: Status, reason: &str, message: &str) -> Desired {
-    Desired {
-        status,
-        reason: reason.into(),
-        message: message.into(),
-    }
-}
 
 #[tokio::test]
 async fn describe_node_shows_the_condition_row_and_the_event() {
@@ -113,7 +105,7 @@ async fn concurrent_writers_keep_each_others_conditions() {
         };
         agent.reporter.set(
             "NodeGuardFlap",
-            desired(status, "Flap", &format!("nodeguard round {i}.")),
+            desired(status, "Flap", format!("nodeguard round {i}.")),
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -168,7 +160,7 @@ async fn every_version_of_the_node_keeps_foreign_conditions() {
     for i in 0..40 {
         agent.reporter.set(
             "NodeGuardFlap",
-            desired(Status::True, "Flap", &format!("round {i}.")),
+            desired(Status::True, "Flap", format!("round {i}.")),
         );
         tokio::time::sleep(Duration::from_millis(30)).await;
     }
@@ -346,10 +338,9 @@ async fn a_thousand_changes_in_one_second_make_a_handful_of_patches() {
         } else {
             Status::False
         };
-        agent.reporter.set(
-            "Flood",
-            desired(status, "Flooding", &format!("change {i}.")),
-        );
+        agent
+            .reporter
+            .set("Flood", desired(status, "Flooding", format!("change {i}.")));
         if i % 10 == 9 {
             tokio::time::sleep(Duration::from_millis(9)).await;
         }

@@ -8,17 +8,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use nodeguard::report::{Desired, Status};
+use nodeguard::report::Status;
 use support::proxy::BlackholeProxy;
 use support::*;
-
-fn desired(status: Status, reason: &str, message: &str) -> Desired {
-    Desired {
-        status,
-        reason: reason.into(),
-        message: message.into(),
-    }
-}
 
 #[tokio::test]
 async fn a_request_on_a_connection_that_stops_answering_fails_at_its_deadline() {

@@ -6,16 +6,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use nodeguard::report::{Desired, Status};
+use nodeguard::report::Status;
 use support::*;
-
-fn desired(status: Status, reason: &str, message: String) -> Desired {
-    Desired {
-        status,
-        reason: reason.into(),
-        message,
-    }
-}
 
 #[tokio::test]
 async fn conditions_converge_within_5s_after_a_30s_api_outage() {
@@ -24,7 +16,7 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
     agent.reporter.set(
         "OutageProbe",
-        desired(Status::False, "Before", "before the outage.".into()),
+        desired(Status::False, "Before", "before the outage."),
     );
     eventually(Duration::from_secs(10), "first write", || async {
         node_conditions(&admin, &node.name, "OutageProbe")
@@ -55,11 +47,7 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     }
     agent.reporter.set(
         "OutageSecond",
-        desired(
-            Status::True,
-            "Late",
-            "set just before the API returned.".into(),
-        ),
+        desired(Status::True, "Late", "set just before the API returned."),
     );
     cluster_ctl("start", "kube-apiserver");
     std::mem::forget(guard);

@@ -36,6 +36,18 @@ impl std::io::Write for Captured {
 }
 
 impl Captured {
+    /// Captures this thread's log lines, debug level up, while the guard lives.
+    fn install() -> (Captured, tracing::subscriber::DefaultGuard) {
+        let logs = Captured::default();
+        let sink = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || sink.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
     fn lines(&self) -> Vec<String> {
         String::from_utf8_lossy(&self.0.lock().unwrap())
             .lines()
@@ -47,14 +59,7 @@ impl Captured {
 #[tokio::test]
 async fn a_resource_that_is_not_served_is_retried_ever_more_slowly_and_logged_once() {
     let _ = admin_client().await;
-    let logs = Captured::default();
-    let sink = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || sink.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = Captured::install();
 
     // Count the requests for the missing resource on the wire.
     let requests = Arc::new(AtomicUsize::new(0));
@@ -129,14 +134,7 @@ async fn a_resource_that_is_not_served_is_retried_ever_more_slowly_and_logged_on
 async fn a_failure_after_the_watch_worked_again_starts_a_fresh_backoff_and_warns_again() {
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "rewatch", &[]).await;
-    let logs = Captured::default();
-    let sink = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || sink.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = Captured::install();
 
     // While `broken`, requests for nodes go to a path the API server does
     // not serve (a 404, as a flaky proxy or a CRD briefly gone would give).

@@ -19,6 +19,19 @@ use kube::{Api, Client, Config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::OnceCell;
 
+/// A desired condition, as the agent's sources set it.
+pub fn desired(
+    status: nodeguard::report::Status,
+    reason: &str,
+    message: impl Into<String>,
+) -> nodeguard::report::Desired {
+    nodeguard::report::Desired {
+        status,
+        reason: reason.into(),
+        message: message.into(),
+    }
+}
+
 /// Namespace the tests create their namespaced objects in.
 pub const TEST_NAMESPACE: &str = "nodeguard-test";
 

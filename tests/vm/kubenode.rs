@@ -13,7 +13,7 @@ use kube::{Api, Client};
 
 use crate::qemu::{Disk, GUEST_APISERVER, Vm};
 use crate::support::*;
-use crate::{Env, Rows, node_dir, secs};
+use crate::{Env, Rows, kubework, node_dir, secs};
 
 /// A Kubernetes node gets 2 GiB (kubelet, containerd, the agent's pod).
 const KUBE_MEMORY_MIB: u32 = 2048;
@@ -109,7 +109,7 @@ fn kubelet_kubeconfig(node: &str, dir: &Path) -> String {
 }
 
 /// The Node the kubelet registers, deleted with the scenario.
-struct KubeNode(String);
+pub struct KubeNode(pub String);
 
 impl Drop for KubeNode {
     fn drop(&mut self) {
@@ -157,8 +157,32 @@ impl Drop for Release {
 /// A disk that boots as a Kubernetes node named `node`: hostname, kubelet,
 /// its identity and the CA, the image archives, kubelet.service enabled
 /// (it pulls in containerd and the image import).
-fn kube_disk(env: &Env, node: &str, dir: &Path, agent_archive: &Path) -> Disk {
+fn kube_disk(
+    env: &Env,
+    node: &str,
+    dir: &Path,
+    agent_archive: &Path,
+    shutdown_by: ShutdownBy,
+) -> Disk {
     let disk = Disk::copy_of(&env.image, dir);
+    if shutdown_by == ShutdownBy::Kubelet {
+        // The kubelet's graceful node shutdown with nodeguard's groups (10 s
+        // for priority 0 and 1000, 10 s from 2000000000: the same 30 s as
+        // nodeguard's 10 + 10 + 8 + 2 s margin), as a KubeletConfiguration
+        // drop-in (--config-dir), the way operators layer node settings.
+        disk.mkdir("/etc/kubernetes/kubelet.conf.d");
+        disk.write(
+            "/etc/kubernetes/kubelet.conf.d/50-graceful-shutdown.conf",
+            b"apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nshutdownGracePeriodByPodPriority:\n- {priority: 0, shutdownGracePeriodSeconds: 10}\n- {priority: 1000, shutdownGracePeriodSeconds: 10}\n- {priority: 2000000000, shutdownGracePeriodSeconds: 10}\n",
+            0o644,
+        );
+        disk.mkdir("/etc/systemd/system/kubelet.service.d");
+        disk.write(
+            "/etc/systemd/system/kubelet.service.d/10-config-dir.conf",
+            b"[Service]\nExecStart=\nExecStart=/usr/local/bin/kubelet --config=/var/lib/kubelet/config.yaml --config-dir=/etc/kubernetes/kubelet.conf.d --kubeconfig=/etc/kubernetes/kubelet.kubeconfig --node-ip=10.0.2.15 --v=1\n",
+            0o644,
+        );
+    }
     disk.write("/etc/hostname", format!("{node}\n").as_bytes(), 0o644);
     let kubelet = lib_dir("node_bin_dir").join("kubelet");
     assert!(
@@ -217,15 +241,34 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
     out.stdout
 }
 
+/// The real node's scenarios, in the order they run on its boots.
+pub const STEPS: [&str; 7] = [
+    "daemonset",
+    "kube-probe",
+    "kube-journald",
+    "kube-node-restriction",
+    "kube-readiness-gate",
+    "kube-reboot",
+    "kube-device-watchdog",
+];
+
 /// Boot → Node Ready → helm install → the DaemonSet pod Running and Ready →
 /// the agent's NodeGuardPolicyInvalid=False → a /dev/kmsg line becomes the
-/// default policy's KernelDeadlock condition.
-pub async fn daemonset_node(env: &Env, rows: &Rows) {
+/// default policy's KernelDeadlock condition; then the `steps` wanted, from
+/// the pod, on this boot and (kube-reboot) the next.
+pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     let admin = env.admin.clone();
     let node = KubeNode(unique_name("vm-kube"));
     let dir = node_dir(&node.0);
     let (archive, repository, tag) = agent_image();
-    let disk = kube_disk(env, &node.0, &dir, &archive);
+    let disk = kube_disk(env, &node.0, &dir, &archive, ShutdownBy::Nodeguard);
+    let release = Release {
+        // Not "nodeguard": Env applies that RBAC (manifests/nodeguard.yaml) for the host-service nodes.
+        name: "nodeguard-kube".to_string(),
+        namespace: unique_name("nodeguard-vm"),
+        helm: lib_dir("bin_dir").join("helm"),
+    };
+    let work = kubework::Namespace::create(&admin, "vm-work").await;
     let mut vm = Vm::boot_with_memory(
         &env.image,
         &disk,
@@ -235,15 +278,47 @@ pub async fn daemonset_node(env: &Env, rows: &Rows) {
         KUBE_MEMORY_MIB,
     )
     .await;
-    let result = std::panic::AssertUnwindSafe(daemonset(
-        &mut vm,
-        &admin,
-        &node.0,
-        &dir,
-        &repository,
-        &tag,
-        rows,
-    ))
+    let mut boot = 1;
+    let result = std::panic::AssertUnwindSafe(async {
+        daemonset(&mut vm, &admin, &node.0, &dir, &release, &repository, &tag, rows).await;
+        let wants = |s: &str| steps.contains(&s);
+        let agent_ns = release.namespace.as_str();
+        if wants("kube-probe") {
+            kubework::kubelet_probe(&mut vm, &admin, &node.0, rows).await;
+        }
+        if wants("kube-journald") {
+            kubework::journald_restarts(&mut vm, &admin, &node.0, rows).await;
+        }
+        if wants("kube-node-restriction") {
+            kubework::node_restriction(&mut vm, &admin, &node.0, agent_ns, &work.0, rows).await;
+        }
+        if wants("kube-readiness-gate") {
+            kubework::readiness_gate(&mut vm, &admin, &node.0, &work.0, rows).await;
+        }
+        if wants("kube-reboot") {
+            let kernel = vm
+                .exec("journalctl -b --no-pager -o short-monotonic -u kubelet -u containerd | tail -200")
+                .await;
+            let _ = std::fs::write(dir.join("journal-kube-boot-1.txt"), kernel.stdout);
+            let shutdown = kubework::graceful_reboot(&mut vm, &admin, &node.0, &dir, &work.0).await;
+            boot = 2;
+            vm = Vm::boot_with_memory(
+                &env.image,
+                &disk,
+                env.apiserver_port,
+                &dir,
+                2,
+                KUBE_MEMORY_MIB,
+            )
+            .await;
+            kubework::after_reboot(&mut vm, &admin, &node.0, &work.0, agent_ns, shutdown, rows)
+                .await;
+            kubework::record_after(kubework::phases(&admin, &work.0).await);
+        }
+        if wants("kube-device-watchdog") {
+            kubework::device_watchdog(&mut vm, &admin, &node.0, agent_ns, rows).await;
+        }
+    })
     .catch_unwind()
     .await;
     if result.is_err() && vm.exited().is_none() {
@@ -251,14 +326,122 @@ pub async fn daemonset_node(env: &Env, rows: &Rows) {
         let _ = std::fs::write(dir.join("guest-diagnostics.txt"), &d);
         eprintln!("vm: {}: guest diagnostics:\n{d}", node.0);
     }
-    crate::artifacts(Some(&mut vm), &dir, &node.0, "boot-1").await;
+    let tag = format!("boot-{boot}");
+    crate::artifacts(Some(&mut vm), &dir, &node.0, &tag).await;
+    let _ = std::fs::write(
+        dir.join(format!("pods-{tag}.txt")),
+        kubectl_status(&[
+            "get",
+            "pods",
+            "-A",
+            "-o",
+            "wide",
+            "--field-selector",
+            &format!("spec.nodeName={}", node.0),
+        ])
+        .unwrap_or_else(|e| e),
+    );
     if vm.exited().is_none() {
         let j = vm
-            .exec("journalctl -b --no-pager -o short-monotonic -u kubelet -u containerd -u e2e-images")
+            .exec("journalctl -b --no-pager -o short-monotonic -u kubelet -u containerd -u e2e-images; cat /var/log/pods/*/nodeguard/*.log")
             .await;
-        let _ = std::fs::write(dir.join("journal-kube-boot-1.txt"), j.stdout);
+        let _ = std::fs::write(dir.join(format!("journal-kube-{tag}.txt")), j.stdout);
     }
     vm.power_off().await;
+    drop(work);
+    drop(release);
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// kube-gns: a second real node with the kubelet's graceful node shutdown
+/// and nodeguard's off (the chart's pod still runs its monitors and
+/// probes), the same workloads, `systemctl reboot`, and boot 2.
+pub async fn gns_node(env: &Env, rows: &Rows) {
+    let admin = env.admin.clone();
+    let node = KubeNode(unique_name("vm-gns"));
+    let dir = node_dir(&node.0);
+    let (archive, repository, tag) = agent_image();
+    let disk = kube_disk(env, &node.0, &dir, &archive, ShutdownBy::Kubelet);
+    let release = Release {
+        name: "nodeguard-gns".to_string(),
+        namespace: unique_name("nodeguard-vm"),
+        helm: lib_dir("bin_dir").join("helm"),
+    };
+    let work = kubework::Namespace::create(&admin, "vm-work").await;
+    let mut vm = Vm::boot_with_memory(
+        &env.image,
+        &disk,
+        env.apiserver_port,
+        &dir,
+        1,
+        KUBE_MEMORY_MIB,
+    )
+    .await;
+    let mut boot = 1;
+    let result = std::panic::AssertUnwindSafe(async {
+        install(
+            &mut vm,
+            &admin,
+            &node.0,
+            &dir,
+            &release,
+            &repository,
+            &tag,
+            ShutdownBy::Kubelet,
+        )
+        .await;
+        let observed = kubework::kubelet_gns(&mut vm, &admin, &node.0, &dir, &work.0).await;
+        boot = 2;
+        vm = Vm::boot_with_memory(
+            &env.image,
+            &disk,
+            env.apiserver_port,
+            &dir,
+            2,
+            KUBE_MEMORY_MIB,
+        )
+        .await;
+        vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
+        let nodes: Api<Node> = Api::all(admin.clone());
+        eventually(NODE_READY_TIMEOUT, "the Node Ready on boot 2", || async {
+            nodes.get(&node.0).await.is_ok_and(|n| node_ready(&n))
+        })
+        .await;
+        // Give the kubelet time to sync the pods it finds after the reboot.
+        let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
+        eventually(
+            POD_READY_TIMEOUT,
+            "the agent's pod Ready on boot 2",
+            || async {
+                pods.list(&ListParams::default())
+                    .await
+                    .is_ok_and(|l| l.items.iter().any(pod_ready))
+            },
+        )
+        .await;
+        let detail = kubework::gns_after(&admin, &work.0, observed).await;
+        rows.pass("kube-gns", detail);
+    })
+    .catch_unwind()
+    .await;
+    if result.is_err() && vm.exited().is_none() {
+        let d = guest_diagnostics(&mut vm).await;
+        let _ = std::fs::write(dir.join("guest-diagnostics.txt"), &d);
+        eprintln!("vm: {}: guest diagnostics:\n{d}", node.0);
+    }
+    let tag = format!("boot-{boot}");
+    crate::artifacts(Some(&mut vm), &dir, &node.0, &tag).await;
+    if vm.exited().is_none() {
+        let j = vm
+            .exec("journalctl -b -1 --no-pager -o short-monotonic -u kubelet -u systemd-logind | tail -300")
+            .await;
+        let _ = std::fs::write(dir.join("journal-kubelet-shutdown.txt"), j.stdout);
+    }
+    vm.power_off().await;
+    drop(work);
+    drop(release);
     if let Err(p) = result {
         std::panic::resume_unwind(p);
     }
@@ -266,15 +449,39 @@ pub async fn daemonset_node(env: &Env, rows: &Rows) {
 
 use futures::FutureExt as _;
 
-async fn daemonset(
+/// How long the node and the install took (since qemu started / helm install).
+struct Installed {
+    booted: Duration,
+    registered: Duration,
+    ready: Duration,
+    running: Duration,
+    pod_ready: Duration,
+    policy_written: Duration,
+}
+
+/// Whose graceful shutdown the node runs.
+#[derive(Clone, Copy, PartialEq)]
+enum ShutdownBy {
+    /// nodeguard's (the scenarios' three groups).
+    Nodeguard,
+    /// The kubelet's (kube-gns): the policy has no shutdown section.
+    Kubelet,
+}
+
+/// Boot → Node Ready → `helm install` of the chart with the shipped
+/// default policy (scoped to this node) → the DaemonSet pod Running and
+/// Ready, its policy in force and its kubelet probe passing.
+#[allow(clippy::too_many_arguments)]
+async fn install(
     vm: &mut Vm,
     admin: &Client,
     node: &str,
     dir: &Path,
+    release: &Release,
     repository: &str,
     tag: &str,
-    rows: &Rows,
-) {
+    shutdown_by: ShutdownBy,
+) -> Installed {
     let booted = vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
     let nodes: Api<Node> = Api::all(admin.clone());
     let mut registered = None;
@@ -303,15 +510,20 @@ async fn daemonset(
 
     // helm install as users do, scoped to this Node so the shared cluster's
     // other (kubelet-less) Nodes get no pods and no policy.
-    let release = Release {
-        // Not "nodeguard": Env applies that RBAC (manifests/nodeguard.yaml) for the host-service nodes.
-        name: "nodeguard-kube".to_string(),
-        namespace: unique_name("nodeguard-vm"),
-        helm: lib_dir("bin_dir").join("helm"),
-    };
     let default_policy = shipped_default_policy();
     let mut spec = default_policy["spec"].clone();
     spec["nodeSelector"] = serde_json::json!({"matchLabels": {"kubernetes.io/hostname": node}});
+    // The scenarios' shutdown: three priority groups (the shipped policy has
+    // two), and the device watchdog (off in the shipped policy).
+    match shutdown_by {
+        ShutdownBy::Nodeguard => {
+            spec["shutdown"] = kubework::shutdown_spec();
+            spec["watchdog"] = kubework::watchdog_spec();
+        }
+        ShutdownBy::Kubelet => {
+            spec.as_object_mut().unwrap().remove("shutdown");
+        }
+    }
     let values = serde_json::json!({
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "apiServer": {"host": GUEST_APISERVER.split(':').next().unwrap(), "port": 6443},
@@ -323,6 +535,7 @@ async fn daemonset(
             "journal": {"enabled": true},
             "dbus": {"enabled": true},
             "logindDropIn": {"enabled": true},
+            "watchdog": {"enabled": shutdown_by == ShutdownBy::Nodeguard},
         },
         "defaultPolicy": {"enabled": true, "spec": spec},
     });
@@ -396,6 +609,47 @@ async fn daemonset(
     )
     .await;
 
+    Installed {
+        booted,
+        registered,
+        ready,
+        running,
+        pod_ready: pod_ready_at,
+        policy_written,
+    }
+}
+
+/// The install, then a kernel problem line from /dev/kmsg becomes the
+/// default policy's KernelDeadlock condition, read in the pod.
+#[allow(clippy::too_many_arguments)]
+async fn daemonset(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &Path,
+    release: &Release,
+    repository: &str,
+    tag: &str,
+    rows: &Rows,
+) {
+    let Installed {
+        booted,
+        registered,
+        ready,
+        running,
+        pod_ready: pod_ready_at,
+        policy_written,
+    } = install(
+        vm,
+        admin,
+        node,
+        dir,
+        release,
+        repository,
+        tag,
+        ShutdownBy::Nodeguard,
+    )
+    .await;
     // A kernel problem, from the pod: the default policy's kernel monitor.
     wait_condition(
         admin,

@@ -9,6 +9,7 @@
 //! node`, Events) go to `target/e2e/vm/<node>/`.
 
 mod kubenode;
+mod kubework;
 mod qemu;
 #[path = "../support/mod.rs"]
 mod support;
@@ -26,7 +27,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 7] = [
+const SCENARIOS: [&str; 14] = [
     "inhibit-delay",
     "kernel-problem",
     "systemd-watchdog",
@@ -34,6 +35,13 @@ const SCENARIOS: [&str; 7] = [
     "reboot",
     "device-watchdog",
     "daemonset",
+    "kube-probe",
+    "kube-journald",
+    "kube-node-restriction",
+    "kube-readiness-gate",
+    "kube-reboot",
+    "kube-device-watchdog",
+    "kube-gns",
 ];
 /// The shutdown policy's groups need 10 + 10 + 8 s plus the 2 s margin.
 const NEEDED_DELAY_SECS: u64 = 30;
@@ -141,6 +149,18 @@ fn main() {
     let failed = selected.len() - passed;
     let out = repo_root().join("target/e2e/vm");
     std::fs::create_dir_all(&out).unwrap();
+    // kube-gns beside kube-reboot: the kubelet's graceful node shutdown
+    // and nodeguard's on the same pods (written when both ran).
+    let gns = out.join("gns-comparison.md");
+    if selected.contains(&"kube-gns")
+        && let Ok(side_by_side) = std::fs::read_to_string(&gns)
+    {
+        write!(
+            table,
+            "\nGraceful shutdown of the real node, the kubelet's beside nodeguard's (kube-gns, kube-reboot):\n\n{side_by_side}"
+        )
+        .unwrap();
+    }
     std::fs::write(out.join("summary.md"), &table).unwrap();
     println!(
         "\nnode VM scenarios ({:.0} s; artifacts in target/e2e/vm/):\n\n{table}",
@@ -214,10 +234,19 @@ async fn run(selected: &[&'static str], rows: &Rows) -> bool {
         let res = tokio::spawn(async move { device_watchdog_node(&e, &r).await }).await;
         record(&["device-watchdog"], res.map_err(|e| e.into_panic()));
     }
-    if wants("daemonset") {
+    // The real node's scenarios share its boots; each needs the install.
+    let kube_steps: Vec<&'static str> = kubenode::STEPS.into_iter().filter(|s| wants(s)).collect();
+    if !kube_steps.is_empty() {
+        let (e, r, steps) = (env.clone(), rows.clone(), kube_steps.clone());
+        let res = tokio::spawn(async move { kubenode::daemonset_node(&e, &r, &steps).await }).await;
+        let mut scen = vec!["daemonset"];
+        scen.extend(kube_steps.into_iter().filter(|s| *s != "daemonset"));
+        record(&scen, res.map_err(|e| e.into_panic()));
+    }
+    if wants("kube-gns") {
         let (e, r) = (env.clone(), rows.clone());
-        let res = tokio::spawn(async move { kubenode::daemonset_node(&e, &r).await }).await;
-        record(&["daemonset"], res.map_err(|e| e.into_panic()));
+        let res = tokio::spawn(async move { kubenode::gns_node(&e, &r).await }).await;
+        record(&["kube-gns"], res.map_err(|e| e.into_panic()));
     }
     env.cleanup();
     ok
@@ -280,6 +309,7 @@ impl Env {
                 }
             }
         }
+        let _ = std::fs::remove_file(dir.join("gns-comparison.md"));
         std::fs::create_dir_all(&dir).unwrap();
         let rbac = dir.join("rbac.yaml");
         std::fs::write(&rbac, docs.join("\n---\n")).unwrap();

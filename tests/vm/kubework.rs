@@ -1,0 +1,1270 @@
+//! The real node's scenarios after `helm install`: each drives the node the
+//! way an operator or a failure would (systemctl, real workload pods, a
+//! reboot, a frozen agent) and checks what the agent in the DaemonSet pod
+//! wrote, and what the kubelet did with it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+
+use crate::qemu::Vm;
+use crate::support::pods::ensure_priority_class;
+use crate::support::*;
+use crate::{PolicyName, Rows, secs};
+
+/// The scenarios' shutdown groups (as the host-service `poweroff`): 10 s for
+/// priority 0, 10 s for 1000, 8 s for critical pods, 2 s margin: logind must
+/// allow 30 s (the chart's logind drop-in mount lets the agent raise it).
+pub fn shutdown_spec() -> serde_json::Value {
+    serde_json::json!({
+        "gracePeriodByPriority": [
+            {"priority": 0, "gracePeriodSeconds": 10},
+            {"priority": 1000, "gracePeriodSeconds": 10},
+            {"priority": 2000000000, "gracePeriodSeconds": 8},
+        ],
+        "safetyMarginSeconds": 2,
+        "escalateAfterPercent": 50,
+        "escalation": "Delete",
+        "logindDropInDir": "/etc/systemd/logind.conf.d",
+    })
+}
+const INHIBIT_DELAY: Duration = Duration::from_secs(30);
+
+/// softdog through the chart's `host.watchdog` mount.
+pub fn watchdog_spec() -> serde_json::Value {
+    serde_json::json!({
+        "mode": "Device", "device": "/dev/watchdog",
+        "timeoutSeconds": WATCHDOG_TIMEOUT.as_secs(), "petIntervalPercent": 33,
+    })
+}
+/// Long enough that a slow TCG guest under a parallel build never misses a
+/// pet by accident; the freeze step waits for it.
+const WATCHDOG_TIMEOUT: Duration = Duration::from_secs(30);
+
+const BUSYBOX: &str = "localhost/e2e/busybox:1.35";
+/// A container that takes 3 s to exit on SIGTERM and says so in its log.
+const SLOW_TO_STOP: &str =
+    "trap 'echo SIGTERM; sleep 3; echo bye; exit 0' TERM; echo up; while true; do sleep 1; done";
+
+/// A namespace for the workload pods, deleted with the scenario.
+pub struct Namespace(pub String);
+
+impl Namespace {
+    pub async fn create(admin: &Client, prefix: &str) -> Namespace {
+        let name = unique_name(prefix);
+        kubectl(&["create", "namespace", &name]);
+        let ns = Namespace(name);
+        // Pods are admitted once the controller manager made its account.
+        let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(admin.clone(), &ns.0);
+        eventually(
+            Duration::from_secs(30),
+            "the namespace's default service account",
+            || async { sas.get_opt("default").await.ok().flatten().is_some() },
+        )
+        .await;
+        ns
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = kubectl_status(&[
+            "delete",
+            "namespace",
+            "--ignore-not-found",
+            "--wait=false",
+            &self.0,
+        ]);
+    }
+}
+
+fn has_condition(
+    conditions: Option<&Vec<k8s_openapi::api::core::v1::PodCondition>>,
+    type_: &str,
+    status: &str,
+) -> bool {
+    conditions.is_some_and(|cs| cs.iter().any(|c| c.type_ == type_ && c.status == status))
+}
+
+fn pod_ready(p: &Pod) -> bool {
+    has_condition(
+        p.status.as_ref().and_then(|s| s.conditions.as_ref()),
+        "Ready",
+        "True",
+    )
+}
+
+async fn wait_pod(
+    pods: &Api<Pod>,
+    name: &str,
+    timeout: Duration,
+    what: &str,
+    check: impl Fn(&Pod) -> bool,
+) {
+    eventually(timeout, what, || async {
+        pods.get_opt(name)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|p| check(&p))
+    })
+    .await;
+}
+
+/// The agent's pod (the release's only one).
+async fn agent_pod(admin: &Client, agent_ns: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), agent_ns);
+    let mut list = pods.list(&ListParams::default()).await.unwrap().items;
+    assert_eq!(list.len(), 1, "one DaemonSet pod");
+    list.remove(0)
+}
+
+/// Waits until the Node is Ready and the kubelet probe passes again.
+async fn kubelet_back(admin: &Client, node: &str) {
+    let nodes: Api<Node> = Api::all(admin.clone());
+    eventually(Duration::from_secs(120), "the Node Ready again", || async {
+        nodes.get(node).await.is_ok_and(|n| {
+            n.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+    })
+    .await;
+    wait_condition(
+        admin,
+        node,
+        "KubeletUnhealthy",
+        "False",
+        Duration::from_secs(60),
+        "KubeletUnhealthy=False once the kubelet is back",
+    )
+    .await;
+}
+
+/// The default policy's kubelet probe (127.0.0.1:10248, period 10 s,
+/// failureThreshold 3) from the pod: the kubelet stopped, then started.
+pub async fn kubelet_probe(vm: &mut Vm, admin: &Client, node: &str, rows: &Rows) {
+    assert!(condition_is(admin, node, "KubeletUnhealthy", "False").await);
+    let t0 = Instant::now();
+    vm.sh("systemctl stop kubelet").await;
+    wait_condition(
+        admin,
+        node,
+        "KubeletUnhealthy",
+        "True",
+        Duration::from_secs(60),
+        "KubeletUnhealthy=True with the kubelet stopped",
+    )
+    .await;
+    let down = t0.elapsed();
+    // Three failures 10 s apart: never before the third.
+    assert!(
+        down >= Duration::from_secs(19),
+        "True after {down:?}: before failureThreshold 3 × periodSeconds 10"
+    );
+    let c = node_conditions(admin, node, "KubeletUnhealthy")
+        .await
+        .remove(0);
+    let t1 = Instant::now();
+    vm.sh("systemctl start kubelet").await;
+    wait_condition(
+        admin,
+        node,
+        "KubeletUnhealthy",
+        "False",
+        Duration::from_secs(60),
+        "KubeletUnhealthy=False with the kubelet started again",
+    )
+    .await;
+    let up = t1.elapsed();
+    kubelet_back(admin, node).await;
+    rows.pass(
+        "kube-probe",
+        format!(
+            "`systemctl stop kubelet` → KubeletUnhealthy=True ({}) {} later (failureThreshold 3, period 10 s); `systemctl start kubelet` → False {} later",
+            c.reason.unwrap_or_default(),
+            secs(down),
+            secs(up)
+        ),
+    );
+}
+
+/// The default policy's systemd-restarts monitor (journald, identifier
+/// systemd, 5 starts of the kubelet in 20 minutes) read from the pod
+/// through the chart's journal mount and the image's journalctl.
+pub async fn journald_restarts(vm: &mut Vm, admin: &Client, node: &str, rows: &Rows) {
+    // The kubelet started at boot and once more in kube-probe: below 5.
+    wait_condition(
+        admin,
+        node,
+        "FrequentKubeletRestart",
+        "False",
+        Duration::from_secs(30),
+        "FrequentKubeletRestart=False before the restarts",
+    )
+    .await;
+    let t0 = Instant::now();
+    let mut restarts = 0;
+    while !condition_is(admin, node, "FrequentKubeletRestart", "True").await {
+        assert!(
+            restarts < 5,
+            "FrequentKubeletRestart is not True 20 s after the 5th restart of the kubelet"
+        );
+        // Apart enough for systemd's start limit (5 in 10 s).
+        vm.sh("systemctl restart kubelet").await;
+        restarts += 1;
+        if restarts == 5 {
+            eventually(
+                Duration::from_secs(20),
+                "FrequentKubeletRestart=True after 5 restarts",
+                || condition_is(admin, node, "FrequentKubeletRestart", "True"),
+            )
+            .await;
+        } else {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+    }
+    let took = t0.elapsed();
+    let c = node_conditions(admin, node, "FrequentKubeletRestart")
+        .await
+        .remove(0);
+    assert_eq!(c.reason.as_deref(), Some("FrequentKubeletRestart"));
+    let starts = vm
+        .sh("journalctl -b --no-pager -o cat SYSLOG_IDENTIFIER=systemd | grep -c 'Started kubelet.service' || true")
+        .await;
+    kubelet_back(admin, node).await;
+    rows.pass(
+        "kube-journald",
+        format!(
+            "{restarts} × `systemctl restart kubelet` → FrequentKubeletRestart=True {} after the first ({} kubelet starts in this boot's journal; threshold 5 in 1200 s)",
+            secs(took),
+            starts.trim()
+        ),
+    );
+}
+
+/// The agent's own credentials (the pod's projected token, read on the
+/// node) may change its Node and its pods, never another Node's.
+pub async fn node_restriction(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    agent_ns: &str,
+    work_ns: &str,
+    rows: &Rows,
+) {
+    let pod = agent_pod(admin, agent_ns).await;
+    let uid = pod.metadata.uid.unwrap();
+    let token = vm
+        .sh(&format!(
+            "cat /var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~projected/*/token"
+        ))
+        .await;
+    let mut config = admin_config().await;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.trim().to_string().into()),
+        ..Default::default()
+    };
+    let agent = Client::try_from(config).unwrap();
+
+    // Node B: another Node object, with a pod bound to it.
+    let other = crate::kubenode::KubeNode(unique_name("vm-other"));
+    let nodes_admin: Api<Node> = Api::all(admin.clone());
+    let n: Node = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": other.0},
+    }))
+    .unwrap();
+    nodes_admin
+        .create(&PostParams::default(), &n)
+        .await
+        .unwrap();
+    let pods_admin: Api<Pod> = Api::namespaced(admin.clone(), work_ns);
+    let p: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "on-node-b"},
+        "spec": {"nodeName": other.0, "automountServiceAccountToken": false,
+                 "containers": [{"name": "c", "image": BUSYBOX}]},
+    }))
+    .unwrap();
+    pods_admin.create(&PostParams::default(), &p).await.unwrap();
+
+    let nodes: Api<Node> = Api::all(agent.clone());
+    let mark = |v: &str| {
+        Patch::Merge(
+            serde_json::json!({"metadata": {"annotations": {"e2e.nodeguard.io/restriction": v}}}),
+        )
+    };
+    nodes
+        .patch(node, &PatchParams::default(), &mark("own"))
+        .await
+        .expect("the agent's pod token may patch its own Node");
+    let denied = |r: Result<Node, kube::Error>, what: &str| match r {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 403, "{what}: {e:?}");
+            assert!(
+                e.message
+                    .contains(&format!("nodeguard on node {node} may not change")),
+                "{what}: {}",
+                e.message
+            );
+            e.message
+        }
+        other => panic!("{what}: not denied: {other:?}"),
+    };
+    let msg = denied(
+        nodes
+            .patch(&other.0, &PatchParams::default(), &mark("forged"))
+            .await,
+        "patch node B",
+    );
+    let forged = serde_json::json!({"status": {"conditions": [{
+        "type": "KernelDeadlock", "status": "True", "reason": "Forged", "message": "written from node A",
+        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+    denied(
+        nodes
+            .patch_status(&other.0, &PatchParams::default(), &Patch::Merge(&forged))
+            .await,
+        "a condition on node B",
+    );
+    let pods: Api<Pod> = Api::namespaced(agent.clone(), work_ns);
+    // RBAC lets the agent delete pods (shutdown escalation): the
+    // admission policy is what keeps it to its node's.
+    match pods.delete("on-node-b", &DeleteParams::default()).await {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 403, "delete node B's pod: {e:?}");
+            assert!(
+                e.message.contains("may not change pods of node"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("the agent deleted a pod of node B: {other:?}"),
+    }
+    let back = nodes_admin.get(&other.0).await.unwrap();
+    assert!(
+        !back
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .contains_key("e2e.nodeguard.io/restriction")
+    );
+    nodes_admin
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"e2e.nodeguard.io/restriction": null}}})),
+        )
+        .await
+        .unwrap();
+    let _ = pods_admin
+        .delete("on-node-b", &DeleteParams::default().grace_period(0))
+        .await;
+    rows.pass(
+        "kube-node-restriction",
+        format!(
+            "with the pod's bound token: own Node patched; node B's metadata, status and pod refused (403: \"{}\")",
+            msg.replace('|', "/")
+        ),
+    );
+}
+
+/// A pod probe of a second policy on a real workload pod with a readiness
+/// gate: the kubelet's Ready follows the probe both ways.
+pub async fn readiness_gate(vm: &mut Vm, admin: &Client, node: &str, work_ns: &str, rows: &Rows) {
+    const GATE: &str = "nodeguard.io/web-healthy";
+    let policy = PolicyName(unique_name("vm-gate"));
+    apply_policy(
+        admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node}},
+            "probes": [{
+                "name": "web", "pods": {"selector": {"matchLabels": {"app": "web"}}, "namespaces": [work_ns]},
+                "http": {"port": 8080, "path": "/healthz"},
+                "periodSeconds": 2, "failureThreshold": 2, "successThreshold": 1, "timeoutSeconds": 1,
+                "readinessGate": GATE,
+            }],
+        }),
+    )
+    .await;
+    vm.sh("mkdir -p /var/lib/e2e-www && echo ok > /var/lib/e2e-www/healthz")
+        .await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), work_ns);
+    let p: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "labels": {"app": "web"}},
+        "spec": {
+            "nodeName": node, "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+            "readinessGates": [{"conditionType": GATE}],
+            "containers": [{"name": "httpd", "image": BUSYBOX, "imagePullPolicy": "Never",
+                "command": ["httpd", "-f", "-p", "8080", "-h", "/www"],
+                "volumeMounts": [{"name": "www", "mountPath": "/www"}]}],
+            "volumes": [{"name": "www", "hostPath": {"path": "/var/lib/e2e-www", "type": "Directory"}}],
+        },
+    }))
+    .unwrap();
+    let t0 = Instant::now();
+    pods.create(&PostParams::default(), &p).await.unwrap();
+    let gate = |p: &Pod, status: &str| {
+        has_condition(
+            p.status.as_ref().and_then(|s| s.conditions.as_ref()),
+            GATE,
+            status,
+        )
+    };
+    wait_pod(
+        &pods,
+        "web",
+        Duration::from_secs(120),
+        "the web pod Ready (containers and gate)",
+        |p| pod_ready(p) && gate(p, "True"),
+    )
+    .await;
+    let ready = t0.elapsed();
+    // The container stays ready: only the gate can make the pod unready.
+    let t1 = Instant::now();
+    vm.sh("rm /var/lib/e2e-www/healthz").await;
+    wait_pod(
+        &pods,
+        "web",
+        Duration::from_secs(30),
+        "the web pod not Ready after its health page went",
+        |p| !pod_ready(p) && gate(p, "False"),
+    )
+    .await;
+    let unready = t1.elapsed();
+    let p = pods.get("web").await.unwrap();
+    assert!(
+        has_condition(
+            p.status.as_ref().and_then(|s| s.conditions.as_ref()),
+            "ContainersReady",
+            "True"
+        ),
+        "the kubelet's ContainersReady stays True: the gate alone made the pod unready"
+    );
+    let t2 = Instant::now();
+    vm.sh("echo ok > /var/lib/e2e-www/healthz").await;
+    wait_pod(
+        &pods,
+        "web",
+        Duration::from_secs(30),
+        "the web pod Ready again",
+        |p| pod_ready(p) && gate(p, "True"),
+    )
+    .await;
+    let again = t2.elapsed();
+    pods.delete("web", &DeleteParams::default()).await.unwrap();
+    eventually(Duration::from_secs(60), "the web pod gone", || async {
+        pods.get_opt("web").await.ok().flatten().is_none()
+    })
+    .await;
+    drop(policy);
+    rows.pass(
+        "kube-readiness-gate",
+        format!(
+            "web pod (httpd) Ready with the gate {} after create; health page removed → gate False, Ready False (ContainersReady True) {}; back → Ready {} (period 2 s, failureThreshold 2)",
+            secs(ready),
+            secs(unready),
+            secs(again)
+        ),
+    );
+}
+
+/// What the test saw of one workload pod during a shutdown.
+#[derive(Clone, Debug, Default)]
+pub struct Seen {
+    /// deletionTimestamp first seen (an eviction or a delete).
+    marked: Option<Instant>,
+    /// The pod object gone: the kubelet confirmed its termination.
+    gone: Option<Instant>,
+    /// Its container first reported terminated, or the pod Failed.
+    stopped: Option<Instant>,
+    /// Its container's exit code, when the kubelet reported it.
+    exit: Option<i32>,
+}
+
+/// One shutdown of the real node with the three workload pods.
+pub struct Observed {
+    t0: Instant,
+    /// low, mid, critical.
+    pods: [Seen; 3],
+    /// Node signals, first seen: (when, what).
+    signals: Vec<(Duration, String)>,
+    down: Duration,
+    reason: String,
+}
+
+impl Observed {
+    fn at(&self, t: Option<Instant>) -> Option<Duration> {
+        t.map(|t| t - self.t0)
+    }
+    /// When the pod stopped, as far as the API showed it.
+    fn stopped(&self, i: usize) -> Option<Duration> {
+        let p = &self.pods[i];
+        [p.stopped, p.gone]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|t| t - self.t0)
+    }
+}
+
+/// What a watch task has seen so far, shared with the test.
+type Shared<T> = Arc<Mutex<T>>;
+
+/// Watches the pods of `ns`, by name.
+fn track(
+    admin: &Client,
+    ns: &str,
+) -> (Shared<BTreeMap<String, Seen>>, tokio::task::JoinHandle<()>) {
+    let seen: Arc<Mutex<BTreeMap<String, Seen>>> = Arc::default();
+    let s = seen.clone();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let task = tokio::spawn(async move {
+        let mut stream = watcher(pods, watcher::Config::default()).boxed();
+        while let Some(ev) = stream.next().await {
+            let (p, deleted) = match ev {
+                Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => (p, false),
+                Ok(watcher::Event::Delete(p)) => (p, true),
+                _ => continue,
+            };
+            let now = Instant::now();
+            let mut s = s.lock().unwrap();
+            let e = s.entry(p.metadata.name.clone().unwrap()).or_default();
+            if p.metadata.deletion_timestamp.is_some() {
+                e.marked.get_or_insert(now);
+            }
+            if deleted {
+                e.gone.get_or_insert(now);
+            }
+            let status = p.status.as_ref();
+            let exit = status
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|cs| cs.first())
+                .and_then(|c| c.state.as_ref())
+                .and_then(|st| st.terminated.as_ref())
+                .map(|t| t.exit_code);
+            if let Some(x) = exit {
+                e.exit.get_or_insert(x);
+                e.stopped.get_or_insert(now);
+            }
+            if status.and_then(|s| s.phase.as_deref()) == Some("Failed") {
+                e.stopped.get_or_insert(now);
+            }
+        }
+    });
+    (seen, task)
+}
+
+/// Watches the Node for what tells an operator it is going down.
+fn watch_node(
+    admin: &Client,
+    node: &str,
+    t0: Instant,
+) -> (Shared<Vec<(Duration, String)>>, tokio::task::JoinHandle<()>) {
+    let signals: Arc<Mutex<Vec<(Duration, String)>>> = Arc::default();
+    let out = signals.clone();
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let name = node.to_string();
+    let task = tokio::spawn(async move {
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let mut stream =
+            kube::runtime::WatchStreamExt::applied_objects(watcher(nodes, cfg)).boxed();
+        while let Some(Ok(n)) = stream.next().await {
+            let mut now: Vec<String> = Vec::new();
+            for c in n
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .into_iter()
+                .flatten()
+            {
+                if c.type_ == "Ready" && c.status != "True" {
+                    now.push(format!(
+                        "Ready={} ({})",
+                        c.status,
+                        c.message.as_deref().unwrap_or("")
+                    ));
+                }
+                if c.type_ == "GracefulShutdown" && c.status == "True" {
+                    now.push("GracefulShutdown=True".into());
+                }
+            }
+            for t in n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .into_iter()
+                .flatten()
+            {
+                now.push(format!("taint {}:{}", t.key, t.effect));
+            }
+            if n.spec
+                .as_ref()
+                .and_then(|s| s.unschedulable)
+                .unwrap_or(false)
+            {
+                now.push("cordoned".into());
+            }
+            let mut s = out.lock().unwrap();
+            for w in now {
+                if !s.iter().any(|(_, x)| *x == w) {
+                    s.push((t0.elapsed(), w));
+                }
+            }
+        }
+    });
+    (signals, task)
+}
+
+fn workload(name: &str, class: &str, app: &str) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {
+            "priorityClassName": class, "terminationGracePeriodSeconds": 30,
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "app", "image": BUSYBOX, "imagePullPolicy": "Never",
+                            "command": ["sh", "-c", SLOW_TO_STOP]}],
+        },
+    })
+}
+
+/// Real pods in three priority groups on `node`: `low` owned by a
+/// Deployment (it must come back after a reboot), `mid` behind a
+/// PodDisruptionBudget that allows no disruption, `critical`
+/// (system-node-critical). Returns the low pod's name once all run.
+async fn start_workloads(admin: &Client, node: &str, work_ns: &str) -> String {
+    ensure_priority_class(admin, "nodeguard-test-low", 0).await;
+    ensure_priority_class(admin, "nodeguard-test-mid", 1000).await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), work_ns);
+    let mut low = workload("", "nodeguard-test-low", "low");
+    low["metadata"].as_object_mut().unwrap().remove("name");
+    low["spec"]["nodeSelector"] = serde_json::json!({"kubernetes.io/hostname": node});
+    let deployment = serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "low"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "low"}}, "template": low},
+    });
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(admin.clone(), work_ns);
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(deployment).unwrap(),
+        )
+        .await
+        .unwrap();
+    for (name, class, app) in [
+        ("mid", "nodeguard-test-mid", "mid"),
+        ("critical", "system-node-critical", "critical"),
+    ] {
+        let mut p = workload(name, class, app);
+        p["apiVersion"] = "v1".into();
+        p["kind"] = "Pod".into();
+        p["spec"]["nodeName"] = node.into();
+        pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap())
+            .await
+            .unwrap();
+    }
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(admin.clone(), work_ns);
+    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "mid"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "mid"}}},
+    }))
+    .unwrap();
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let low_pod = loop {
+        let list = pods.list(&ListParams::default()).await.unwrap().items;
+        let running = |app: &str| {
+            list.iter().find(|p| {
+                p.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get("app"))
+                    .map(String::as_str)
+                    == Some(app)
+                    && pod_ready(p)
+            })
+        };
+        if let (Some(l), Some(_), Some(_)) = (running("low"), running("mid"), running("critical")) {
+            break l.metadata.name.clone().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the three workload pods Running and Ready within 180 s: {:?}",
+            list.iter()
+                .map(|p| (
+                    p.metadata.name.clone(),
+                    p.status.as_ref().and_then(|s| s.phase.clone())
+                ))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eventually(
+        Duration::from_secs(30),
+        "the PDB computed: no disruption allowed",
+        || async {
+            pdbs.get("mid")
+                .await
+                .ok()
+                .and_then(|p| p.status)
+                .is_some_and(|s| {
+                    s.observed_generation == Some(1)
+                        && s.current_healthy == 1
+                        && s.disruptions_allowed == 0
+                })
+        },
+    )
+    .await;
+    low_pod
+}
+
+/// Waits for a delay inhibitor whose `who` contains `who`; logind's maximum.
+async fn inhibitor_held(vm: &mut Vm, who: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let l = vm
+            .exec("systemd-inhibit --list --no-pager --mode=delay")
+            .await
+            .stdout;
+        if l.lines().any(|l| l.contains(who) && l.contains("shutdown")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{who}'s delay inhibitor within 60 s:\n{l}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let max = vm
+        .sh("busctl get-property org.freedesktop.login1 /org/freedesktop/login1 org.freedesktop.login1.Manager InhibitDelayMaxUSec")
+        .await;
+    let usec: u64 = max.trim().trim_start_matches("t ").parse().unwrap_or(0);
+    format!("{} s", usec / 1_000_000)
+}
+
+/// `systemctl reboot`, watching the pods and the Node until the VM is down.
+async fn reboot_watched(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    work_ns: &str,
+    low_pod: &str,
+) -> Observed {
+    let t0 = Instant::now() + Duration::from_secs(1);
+    let (seen, tracker) = track(admin, work_ns);
+    let (signals, node_watch) = watch_node(admin, node, t0);
+    tokio::time::sleep_until(t0.into()).await;
+    vm.spawn("systemctl reboot").await;
+    let (down_at, reason) = vm
+        .wait_exit(INHIBIT_DELAY + Duration::from_secs(90))
+        .await
+        .expect("the VM goes down after `systemctl reboot`");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tracker.abort();
+    node_watch.abort();
+    let seen = seen.lock().unwrap().clone();
+    let get = |n: &str| seen.get(n).cloned().unwrap_or_default();
+    let signals = signals.lock().unwrap().clone();
+    Observed {
+        t0,
+        pods: [get(low_pod), get("mid"), get("critical")],
+        signals,
+        down: down_at - t0,
+        reason,
+    }
+}
+
+const NAMES: [&str; 3] = ["low", "mid", "critical"];
+
+/// `systemctl reboot` with nodeguard's shutdown in charge: evicted in
+/// order, the kubelet terminating each pod within its grace, the PDB held
+/// until the policy's escalation, the VM down after the last group and
+/// before logind's limit. Returns, once the VM is down, what it saw.
+pub async fn graceful_reboot(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &std::path::Path,
+    work_ns: &str,
+) -> String {
+    let low_pod = start_workloads(admin, node, work_ns).await;
+    let logind_delay = inhibitor_held(vm, "nodeguard").await;
+    let o = reboot_watched(vm, admin, node, work_ns, &low_pod).await;
+    std::fs::write(
+        dir.join("shutdown-pods.txt"),
+        format!("{:#?}\n{:#?}", o.pods, o.signals),
+    )
+    .unwrap();
+    let visible = o
+        .signals
+        .iter()
+        .find(|(_, s)| s == "GracefulShutdown=True")
+        .map(|(t, _)| *t)
+        .expect("GracefulShutdown=True seen during the shutdown");
+    assert!(
+        o.signals
+            .iter()
+            .any(|(t, s)| s.starts_with("taint nodeguard.io/shutdown")
+                && *t < Duration::from_secs(15)),
+        "the shutdown taint within 15 s: {:?}",
+        o.signals
+    );
+    // When each was deleted (evicted, or deleted on escalation) and when
+    // the API showed it stopped (container terminated or the pod gone).
+    let times: Vec<(Duration, Duration)> = (0..3)
+        .map(|i| {
+            (
+                o.at(o.pods[i].marked)
+                    .unwrap_or_else(|| panic!("{} was never deleted: {:?}", NAMES[i], o.pods)),
+                o.stopped(i).unwrap_or_else(|| {
+                    panic!(
+                        "{} was never stopped by the kubelet: {:?}",
+                        NAMES[i], o.pods
+                    )
+                }),
+            )
+        })
+        .collect();
+    let [(l_m, l_s), (m_m, m_s), (c_m, c_s)] = [times[0], times[1], times[2]];
+    assert!(
+        l_m < m_m && m_m < c_m,
+        "groups in order: low {l_m:?}, mid {m_m:?}, critical {c_m:?}"
+    );
+    // A group begins when the one before is done or its window is over
+    // (the kubelet's rule too): never earlier.
+    let window = Duration::from_secs(10);
+    let slack = Duration::from_millis(500);
+    let mid_group = l_s.min(l_m + window);
+    assert!(
+        m_m + slack >= mid_group,
+        "mid deleted at {m_m:?}, before the low group was over ({mid_group:?})"
+    );
+    assert!(
+        c_m + slack >= m_s.min(mid_group + window),
+        "critical deleted at {c_m:?}, before the mid group was over"
+    );
+    // The PDB held the mid pod until the escalation (half its window).
+    assert!(
+        m_m >= mid_group + Duration::from_secs(4),
+        "the PDB held mid: deleted {m_m:?}, its group began {mid_group:?}"
+    );
+    // Each pod got its grace: SLOW_TO_STOP exits 0, 3 s after SIGTERM.
+    let mut exits = Vec::new();
+    for (i, (marked, stopped)) in times.iter().enumerate() {
+        assert!(
+            *stopped >= *marked + Duration::from_secs(3),
+            "{} stopped {:?} after its deletion: it did not get its grace",
+            NAMES[i],
+            *stopped - *marked
+        );
+        let x = o.pods[i]
+            .exit
+            .unwrap_or_else(|| panic!("{}'s exit code never reported: {:?}", NAMES[i], o.pods));
+        assert_eq!(x, 0, "{} exited {x}: killed rather than stopped", NAMES[i]);
+        exits.push(format!("{} 0", NAMES[i]));
+    }
+    // The kubelet removed the earlier groups' pods; the last one's object
+    // may outlive the shutdown (the agent counts a stopped pod as done).
+    for (name, p) in NAMES.iter().zip(&o.pods).take(2) {
+        assert!(
+            p.gone.is_some(),
+            "{name} deleted by the kubelet before the VM went down: {:?}",
+            o.pods
+        );
+    }
+    assert!(
+        o.down > c_s,
+        "down ({:?}) only after the last group ({c_s:?})",
+        o.down
+    );
+    assert!(
+        o.down < INHIBIT_DELAY + Duration::from_secs(15),
+        "down {:?} after `systemctl reboot`: the inhibitor was held past logind's limit",
+        o.down
+    );
+    let events = crate::events_for(node).await;
+    std::fs::write(dir.join("events-reboot.txt"), &events).unwrap();
+    for e in [
+        "ShutdownStarted",
+        "ShutdownInhibitorReleased",
+        "Priority group 0 done",
+        "Priority group 1000 done",
+        "Priority group 2000000000 done",
+    ] {
+        assert!(events.contains(e), "Event {e} on the node:\n{events}");
+    }
+    assert!(
+        events
+            .lines()
+            .any(|l| l.contains("EvictionEscalated") && l.contains("mid")),
+        "the PDB escalation's Event:\n{events}"
+    );
+    let detail = format!(
+        "logind delay {logind_delay}; `systemctl reboot` → GracefulShutdown=True {}; deleted → stopped: low {}→{}, mid (PDB, escalated) {}→{}, critical {}→{}; exit codes {}; VM down {} ({})",
+        secs(visible),
+        secs(l_m),
+        secs(l_s),
+        secs(m_m),
+        secs(m_s),
+        secs(c_m),
+        secs(c_s),
+        exits.join(", "),
+        secs(o.down),
+        o.reason
+    );
+    *COMPARISON.lock().unwrap() = Some(Run {
+        observed: o,
+        after: String::new(),
+    });
+    detail
+}
+
+/// One column of the side-by-side table.
+struct Run {
+    observed: Observed,
+    /// The workload pods after the reboot.
+    after: String,
+}
+
+/// nodeguard's run (kube-reboot) for the side-by-side table with kube-gns.
+static COMPARISON: Mutex<Option<Run>> = Mutex::new(None);
+
+/// The workload pods' phases, one line.
+pub async fn phases(admin: &Client, work_ns: &str) -> String {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), work_ns);
+    let mut out: Vec<String> = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|p| {
+            let st = p.status.as_ref();
+            let name = p.metadata.name.clone().unwrap_or_default();
+            let name = if name.starts_with("low-") {
+                "low (Deployment)".to_string()
+            } else {
+                name
+            };
+            let phase = st.and_then(|s| s.phase.clone()).unwrap_or_default();
+            let ready = if pod_ready(p) { " Ready" } else { "" };
+            match st.and_then(|s| s.reason.clone()) {
+                Some(r) => format!("{name} {phase} ({r})"),
+                None => format!("{name} {phase}{ready}"),
+            }
+        })
+        .collect();
+    out.sort();
+    out.join(", ")
+}
+
+/// The real node with the kubelet's own graceful node shutdown
+/// (shutdownGracePeriodByPodPriority, the same groups) and nodeguard's
+/// shutdown off: the same pods and PDB, `systemctl reboot`, boot 2. Returns
+/// the row's detail; writes the side-by-side table when kube-reboot ran.
+pub async fn kubelet_gns(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &std::path::Path,
+    work_ns: &str,
+) -> Observed {
+    let low_pod = start_workloads(admin, node, work_ns).await;
+    inhibitor_held(vm, "kubelet").await;
+    let o = reboot_watched(vm, admin, node, work_ns, &low_pod).await;
+    std::fs::write(
+        dir.join("shutdown-pods.txt"),
+        format!("{:#?}\n{:#?}", o.pods, o.signals),
+    )
+    .unwrap();
+    o
+}
+
+/// After kube-gns's boot 2: the pods left, and the table beside nodeguard's
+/// run (when kube-reboot ran in this invocation), written to
+/// target/e2e/vm/gns-comparison.md. Returns the row's detail.
+pub async fn gns_after(admin: &Client, work_ns: &str, o: Observed) -> String {
+    let after = phases(admin, work_ns).await;
+    let stopped: Vec<String> = (0..3)
+        .map(|i| {
+            format!(
+                "{} {}",
+                NAMES[i],
+                o.stopped(i).map(secs).unwrap_or_else(|| "unseen".into())
+            )
+        })
+        .collect();
+    let detail = format!(
+        "kubelet GNS: stopped {}; exit codes {}; VM down {}; after the reboot: {after}",
+        stopped.join(", "),
+        exit_codes(&o),
+        secs(o.down)
+    );
+    let gns = Run { observed: o, after };
+    let ours = COMPARISON.lock().unwrap().take();
+    let out = repo_root().join("target/e2e/vm/gns-comparison.md");
+    match ours {
+        Some(n) => std::fs::write(&out, table(&gns, &n)).unwrap(),
+        None => {
+            let _ = std::fs::remove_file(&out);
+        }
+    }
+    detail
+}
+
+fn exit_codes(o: &Observed) -> String {
+    (0..3)
+        .map(|i| match o.pods[i].exit {
+            Some(0) => format!("{} 0 (stopped on SIGTERM)", NAMES[i]),
+            Some(137) => format!("{} 137 (SIGKILL)", NAMES[i]),
+            Some(x) => format!("{} {x}", NAMES[i]),
+            None => format!("{} not reported", NAMES[i]),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// kube-reboot's after-reboot phases for the table.
+pub fn record_after(after: String) {
+    if let Some(r) = COMPARISON.lock().unwrap().as_mut() {
+        r.after = after;
+    }
+}
+
+fn table(gns: &Run, ours: &Run) -> String {
+    let how = |r: &Run| {
+        let o = &r.observed;
+        let evicted = o.pods.iter().filter(|p| p.marked.is_some()).count();
+        format!(
+            "{evicted} of 3 through the API (deletionTimestamp), {} killed by the kubelet without an API call",
+            3 - evicted
+        )
+    };
+    let order = |r: &Run| {
+        let o = &r.observed;
+        (0..3)
+            .map(|i| {
+                format!(
+                    "{} {}",
+                    NAMES[i],
+                    o.stopped(i).map(secs).unwrap_or_else(|| "—".into())
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let pdb = |r: &Run| {
+        let o = &r.observed;
+        let low = o.stopped(0);
+        match (o.at(o.pods[1].marked), o.stopped(1), low) {
+            (Some(m), _, Some(l)) => format!(
+                "held {} after its group began, then escalated (policy: Delete after 50 %)",
+                secs(m.saturating_sub(l))
+            ),
+            (None, Some(s), _) => format!(
+                "not consulted: mid stopped at {} with 0 disruptions allowed",
+                secs(s)
+            ),
+            _ => "mid not seen stopping".into(),
+        }
+    };
+    let signals = |r: &Run| {
+        r.observed
+            .signals
+            .iter()
+            .map(|(t, s)| format!("{} {}", secs(*t), s.replace('|', "/")))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let mut t = String::from("| | kubelet graceful node shutdown | nodeguard |\n|---|---|---|\n");
+    type Cell<'a> = &'a dyn Fn(&Run) -> String;
+    let rows: [(&str, Cell); 7] = [
+        ("how pods were stopped", &how),
+        ("stopped (s after `systemctl reboot`)", &order),
+        ("PodDisruptionBudget (mid, minAvailable 1)", &pdb),
+        ("exit codes (0: got its grace, 137: killed)", &|r: &Run| {
+            exit_codes(&r.observed)
+        }),
+        ("`systemctl reboot` → VM down", &|r: &Run| {
+            secs(r.observed.down)
+        }),
+        ("what the Node showed during the shutdown", &signals),
+        ("workload pods after the reboot", &|r: &Run| r.after.clone()),
+    ];
+    for (name, f) in rows {
+        t.push_str(&format!("| {name} | {} | {} |\n", f(gns), f(ours)));
+    }
+    t
+}
+
+/// Boot 2 of the real node: the agent's pod back, the shutdown's taint and
+/// cordon gone, GracefulShutdown=False (NodeRebooted), the Deployment's pod
+/// back on the node, the kernel monitor reset and reading the new boot.
+pub async fn after_reboot(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    work_ns: &str,
+    agent_ns: &str,
+    shutdown: String,
+    rows: &Rows,
+) {
+    let booted = vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
+    let t0 = Instant::now();
+    eventually(
+        Duration::from_secs(180),
+        "GracefulShutdown=False (NodeRebooted) from the agent's pod on boot 2",
+        || async {
+            node_conditions(admin, node, "GracefulShutdown")
+                .await
+                .first()
+                .is_some_and(|c| c.status == "False" && c.reason.as_deref() == Some("NodeRebooted"))
+        },
+    )
+    .await;
+    let rebooted = t0.elapsed();
+    let nodes: Api<Node> = Api::all(admin.clone());
+    eventually(
+        Duration::from_secs(30),
+        "the shutdown taint removed, the node schedulable",
+        || async {
+            nodes.get(node).await.is_ok_and(|n| {
+                !has_taint(&n, "nodeguard.io/shutdown")
+                    && !n
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.unschedulable)
+                        .unwrap_or(false)
+            })
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(60),
+        "the agent's pod Ready on boot 2",
+        || async { pod_ready(&agent_pod(admin, agent_ns).await) },
+    )
+    .await;
+    let agent = agent_pod(admin, agent_ns).await;
+    let restarts = agent
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map(|c| c.restart_count)
+        .unwrap_or(0);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), work_ns);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let back = loop {
+        let list = pods
+            .list(&ListParams::default().labels("app=low"))
+            .await
+            .unwrap()
+            .items;
+        if let Some(p) = list.iter().find(|p| {
+            pod_ready(p) && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+        }) {
+            break p.metadata.name.clone().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the Deployment's pod back on the node within 180 s: {list:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let back_at = t0.elapsed();
+    wait_condition(
+        admin,
+        node,
+        "KernelDeadlock",
+        "False",
+        Duration::from_secs(30),
+        "KernelDeadlock reset by the new boot",
+    )
+    .await;
+    let t1 = Instant::now();
+    vm.sh("echo '<3>INFO: task docker:4343 blocked for more than 120 seconds.' > /dev/kmsg")
+        .await;
+    wait_condition(
+        admin,
+        node,
+        "KernelDeadlock",
+        "True",
+        Duration::from_secs(20),
+        "KernelDeadlock=True from a kernel line of the new boot",
+    )
+    .await;
+    let kmsg = t1.elapsed();
+    eventually(Duration::from_secs(10), "a NodeRebooted Event", || async {
+        crate::events_for(node).await.contains("NodeRebooted")
+    })
+    .await;
+    rows.pass(
+        "kube-reboot",
+        format!(
+            "{shutdown}. Boot 2: guest agent {}; NodeRebooted {} later, taint gone, node schedulable; agent pod Ready again (restarts {restarts}); Deployment's pod {back} Running on the node {}; KernelDeadlock reset, new /dev/kmsg line → True {}",
+            secs(booted), secs(rebooted), secs(back_at), secs(kmsg)
+        ),
+    );
+}
+
+/// The agent in the pod pets softdog; frozen, it stops and the node resets.
+pub async fn device_watchdog(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, rows: &Rows) {
+    let timeout = WATCHDOG_TIMEOUT.as_secs().to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while crate::armed(vm).await != ["active", timeout.as_str()] {
+        assert!(
+            Instant::now() < deadline,
+            "softdog armed by the pod with a {timeout} s timeout"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let pod = agent_pod(admin, agent_ns).await;
+    assert!(pod_ready(&pod), "the agent's pod is Ready");
+    let pid = vm.sh("pidof nodeguard").await;
+    let pid = pid.trim();
+    assert!(
+        !pid.is_empty() && !pid.contains(' '),
+        "one nodeguard process: {pid:?}"
+    );
+    // Still petting well past one timeout.
+    tokio::time::sleep(WATCHDOG_TIMEOUT + Duration::from_secs(5)).await;
+    assert!(
+        vm.exited().is_none(),
+        "the node reset while the agent was healthy"
+    );
+    let t0 = Instant::now();
+    vm.sh(&format!("kill -STOP {pid}")).await;
+    let (at, reason) = vm
+        .wait_exit(WATCHDOG_TIMEOUT + Duration::from_secs(30))
+        .await
+        .expect("the frozen agent's watchdog resets the node");
+    let reset = at - t0;
+    assert_eq!(reason, "guest-reset");
+    assert!(
+        reset <= WATCHDOG_TIMEOUT + Duration::from_secs(3),
+        "reset after {reset:?}"
+    );
+    assert!(reset >= WATCHDOG_TIMEOUT / 2, "reset too early: {reset:?}");
+    assert!(
+        vm.serial_log()
+            .contains("softdog: Initiating system reboot")
+    );
+    rows.pass(
+        "kube-device-watchdog",
+        format!(
+            "{node}: armed from the pod (timeout {timeout} s, pet every ~10 s), no reset in {} s; agent SIGSTOPped → softdog reset {} later",
+            WATCHDOG_TIMEOUT.as_secs() + 5,
+            secs(reset)
+        ),
+    );
+}

@@ -121,6 +121,8 @@ pub struct RunningAgent {
     pub policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
     /// The probe workers (identities, manual triggers).
     pub probes: ProbeHandle,
+    /// True while the node's graceful shutdown runs.
+    pub node_shutdown: watch::Receiver<bool>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
     _senders: Senders,
@@ -138,6 +140,28 @@ impl Senders {
 }
 
 impl RunningAgent {
+    /// Stops the agent, but not in the middle of the node's graceful
+    /// shutdown: its delay inhibitor dies with the process, and logind then
+    /// goes on at once, so the remaining priority groups would never be
+    /// evicted. (A rollout of the DaemonSet, a drain tool deleting the pod
+    /// or `systemctl restart` can ask for a stop at that moment.) The
+    /// shutdown ends within the inhibit window; `interrupt` (a second
+    /// signal) stops at once.
+    pub async fn stop_after_node_shutdown(self, interrupt: impl std::future::Future<Output = ()>) {
+        let mut running = self.node_shutdown.clone();
+        if *running.borrow_and_update() {
+            let message = "nodeguard was asked to stop during the node's graceful shutdown; it finishes the shutdown's remaining priority groups first (within the inhibit window), then stops.";
+            tracing::warn!("{message}");
+            self.reporter
+                .event(EventKind::Warning, "StopDeferred", "Stop", message);
+            tokio::select! {
+                _ = running.wait_for(|r| !*r) => tracing::info!("the node's shutdown is done; stopping"),
+                _ = interrupt => tracing::warn!("stopping in the middle of the node's shutdown (second signal)"),
+            }
+        }
+        self.stop().await;
+    }
+
     /// Cancels every loop and waits for them and the HTTP server to finish.
     pub async fn stop(mut self) {
         self.shutdown.cancel();
@@ -226,6 +250,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         ),
     );
     let (pod_tx, pod_rx) = watch::channel(None);
+    let (node_shutdown_tx, node_shutdown) = watch::channel(false);
     sup.spawn(
         "pod-watch",
         publish_objects(
@@ -342,6 +367,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 state_dir: config.state_dir.clone(),
                 boot_id: config.boot_id.clone(),
                 node_name: config.node_name.clone(),
+                in_progress: node_shutdown_tx,
             },
             shutdown_rx,
             pod_rx.clone(),
@@ -400,6 +426,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         addr,
         node: node_rx,
         pods: pod_rx,
+        node_shutdown,
         policies: policy_rx,
         shutdown,
         tasks: sup.tasks,

@@ -90,7 +90,11 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let agent = agent::start(config, client).await?;
         let signal = wait_for_signal().await?;
         tracing::info!(signal, "stopping");
-        agent.stop().await;
+        agent
+            .stop_after_node_shutdown(async {
+                let _ = wait_for_signal().await;
+            })
+            .await;
         tracing::info!("stopped");
         Ok(ExitCode::SUCCESS)
     })

@@ -457,7 +457,10 @@ pub async fn run_event_publisher<P: EventPort>(
     health.updated();
     loop {
         let ev = tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => {
+                drain_events(&mut queue, &port, metrics).await;
+                return;
+            }
             ev = queue.recv() => match ev { Some(ev) => ev, None => return },
         };
         // Each event is handled (published or dropped) within its bounded
@@ -499,6 +502,34 @@ pub async fn run_event_publisher<P: EventPort>(
             metrics.dropped(&ev.reason, "api_error");
         }
         health.updated();
+    }
+}
+
+/// How long a stopping agent spends publishing the Events still queued
+/// (those of a shutdown it has just finished, a final reason to stop).
+pub const DRAIN_DEADLINE: Duration = Duration::from_secs(3);
+
+/// On stop: one attempt for each queued Event, all within
+/// [`DRAIN_DEADLINE`]; what is left is counted as dropped.
+async fn drain_events<P: EventPort>(
+    queue: &mut mpsc::Receiver<EventRequest>,
+    port: &P,
+    metrics: &ReportMetrics,
+) {
+    let deadline = Instant::now() + DRAIN_DEADLINE;
+    while let Ok(ev) = queue.try_recv() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, port.publish(&ev)).await {
+            Ok(Ok(())) => {
+                metrics
+                    .events
+                    .get_or_create(&ReasonLabels {
+                        reason: ev.reason.clone(),
+                    })
+                    .inc();
+            }
+            _ => metrics.dropped(&ev.reason, "stopping"),
+        }
     }
 }
 

@@ -215,6 +215,9 @@ pub struct ShutdownHost<L, C> {
     pub state_dir: PathBuf,
     pub boot_id: String,
     pub node_name: String,
+    /// True while a shutdown runs (from PrepareForShutdown until its
+    /// groups are done or it is cancelled): the agent does not stop then.
+    pub in_progress: watch::Sender<bool>,
 }
 
 /// Everything the running pieces share.
@@ -227,6 +230,7 @@ struct Ctx<C> {
     node_name: String,
     clock: WallClock,
     pods: watch::Receiver<Option<Snapshot<Pod>>>,
+    in_progress: watch::Sender<bool>,
 }
 
 /// Backoff between reconnects to the bus or logind: short, so the lock is
@@ -258,6 +262,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         node_name: host.node_name,
         clock: WallClock::new(),
         pods,
+        in_progress: host.in_progress,
     });
     let logind = host.logind;
     handle.updated();
@@ -582,7 +587,8 @@ fn spawn_shutdown<C: ClusterPort>(
     resume: bool,
 ) -> Running {
     let token = CancellationToken::new();
-    let task = tokio::spawn(execute(
+    ctx.in_progress.send_replace(true);
+    let run = execute(
         ctx.clone(),
         cfg.clone(),
         lock,
@@ -590,7 +596,20 @@ fn spawn_shutdown<C: ClusterPort>(
         record,
         resume,
         token.clone(),
-    ));
+    );
+    // Cleared however the task ends (done, cancelled or panicked): a stop
+    // that waits for it must never wait forever.
+    struct Clear(watch::Sender<bool>);
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            self.0.send_replace(false);
+        }
+    }
+    let clear = Clear(ctx.in_progress.clone());
+    let task = tokio::spawn(async move {
+        let _clear = clear;
+        run.await
+    });
     (token, task)
 }
 

@@ -259,6 +259,8 @@ struct Rig {
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
     state_dir: PathBuf,
+    /// The agent's "a shutdown runs" flag (it defers a stop while true).
+    in_progress: watch::Receiver<bool>,
     _q: crate::report::EventQueue,
 }
 
@@ -299,6 +301,7 @@ fn rig_in(
     let (cfg_tx, cfg_rx) = watch::channel(cfg);
     let stop = CancellationToken::new();
     let health = Health::new();
+    let (in_progress_tx, in_progress) = watch::channel(false);
     let task = tokio::spawn(run_shutdown_manager(
         ShutdownHost {
             logind: logind.clone(),
@@ -306,6 +309,7 @@ fn rig_in(
             state_dir: state_dir.clone(),
             boot_id: boot.into(),
             node_name: "n1".into(),
+            in_progress: in_progress_tx,
         },
         cfg_rx,
         pods_rx,
@@ -323,6 +327,7 @@ fn rig_in(
         stop,
         task,
         state_dir,
+        in_progress,
         _q: q,
     }
 }
@@ -369,9 +374,11 @@ async fn groups_in_order_with_per_pod_grace_escalation_and_release() {
     ms(100).await;
     assert_eq!(r.logind.held(), 1, "lock taken at start");
     assert_eq!(condition(&r, UNAVAILABLE).unwrap().reason, "InhibitorHeld");
+    assert!(!*r.in_progress.borrow(), "no shutdown runs yet");
 
     r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
     ms(50).await;
+    assert!(*r.in_progress.borrow(), "a stop now waits for the shutdown");
     let c = condition(&r, CONDITION).unwrap();
     assert_eq!(
         (c.status, c.reason.as_str()),
@@ -419,6 +426,7 @@ async fn groups_in_order_with_per_pod_grace_escalation_and_release() {
         0,
         "inhibitor released after the last group"
     );
+    assert!(!*r.in_progress.borrow(), "done: a deferred stop goes on");
     let text = crate::server::metrics::encode(&r.registry).unwrap();
     assert!(
         text.contains("nodeguard_shutdown_pods_total{group=\"1000\",outcome=\"escalated\"} 1"),
@@ -517,11 +525,16 @@ async fn cancel_midway_restores_the_node_and_retakes_the_lock() {
     r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
     ms(3000).await;
     assert!(r.cluster.with(|s| s.tainted));
+    assert!(*r.in_progress.borrow());
     r.logind
         .signal(LogindEvent::PrepareForShutdown(false))
         .await;
     ms(500).await;
     assert!(!r.cluster.with(|s| s.tainted), "nodeguard's taint removed");
+    assert!(
+        !*r.in_progress.borrow(),
+        "cancelled: a deferred stop goes on"
+    );
     let c = condition(&r, CONDITION).unwrap();
     assert_eq!(
         (c.status, c.reason.as_str()),

@@ -300,7 +300,7 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
                 .exec("journalctl -b --no-pager -o short-monotonic -u kubelet -u containerd | tail -200")
                 .await;
             let _ = std::fs::write(dir.join("journal-kube-boot-1.txt"), kernel.stdout);
-            let shutdown = kubework::graceful_reboot(&mut vm, &admin, &node.0, &dir, &work.0).await;
+            let shutdown = kubework::graceful_reboot(&mut vm, &admin, &node.0, &dir, &work.0, agent_ns).await;
             boot = 2;
             vm = Vm::boot_with_memory(
                 &env.image,
@@ -314,6 +314,7 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
             kubework::after_reboot(&mut vm, &admin, &node.0, &work.0, agent_ns, shutdown, rows)
                 .await;
             kubework::record_after(kubework::phases(&admin, &work.0).await);
+            kubework::save_view(&dir, &node.0, "after-reboot");
         }
         if wants("kube-device-watchdog") {
             kubework::device_watchdog(&mut vm, &admin, &node.0, agent_ns, rows).await;

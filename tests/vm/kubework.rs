@@ -499,6 +499,9 @@ pub struct Observed {
     signals: Vec<(Duration, String)>,
     down: Duration,
     reason: String,
+    /// When the agent's pod was deleted (kube-reboot deletes it once the
+    /// first group is done, as a rollout or a drain tool would).
+    agent_deleted: Option<Duration>,
 }
 
 impl Observed {
@@ -758,10 +761,50 @@ async fn reboot_watched(
     node: &str,
     work_ns: &str,
     low_pod: &str,
+    delete_agent_in: Option<&str>,
+    dir: &std::path::Path,
 ) -> Observed {
     let t0 = Instant::now() + Duration::from_secs(1);
     let (seen, tracker) = track(admin, work_ns);
     let (signals, node_watch) = watch_node(admin, node, t0);
+    let deleter = delete_agent_in.map(|ns| {
+        let (seen, admin, ns, low) = (
+            seen.clone(),
+            admin.clone(),
+            ns.to_string(),
+            low_pod.to_string(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let first_done = seen
+                    .lock()
+                    .unwrap()
+                    .get(&low)
+                    .is_some_and(|s| s.stopped.is_some() || s.gone.is_some());
+                if first_done {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let agent = agent_pod(&admin, &ns).await;
+            let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+            pods.delete(&agent.metadata.name.unwrap(), &DeleteParams::default())
+                .await
+                .unwrap();
+            Instant::now()
+        })
+    });
+    // What an operator sees a few seconds into the shutdown (make demo DEMO=vm).
+    let snapshot = {
+        let (signals, node, dir) = (signals.clone(), node.to_string(), dir.to_path_buf());
+        tokio::spawn(async move {
+            while signals.lock().unwrap().is_empty() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            tokio::task::spawn_blocking(move || save_view(&dir, &node, "shutting-down")).await
+        })
+    };
     tokio::time::sleep_until(t0.into()).await;
     vm.spawn("systemctl reboot").await;
     let (down_at, reason) = vm
@@ -771,6 +814,15 @@ async fn reboot_watched(
     tokio::time::sleep(Duration::from_secs(1)).await;
     tracker.abort();
     node_watch.abort();
+    snapshot.abort();
+    let agent_deleted = match deleter {
+        Some(d) if d.is_finished() => Some(d.await.expect("delete the agent's pod") - t0),
+        Some(d) => {
+            d.abort();
+            None
+        }
+        None => None,
+    };
     let seen = seen.lock().unwrap().clone();
     let get = |n: &str| seen.get(n).cloned().unwrap_or_default();
     let signals = signals.lock().unwrap().clone();
@@ -780,10 +832,35 @@ async fn reboot_watched(
         signals,
         down: down_at - t0,
         reason,
+        agent_deleted,
     }
 }
 
 const NAMES: [&str; 3] = ["low", "mid", "critical"];
+
+/// `kubectl get pods -o wide` on the node and `kubectl describe node`, as
+/// the operator would look, into the node's artifacts (`<what>` names the
+/// moment: before-reboot, shutting-down, after-reboot).
+pub fn save_view(dir: &std::path::Path, node: &str, what: &str) {
+    let pods = kubectl_status(&[
+        "get",
+        "pods",
+        "-A",
+        "-o",
+        "wide",
+        "--field-selector",
+        &format!("spec.nodeName={node}"),
+    ]);
+    let _ = std::fs::write(
+        dir.join(format!("pods-{what}.txt")),
+        pods.unwrap_or_else(|e| e),
+    );
+    let describe = kubectl_status(&["describe", "node", node]);
+    let _ = std::fs::write(
+        dir.join(format!("describe-node-{what}.txt")),
+        describe.unwrap_or_else(|e| e),
+    );
+}
 
 /// `systemctl reboot` with nodeguard's shutdown in charge: evicted in
 /// order, the kubelet terminating each pod within its grace, the PDB held
@@ -795,15 +872,26 @@ pub async fn graceful_reboot(
     node: &str,
     dir: &std::path::Path,
     work_ns: &str,
+    agent_ns: &str,
 ) -> String {
     let low_pod = start_workloads(admin, node, work_ns).await;
     let logind_delay = inhibitor_held(vm, "nodeguard").await;
-    let o = reboot_watched(vm, admin, node, work_ns, &low_pod).await;
+    save_view(dir, node, "before-reboot");
+    let o = reboot_watched(vm, admin, node, work_ns, &low_pod, Some(agent_ns), dir).await;
     std::fs::write(
         dir.join("shutdown-pods.txt"),
         format!("{:#?}\n{:#?}", o.pods, o.signals),
     )
     .unwrap();
+    // The agent's pod was deleted once the first group was done: the
+    // agent must finish the shutdown it started (its inhibitor goes with
+    // its process, and logind would go on at once).
+    let deleted = o.agent_deleted.unwrap_or_else(|| {
+        panic!(
+            "the agent's pod was not deleted during the shutdown: {:?}",
+            o.pods
+        )
+    });
     let visible = o
         .signals
         .iter()
@@ -873,7 +961,8 @@ pub async fn graceful_reboot(
         exits.push(format!("{} 0", NAMES[i]));
     }
     // The kubelet removed the earlier groups' pods; the last one's object
-    // may outlive the shutdown (the agent counts a stopped pod as done).
+    // may outlive the shutdown (its container stopped, the kubelet itself
+    // is stopped before it deletes the object; boot 2's kubelet does).
     for (name, p) in NAMES.iter().zip(&o.pods).take(2) {
         assert!(
             p.gone.is_some(),
@@ -903,14 +992,19 @@ pub async fn graceful_reboot(
         assert!(events.contains(e), "Event {e} on the node:\n{events}");
     }
     assert!(
+        events.contains("StopDeferred"),
+        "the agent said it deferred its stop until the shutdown was done:\n{events}"
+    );
+    assert!(
         events
             .lines()
             .any(|l| l.contains("EvictionEscalated") && l.contains("mid")),
         "the PDB escalation's Event:\n{events}"
     );
     let detail = format!(
-        "logind delay {logind_delay}; `systemctl reboot` → GracefulShutdown=True {}; deleted → stopped: low {}→{}, mid (PDB, escalated) {}→{}, critical {}→{}; exit codes {}; VM down {} ({})",
+        "logind delay {logind_delay}; `systemctl reboot` → GracefulShutdown=True {}; agent pod deleted at {} (after the first group), the shutdown went on; deleted → stopped: low {}→{}, mid (PDB, escalated) {}→{}, critical {}→{}; exit codes {}; VM down {} ({})",
         secs(visible),
+        secs(deleted),
         secs(l_m),
         secs(l_s),
         secs(m_m),
@@ -968,7 +1062,8 @@ pub async fn phases(admin: &Client, work_ns: &str) -> String {
 }
 
 /// The real node with the kubelet's own graceful node shutdown
-/// (shutdownGracePeriodByPodPriority, the same groups) and nodeguard's
+/// (shutdownGracePeriodByPodPriority: 10 s, 10 s, 10 s against nodeguard's
+/// 10, 10, 8 and a 2 s margin; the same 30 s) and nodeguard's
 /// shutdown off: the same pods and PDB, `systemctl reboot`, boot 2. Returns
 /// the row's detail; writes the side-by-side table when kube-reboot ran.
 pub async fn kubelet_gns(
@@ -980,7 +1075,7 @@ pub async fn kubelet_gns(
 ) -> Observed {
     let low_pod = start_workloads(admin, node, work_ns).await;
     inhibitor_held(vm, "kubelet").await;
-    let o = reboot_watched(vm, admin, node, work_ns, &low_pod).await;
+    let o = reboot_watched(vm, admin, node, work_ns, &low_pod, None, dir).await;
     std::fs::write(
         dir.join("shutdown-pods.txt"),
         format!("{:#?}\n{:#?}", o.pods, o.signals),
@@ -993,6 +1088,25 @@ pub async fn kubelet_gns(
 /// run (when kube-reboot ran in this invocation), written to
 /// target/e2e/vm/gns-comparison.md. Returns the row's detail.
 pub async fn gns_after(admin: &Client, work_ns: &str, o: Observed) -> String {
+    // What the table compares must have been seen: each pod stopped by the
+    // kubelet, by priority, with its exit code, before the VM went down.
+    let stopped: Vec<Duration> = (0..3)
+        .map(|i| {
+            assert!(
+                o.pods[i].exit.is_some(),
+                "{}'s exit code was never reported: {:?}",
+                NAMES[i],
+                o.pods
+            );
+            o.stopped(i)
+                .unwrap_or_else(|| panic!("{} never stopped: {:?}", NAMES[i], o.pods))
+        })
+        .collect();
+    assert!(
+        stopped[0] <= stopped[1] && stopped[1] <= stopped[2],
+        "the kubelet's groups in order: {stopped:?}"
+    );
+    assert!(stopped[2] < o.down, "all stopped before the VM went down");
     let after = phases(admin, work_ns).await;
     let stopped: Vec<String> = (0..3)
         .map(|i| {
@@ -1043,11 +1157,15 @@ pub fn record_after(after: String) {
 fn table(gns: &Run, ours: &Run) -> String {
     let how = |r: &Run| {
         let o = &r.observed;
-        let evicted = o.pods.iter().filter(|p| p.marked.is_some()).count();
-        format!(
-            "{evicted} of 3 through the API (deletionTimestamp), {} killed by the kubelet without an API call",
-            3 - evicted
-        )
+        let deleted = o.pods.iter().filter(|p| p.marked.is_some()).count();
+        if deleted == 3 {
+            "evicted through the API (PDB checked), deleted on escalation; the kubelet terminates them".to_string()
+        } else {
+            format!(
+                "{} of 3 deleted through the API; the others stopped by the kubelet itself, no eviction (it reports their status)",
+                deleted
+            )
+        }
     };
     let order = |r: &Run| {
         let o = &r.observed;
@@ -1085,7 +1203,9 @@ fn table(gns: &Run, ours: &Run) -> String {
             .collect::<Vec<_>>()
             .join("; ")
     };
-    let mut t = String::from("| | kubelet graceful node shutdown | nodeguard |\n|---|---|---|\n");
+    let mut t = String::from(
+        "| | kubelet graceful node shutdown (10 s, 10 s, 10 s) | nodeguard (10 s, 10 s, 8 s + 2 s margin; its own pod deleted after the first group) |\n|---|---|---|\n",
+    );
     type Cell<'a> = &'a dyn Fn(&Run) -> String;
     let rows: [(&str, Cell); 7] = [
         ("how pods were stopped", &how),
@@ -1098,7 +1218,10 @@ fn table(gns: &Run, ours: &Run) -> String {
             secs(r.observed.down)
         }),
         ("what the Node showed during the shutdown", &signals),
-        ("workload pods after the reboot", &|r: &Run| r.after.clone()),
+        (
+            "workload pod objects after the reboot (bare pods are gone for good either way; the Deployment's comes back)",
+            &|r: &Run| r.after.clone(),
+        ),
     ];
     for (name, f) in rows {
         t.push_str(&format!("| {name} | {} | {} |\n", f(gns), f(ours)));
@@ -1148,20 +1271,25 @@ pub async fn after_reboot(
         },
     )
     .await;
+    // The pod deleted during the shutdown was replaced (by the DaemonSet
+    // controller, once it was gone): exactly one, Ready, on this boot.
+    let agent_pods: Api<Pod> = Api::namespaced(admin.clone(), agent_ns);
     eventually(
-        Duration::from_secs(60),
-        "the agent's pod Ready on boot 2",
-        || async { pod_ready(&agent_pod(admin, agent_ns).await) },
+        Duration::from_secs(120),
+        "one agent pod, Ready, on boot 2",
+        || async {
+            agent_pods
+                .list(&ListParams::default())
+                .await
+                .is_ok_and(|l| l.items.len() == 1 && pod_ready(&l.items[0]))
+        },
     )
     .await;
-    let agent = agent_pod(admin, agent_ns).await;
-    let restarts = agent
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .map(|c| c.restart_count)
-        .unwrap_or(0);
+    let agent = agent_pod(admin, agent_ns)
+        .await
+        .metadata
+        .name
+        .unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), work_ns);
     let deadline = Instant::now() + Duration::from_secs(180);
     let back = loop {
@@ -1211,7 +1339,7 @@ pub async fn after_reboot(
     rows.pass(
         "kube-reboot",
         format!(
-            "{shutdown}. Boot 2: guest agent {}; NodeRebooted {} later, taint gone, node schedulable; agent pod Ready again (restarts {restarts}); Deployment's pod {back} Running on the node {}; KernelDeadlock reset, new /dev/kmsg line → True {}",
+            "{shutdown}. Boot 2: guest agent {}; NodeRebooted {} later, taint gone, node schedulable; agent pod {agent} (the DaemonSet's replacement) Ready; Deployment's pod {back} Running on the node {}; KernelDeadlock reset, new /dev/kmsg line → True {}",
             secs(booted), secs(rebooted), secs(back_at), secs(kmsg)
         ),
     );

@@ -812,3 +812,93 @@ async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
     agent.stop().await;
     s.cleanup().await;
 }
+
+/// Found on the real node (the agent's pod deleted after the first group
+/// left the other groups on the node): asked to stop during a shutdown,
+/// the agent finishes it first. And an agent started again while logind
+/// still prepares for that shutdown (the DaemonSet's replacement, or
+/// `systemctl restart`) keeps nodeguard's taint and the record for the
+/// next boot instead of taking it for a cancel.
+#[tokio::test]
+async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_taint() {
+    let s = setup(
+        "stop-deferred",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    // No kubelet: the evicted pod stays, so the group takes its 6 s window.
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({"app": "low"}),
+    )
+    .await;
+    let (agent, state) = s.start_agent().await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(2), "tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    let t0 = Instant::now();
+    // SIGTERM, as the kubelet sends it for a deleted pod.
+    let (never_tx, never) = tokio::sync::oneshot::channel::<()>();
+    let stopping = tokio::spawn(agent.stop_after_node_shutdown(async {
+        let _ = never.await;
+    }));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        s.peer.held(),
+        1,
+        "the inhibitor is held while the group runs"
+    );
+    assert!(
+        !stopping.is_finished(),
+        "the agent stopped in the middle of the shutdown"
+    );
+    tokio::time::timeout(Duration::from_secs(15), stopping)
+        .await
+        .expect("the agent stops once the shutdown's groups are done")
+        .unwrap();
+    let stopped = t0.elapsed();
+    assert_eq!(s.peer.held(), 0, "released");
+    assert!(
+        events_for(&s.node.name).await.contains("StopDeferred"),
+        "the deferral is an Event"
+    );
+    drop(never_tx);
+
+    // The same boot, logind still preparing for the shutdown: a new agent.
+    let dir = state.path.clone();
+    let address = s.bus.address.clone();
+    let (again, _state2) = start_agent_with(s.admin.clone(), &s.node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "test-boot".into();
+        c.state_dir = dir;
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let n = nodes.get(&s.node.name).await.unwrap();
+    assert!(tainted(&n), "the node going down keeps nodeguard's taint");
+    assert!(
+        !node_has(&n, "GracefulShutdown", "False"),
+        "no reboot or cancel reported on the boot that is going down"
+    );
+    assert!(
+        state.path.join("shutdown-state.json").exists(),
+        "the record stays for the next boot's report"
+    );
+    again.stop().await;
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+    eprintln!("stop deferred {stopped:?} until the 6 s group was done");
+}

@@ -35,6 +35,9 @@ pub trait LogindPort: Send + Sync + 'static {
     -> impl Future<Output = Result<InhibitLock, ShutdownError>> + Send;
     /// Makes logind re-read its configuration.
     fn reload(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    /// `PreparingForShutdown`: a shutdown is under way (between
+    /// `PrepareForShutdown(true)` and the machine going down or a cancel).
+    fn preparing_for_shutdown(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
     /// Events from now on; the channel closes after [`LogindEvent::Gone`].
     fn events(
         &self,
@@ -98,6 +101,10 @@ impl LogindPort for ZbusLogind {
             )
             .await?;
         Ok(InhibitLock(fd.into()))
+    }
+
+    async fn preparing_for_shutdown(&self) -> Result<bool, ShutdownError> {
+        Ok(self.manager.preparing_for_shutdown().await?)
     }
 
     async fn reload(&self) -> Result<(), ShutdownError> {

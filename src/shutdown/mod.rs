@@ -267,7 +267,14 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     let logind = host.logind;
     handle.updated();
     tracing::debug!("shutdown manager started");
-    let (mut resume, mut last) = start_up(&ctx).await;
+    let (mut resume, mut last, going_down) = start_up(&ctx, &logind).await;
+    if going_down {
+        // Nothing to arm (logind refuses new delay locks now) and nothing
+        // to undo: the machine goes down with the taint, and the next
+        // boot reports the shutdown.
+        stop.cancelled().await;
+        return;
+    }
     let mut backoff = RECONNECT_MIN;
     let mut failing_since: Option<Instant> = None;
     // Until the first policy selection arrives, "no config" means "not known
@@ -438,6 +445,7 @@ async fn armed<P: LogindPort, C: ClusterPort>(
                 if let Some((token, task)) = running.take() {
                     token.cancel();
                     let _ = task.await;
+                    ctx.in_progress.send_replace(false);
                 }
                 return Armed::Stop;
             }
@@ -485,7 +493,11 @@ async fn armed<P: LogindPort, C: ClusterPort>(
                         token.cancel();
                         record = task.await.ok();
                     }
-                    match cancelled(ctx, port, st, latest.clone(), record, handle).await {
+                    // A stop deferred for the shutdown also waits for the
+                    // undo (taint, condition, Event) before it goes on.
+                    let after = cancelled(ctx, port, st, latest.clone(), record, handle).await;
+                    ctx.in_progress.send_replace(false);
+                    match after {
                         Some(Armed::Reconnect) => return Armed::Reconnect,
                         Some(Armed::Stop) => return Armed::Stop,
                         None => {}
@@ -597,15 +609,19 @@ fn spawn_shutdown<C: ClusterPort>(
         resume,
         token.clone(),
     );
-    // Cleared however the task ends (done, cancelled or panicked): a stop
-    // that waits for it must never wait forever.
-    struct Clear(watch::Sender<bool>);
+    // Cleared when the task ends by itself (done or panicked): a stop that
+    // waits for it must never wait forever. When the manager cancelled it
+    // (logind's cancel, the agent's stop), the manager clears it once it
+    // has undone the shutdown (`armed`).
+    struct Clear(watch::Sender<bool>, CancellationToken);
     impl Drop for Clear {
         fn drop(&mut self) {
-            self.0.send_replace(false);
+            if !self.1.is_cancelled() {
+                self.0.send_replace(false);
+            }
         }
     }
-    let clear = Clear(ctx.in_progress.clone());
+    let clear = Clear(ctx.in_progress.clone(), token.clone());
     let task = tokio::spawn(async move {
         let _clear = clear;
         run.await
@@ -714,9 +730,10 @@ fn report_unavailable<C>(
 /// At start-up: resume an unfinished shutdown of this boot, or clean up
 /// after the reboot that followed one. Returns the record to resume and
 /// the last shutdown to report.
-async fn start_up<C: ClusterPort>(
+async fn start_up<C: ClusterPort, L: LogindConnector>(
     ctx: &Ctx<C>,
-) -> (Option<ShutdownRecord>, Option<core::LastShutdown>) {
+    logind: &L,
+) -> (Option<ShutdownRecord>, Option<core::LastShutdown>, bool) {
     let record = match state::load(&ctx.state_dir) {
         Ok(r) => r,
         Err(e) => {
@@ -730,9 +747,62 @@ async fn start_up<C: ClusterPort>(
             None
         }
     };
-    match state::on_start(record.as_ref(), &ctx.boot_id) {
-        OnStart::Nothing => (None, None),
-        OnStart::Resume => (record, None),
+    // A record of this boot: only logind knows whether the host is still
+    // going down (a restart during or after the shutdown) or not (it was
+    // cancelled while the agent was away).
+    let this_boot = record
+        .as_ref()
+        .is_some_and(|r| r.boot_id == ctx.boot_id && r.started_at.is_some());
+    let preparing = if this_boot {
+        let ask = async { logind.connect().await?.preparing_for_shutdown().await };
+        match tokio::time::timeout(CALL_TIMEOUT, ask).await {
+            Ok(Ok(p)) => Some(p),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot ask logind whether the host is still shutting down");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "logind did not say in time whether the host is still shutting down"
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
+    match state::on_start(record.as_ref(), &ctx.boot_id, preparing) {
+        OnStart::Nothing => (None, None, false),
+        OnStart::Resume => (record, None, false),
+        OnStart::GoingDown => {
+            tracing::info!(
+                "restarted after this boot's shutdown was done; the host is going down: the taint and the record stay for the next boot"
+            );
+            (None, None, true)
+        }
+        OnStart::CancelledMeanwhile { taint_added } => {
+            let taint = undo_taint(ctx, taint_added).await;
+            if let Err(e) = state::clear(&ctx.state_dir) {
+                tracing::error!(error = %e, "cannot clear the shutdown state");
+            }
+            let message = format!(
+                "{} (cancelled while nodeguard was not running)",
+                core::cancel_message(taint, core::AfterCancel::Held)
+            );
+            tracing::info!("{message}");
+            ctx.reporter.event(
+                EventKind::Normal,
+                "ShutdownCancelled",
+                "CancelShutdown",
+                message,
+            );
+            let last = core::LastShutdown::Cancelled {
+                taint,
+                inhibitor: core::AfterCancel::Held,
+            };
+            report_condition(ctx, &core::Phase::Waiting, Some(&last));
+            (None, Some(last), false)
+        }
         OnStart::AfterReboot { took, taint_added } => {
             let taint = undo_taint(ctx, taint_added).await;
             if let Some(d) = took {
@@ -760,7 +830,7 @@ async fn start_up<C: ClusterPort>(
             if let Err(e) = state::clear(&ctx.state_dir) {
                 tracing::error!(error = %e, "cannot clear the shutdown state");
             }
-            (None, Some(last))
+            (None, Some(last), false)
         }
     }
 }

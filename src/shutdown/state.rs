@@ -34,6 +34,13 @@ pub enum OnStart {
     Nothing,
     /// The agent restarted during a shutdown of this boot: carry on.
     Resume,
+    /// The agent restarted after its shutdown of this boot was done, and
+    /// logind is still preparing for shutdown: the host is going down.
+    /// Nothing to undo; the record stays for the next boot's report.
+    GoingDown,
+    /// A shutdown of this boot is on record but logind prepares for none:
+    /// it was cancelled while the agent was not running. Undo it.
+    CancelledMeanwhile { taint_added: bool },
     /// The node rebooted after a shutdown: clean up and report.
     AfterReboot {
         took: Option<std::time::Duration>,
@@ -41,15 +48,31 @@ pub enum OnStart {
     },
 }
 
-pub fn on_start(record: Option<&ShutdownRecord>, boot_id: &str) -> OnStart {
+/// `preparing`: logind's `PreparingForShutdown` now (`None`: unknown, logind
+/// unreachable). Only a record of this boot needs it: a restart during or
+/// right after a shutdown looks the same on disk as a shutdown cancelled
+/// while the agent was away, and only logind knows which it is.
+pub fn on_start(
+    record: Option<&ShutdownRecord>,
+    boot_id: &str,
+    preparing: Option<bool>,
+) -> OnStart {
     let Some(r) = record.filter(|r| r.started_at.is_some()) else {
         return OnStart::Nothing;
     };
-    // Same boot and unfinished: the agent restarted mid-shutdown. (Same boot
-    // and finished means the machine did not go down, cancelled late: it is
-    // cleaned up like after a reboot.)
-    if r.boot_id == boot_id && r.ended_at.is_none() {
-        return OnStart::Resume;
+    if r.boot_id == boot_id {
+        match (preparing, r.ended_at.is_some()) {
+            (Some(false), _) => {
+                return OnStart::CancelledMeanwhile {
+                    taint_added: r.taint_added,
+                };
+            }
+            (_, false) => return OnStart::Resume,
+            (Some(true), true) => return OnStart::GoingDown,
+            // Finished, logind unknown: cleaned up like after a reboot
+            // (the node is up, or going down regardless).
+            (None, true) => {}
+        }
     }
     let took = match (r.started_at, r.ended_at) {
         (Some(s), Some(e)) => Some((e - s).try_into().unwrap_or_default()),
@@ -137,41 +160,92 @@ mod tests {
 
     #[test]
     fn start_up_decisions() {
-        assert_eq!(on_start(None, "b1"), OnStart::Nothing);
-        assert_eq!(
-            on_start(Some(&ShutdownRecord::default()), "b1"),
-            OnStart::Nothing
-        );
+        for preparing in [None, Some(true), Some(false)] {
+            assert_eq!(on_start(None, "b1", preparing), OnStart::Nothing);
+            assert_eq!(
+                on_start(Some(&ShutdownRecord::default()), "b1", preparing),
+                OnStart::Nothing
+            );
+        }
         let running = ShutdownRecord {
             boot_id: "b1".into(),
             started_at: Some(ts(0)),
             taint_added: true,
             ..Default::default()
         };
-        assert_eq!(on_start(Some(&running), "b1"), OnStart::Resume);
-        assert_eq!(
-            on_start(Some(&running), "b2"),
-            OnStart::AfterReboot {
-                took: None,
-                taint_added: true
-            },
-            "the machine went down before the record was finished"
-        );
         let done = ShutdownRecord {
             ended_at: Some(ts(42)),
             ..running.clone()
         };
-        assert_eq!(
-            on_start(Some(&done), "b2"),
-            OnStart::AfterReboot {
-                took: Some(std::time::Duration::from_secs(42)),
-                taint_added: true
-            }
-        );
-        assert!(matches!(
-            on_start(Some(&done), "b1"),
-            OnStart::AfterReboot { .. }
-        ));
+        let rebooted = |took| OnStart::AfterReboot {
+            took,
+            taint_added: true,
+        };
+        let cancelled = OnStart::CancelledMeanwhile { taint_added: true };
+        let secs = |s| Some(std::time::Duration::from_secs(s));
+        // (record, this boot, logind's PreparingForShutdown) → decision
+        let cases: [(&ShutdownRecord, &str, Option<bool>, OnStart, &str); 9] = [
+            (
+                &running,
+                "b1",
+                Some(true),
+                OnStart::Resume,
+                "restarted mid-shutdown",
+            ),
+            (
+                &running,
+                "b1",
+                None,
+                OnStart::Resume,
+                "logind unknown: carry on",
+            ),
+            (
+                &running,
+                "b1",
+                Some(false),
+                cancelled.clone(),
+                "cancelled while away: never evict on a node that stays up",
+            ),
+            (
+                &running,
+                "b2",
+                Some(false),
+                rebooted(None),
+                "went down before the record was finished",
+            ),
+            (&done, "b2", None, rebooted(secs(42)), "the usual reboot"),
+            (
+                &done,
+                "b2",
+                Some(true),
+                rebooted(secs(42)),
+                "a new boot is a new boot",
+            ),
+            (
+                &done,
+                "b1",
+                Some(true),
+                OnStart::GoingDown,
+                "restarted after its groups, the host going down: keep the taint",
+            ),
+            (
+                &done,
+                "b1",
+                Some(false),
+                cancelled.clone(),
+                "cancelled late while away",
+            ),
+            (
+                &done,
+                "b1",
+                None,
+                rebooted(secs(42)),
+                "logind unknown: cleaned up as before",
+            ),
+        ];
+        for (record, boot, preparing, want, why) in cases {
+            assert_eq!(on_start(Some(record), boot, preparing), want, "{why}");
+        }
     }
 
     #[test]

@@ -42,6 +42,8 @@ struct LogindState {
     whys: Vec<String>,
     signals: Option<mpsc::Sender<LogindEvent>>,
     up: bool,
+    /// PreparingForShutdown.
+    preparing: bool,
 }
 
 #[derive(Clone, Default)]
@@ -66,6 +68,9 @@ impl FakeLogind {
         self.with(|s| s.locks.len())
     }
     async fn signal(&self, e: LogindEvent) {
+        if let LogindEvent::PrepareForShutdown(start) = e {
+            self.with(|s| s.preparing = start);
+        }
         let tx = self.with(|s| s.signals.clone()).expect("subscribed");
         tx.send(e).await.unwrap();
     }
@@ -82,6 +87,9 @@ impl LogindPort for FakeLogind {
             s.whys.push(why.into());
         });
         Ok(InhibitLock(w))
+    }
+    async fn preparing_for_shutdown(&self) -> Result<bool, ShutdownError> {
+        Ok(self.with(|s| s.preparing))
     }
     async fn reload(&self) -> Result<(), ShutdownError> {
         self.with(|s| {
@@ -724,9 +732,11 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
         tainted: true,
         ..Default::default()
     };
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind.with(|s| s.preparing = true);
     let r = rig_in(
         dir,
-        FakeLogind::new(Duration::from_secs(60)),
+        logind,
         Some(config(&[(0, 10), (1000, 10)])),
         pods,
         "b1",
@@ -749,6 +759,102 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
     assert_eq!(condition(&r, CONDITION).unwrap().status, Status::True);
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert_eq!(r.logind.held(), 0, "released after resuming");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// A record of this boot, as a stopped or crashed agent leaves it.
+fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
+    let dir = tmp(name);
+    let now = WallClock::new().now();
+    state::save(
+        &dir,
+        &ShutdownRecord {
+            boot_id: "b1".into(),
+            started_at: Some(now - jiff::SignedDuration::from_secs(20)),
+            ended_at: ended.then(|| now - jiff::SignedDuration::from_secs(1)),
+            groups_done: vec![0],
+            taint_added: true,
+        },
+    )
+    .unwrap();
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    (dir, pre)
+}
+
+/// The agent stopped once its groups were done (a deferred stop) and a new
+/// one started while the host goes down (the DaemonSet's replacement, or
+/// `systemctl restart`): it must not take that for a cancel and untaint a
+/// node that is powering off, nor lose the record the next boot reports.
+#[tokio::test(start_paused = true)]
+async fn a_restart_after_the_groups_while_the_host_goes_down_keeps_taint_and_record() {
+    let (dir, pre) = this_boot_record("going-down", true);
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind.with(|s| s.preparing = true);
+    let r = rig_in(
+        dir,
+        logind,
+        Some(config(&[(0, 10), (1000, 10)])),
+        vec![pod("a/late", 0, None)],
+        "b1",
+        pre,
+    );
+    ms(1000).await;
+    assert!(r.cluster.with(|s| s.tainted), "the taint stays");
+    assert!(
+        !r.cluster
+            .calls()
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Untaint | Call::Evict(..))),
+        "{:?}",
+        r.cluster.calls()
+    );
+    assert!(
+        state::load(&r.state_dir).unwrap().is_some(),
+        "the record stays for the next boot"
+    );
+    assert!(
+        condition(&r, CONDITION).is_none_or(|c| c.reason != "NodeRebooted"),
+        "no reboot reported on the boot that is going down"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// A shutdown of this boot on record, but logind prepares for none: it was
+/// cancelled while the agent was away. Undo it; never evict on a node that
+/// stays up.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_cancelled_while_the_agent_was_away_is_undone_not_resumed() {
+    let (dir, pre) = this_boot_record("cancelled-away", false);
+    let r = rig_in(
+        dir,
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 10), (1000, 10)])),
+        vec![pod("b/high", 1000, None)],
+        "b1",
+        pre,
+    );
+    ms(1000).await;
+    assert!(
+        !r.cluster
+            .calls()
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(..) | Call::Delete(..))),
+        "nothing evicted: {:?}",
+        r.cluster.calls()
+    );
+    assert!(!r.cluster.with(|s| s.tainted), "nodeguard's taint removed");
+    let c = condition(&r, CONDITION).unwrap();
+    assert_eq!(
+        (c.status, c.reason.as_str()),
+        (Status::False, "ShutdownCancelled")
+    );
+    assert_eq!(state::load(&r.state_dir).unwrap(), None);
+    assert_eq!(r.logind.held(), 1, "armed again");
     r.stop.cancel();
     r.task.await.unwrap();
 }

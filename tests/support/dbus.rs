@@ -104,6 +104,8 @@ impl Inhibitor {
 #[derive(Default)]
 pub struct LogindState {
     pub delay_max_usec: u64,
+    /// PreparingForShutdown: set by [`LogindPeer::prepare_for_shutdown`].
+    pub preparing: bool,
     pub inhibitors: Vec<Inhibitor>,
     pub drop_in_dir: Option<PathBuf>,
     pub reloads: usize,
@@ -279,6 +281,11 @@ impl LoginManager {
         self.0.lock().unwrap().delay_max_usec
     }
 
+    #[zbus(property, name = "PreparingForShutdown")]
+    fn preparing_for_shutdown(&self) -> bool {
+        self.0.lock().unwrap().preparing
+    }
+
     #[zbus(signal)]
     async fn prepare_for_shutdown(emitter: &SignalEmitter<'_>, start: bool) -> zbus::Result<()>;
 }
@@ -398,6 +405,7 @@ impl LogindPeer {
     }
 
     pub async fn prepare_for_shutdown(&self, start: bool) {
+        self.state.lock().unwrap().preparing = start;
         let conn = self.login.as_ref().expect("logind is up");
         let iface = conn
             .object_server()

@@ -843,6 +843,22 @@ async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_t
         std::future::ready(s.peer.held() == 1)
     })
     .await;
+    // The agent knows the pod before the signal (else its plan is empty).
+    let key = format!("{TEST_NAMESPACE}/{low}");
+    eventually(
+        Duration::from_secs(15),
+        "the pod in the agent's watch",
+        || {
+            std::future::ready(
+                agent
+                    .pods
+                    .borrow()
+                    .as_ref()
+                    .is_some_and(|p| p.contains_key(&key)),
+            )
+        },
+    )
+    .await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
     s.peer.prepare_for_shutdown(true).await;
     eventually(Duration::from_secs(2), "tainted", || async {
@@ -870,7 +886,19 @@ async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_t
         .expect("the agent stops once the shutdown's groups are done")
         .unwrap();
     let stopped = t0.elapsed();
+    assert!(
+        stopped >= Duration::from_secs(4),
+        "stopped {stopped:?} after the signal: before the 6 s group was over"
+    );
     assert_eq!(s.peer.held(), 0, "released");
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(state.path.join("shutdown-state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        !record["endedAt"].is_null(),
+        "the first agent finished the shutdown: {record}"
+    );
     assert!(
         events_for(&s.node.name).await.contains("StopDeferred"),
         "the deferral is an Event"
@@ -896,6 +924,11 @@ async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_t
     assert!(
         state.path.join("shutdown-state.json").exists(),
         "the record stays for the next boot's report"
+    );
+    assert_eq!(
+        s.peer.held(),
+        0,
+        "no lock: logind refuses one during its shutdown"
     );
     again.stop().await;
     force_delete(&s.admin, &[&low]).await;

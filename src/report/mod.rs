@@ -484,7 +484,16 @@ pub async fn run_event_publisher<P: EventPort>(
                     metrics.write_error("events");
                     tracing::warn!(reason = %ev.reason, attempt, error = %err, "cannot publish event");
                     tokio::select! {
-                        _ = shutdown.cancelled() => return,
+                        _ = shutdown.cancelled() => {
+                            // One last try for this one, then the rest.
+                            if tokio::time::timeout(DRAIN_DEADLINE, port.publish(&ev)).await.is_ok_and(|r| r.is_ok()) {
+                                metrics.events.get_or_create(&ReasonLabels { reason: ev.reason.clone() }).inc();
+                            } else {
+                                metrics.dropped(&ev.reason, "stopping");
+                            }
+                            drain_events(&mut queue, &port, metrics).await;
+                            return;
+                        }
                         _ = sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(config.backoff_max);
@@ -509,8 +518,8 @@ pub async fn run_event_publisher<P: EventPort>(
 /// (those of a shutdown it has just finished, a final reason to stop).
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(3);
 
-/// On stop: one attempt for each queued Event, all within
-/// [`DRAIN_DEADLINE`]; what is left is counted as dropped.
+/// On stop: each queued Event is published, retried every 100 ms, all
+/// within [`DRAIN_DEADLINE`]; what is left then is counted as dropped.
 async fn drain_events<P: EventPort>(
     queue: &mut mpsc::Receiver<EventRequest>,
     port: &P,
@@ -518,17 +527,25 @@ async fn drain_events<P: EventPort>(
 ) {
     let deadline = Instant::now() + DRAIN_DEADLINE;
     while let Ok(ev) = queue.try_recv() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, port.publish(&ev)).await {
-            Ok(Ok(())) => {
-                metrics
-                    .events
-                    .get_or_create(&ReasonLabels {
-                        reason: ev.reason.clone(),
-                    })
-                    .inc();
+        let published = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break false;
             }
-            _ => metrics.dropped(&ev.reason, "stopping"),
+            if let Ok(Ok(())) = tokio::time::timeout(left, port.publish(&ev)).await {
+                break true;
+            }
+            sleep(Duration::from_millis(100).min(left)).await;
+        };
+        if published {
+            metrics
+                .events
+                .get_or_create(&ReasonLabels {
+                    reason: ev.reason.clone(),
+                })
+                .inc();
+        } else {
+            metrics.dropped(&ev.reason, "stopping");
         }
     }
 }

@@ -391,3 +391,49 @@ async fn the_condition_gauge_follows_the_desired_state() {
     let text = crate::server::metrics::encode(&registry).unwrap();
     assert!(!text.contains("type=\"KernelDeadlock\""), "{text}");
 }
+
+/// Events queued when the agent stops (the last of a shutdown it waited
+/// for) are still published, within the drain deadline.
+#[tokio::test(start_paused = true)]
+async fn events_queued_at_stop_are_published() {
+    let mut registry = Registry::default();
+    let config = ReportConfig::default();
+    let (reporter, queue) = Reporter::new(&config, &mut registry);
+    let port = FakeEvents::default();
+    // The first publish fails: the stop comes during the retry's backoff.
+    port.failures_left.store(1, Ordering::SeqCst);
+    let shutdown = CancellationToken::new();
+    reporter.event(
+        EventKind::Normal,
+        "ShutdownGroupDone",
+        "Shutdown",
+        "group 0",
+    );
+    reporter.event(
+        EventKind::Normal,
+        "ShutdownInhibitorReleased",
+        "Shutdown",
+        "released",
+    );
+    shutdown.cancel();
+    let publisher = tokio::spawn(run_event_publisher(
+        reporter.clone(),
+        queue,
+        port.clone(),
+        config,
+        crate::server::Health::new().register("events", Duration::from_secs(60)),
+        shutdown.clone(),
+    ));
+    tokio::time::timeout(DRAIN_DEADLINE + Duration::from_secs(1), publisher)
+        .await
+        .expect("the publisher ends within the drain deadline")
+        .unwrap();
+    let notes: Vec<String> = port
+        .published
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.note.clone())
+        .collect();
+    assert_eq!(notes, ["group 0", "released"]);
+}

@@ -268,12 +268,22 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     handle.updated();
     tracing::debug!("shutdown manager started");
     let (mut resume, mut last, going_down) = start_up(&ctx, &logind).await;
-    if going_down {
+    if let Some(taint_added) = going_down {
         // Nothing to arm (logind refuses new delay locks now) and nothing
-        // to undo: the machine goes down with the taint, and the next
-        // boot reports the shutdown.
-        stop.cancelled().await;
-        return;
+        // to undo while the machine goes down: the taint goes with it and
+        // the next boot reports the shutdown. Should logind's shutdown end
+        // without the machine going down (a failed or cancelled job), undo
+        // it then, as after a cancel.
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = sleep(GOING_DOWN_POLL) => {}
+            }
+            if preparing_for_shutdown(&logind).await == Some(false) {
+                last = Some(cancelled_meanwhile(&ctx, taint_added).await);
+                break;
+            }
+        }
     }
     let mut backoff = RECONNECT_MIN;
     let mut failing_since: Option<Instant> = None;
@@ -301,28 +311,34 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 }
             }
         };
-        let (port, events, delay_max, lock) = match connect_and_arm(&ctx, &logind, &cfg).await {
-            Ok(parts) => parts,
-            Err((reason, message)) => {
-                report_unavailable(&ctx, &mut failing_since, reason, &message);
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = sleep(backoff) => {}
+        // Resuming: logind is delaying its shutdown already and refuses new
+        // delay locks (OperationInProgress); the remaining groups run in the
+        // time left of the plan without one.
+        let (port, events, delay_max, lock) =
+            match connect_and_arm(&ctx, &logind, &cfg, resume.is_none()).await {
+                Ok(parts) => parts,
+                Err((reason, message)) => {
+                    report_unavailable(&ctx, &mut failing_since, reason, &message);
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(RECONNECT_MAX);
+                    continue;
                 }
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                continue;
-            }
-        };
+            };
         backoff = RECONNECT_MIN;
         if failing_since.take().is_some() {
             tracing::info!("logind reachable again; delay inhibitor taken");
         }
-        ctx.metrics.inhibitor_held.set(1);
-        tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
-        report_armed(&ctx, &cfg, delay_max, last.as_ref());
+        if lock.is_some() {
+            ctx.metrics.inhibitor_held.set(1);
+            tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
+            report_armed(&ctx, &cfg, delay_max, last.as_ref());
+        }
         let mut armed_state = ArmedState {
             cfg,
-            lock: Some(lock),
+            lock,
             delay_max,
             last: &mut last,
         };
@@ -350,11 +366,21 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
 
 /// Connects to logind, subscribes, makes sure the inhibit delay suffices
 /// and takes the lock; on failure, the condition reason and message.
+#[allow(clippy::type_complexity)]
 async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
     ctx: &Ctx<C>,
     logind: &L,
     cfg: &ShutdownConfig,
-) -> Result<(L::Port, mpsc::Receiver<LogindEvent>, Duration, InhibitLock), (&'static str, String)> {
+    take_lock: bool,
+) -> Result<
+    (
+        L::Port,
+        mpsc::Receiver<LogindEvent>,
+        Duration,
+        Option<InhibitLock>,
+    ),
+    (&'static str, String),
+> {
     let port = logind.connect().await.map_err(|e| {
         ("LogindUnavailable", format!(
             "nodeguard cannot reach systemd-logind on the system bus ({e}); without it a shutdown would not wait for pods. Mount /run/dbus/system_bus_socket and check that logind runs."
@@ -370,12 +396,15 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
             "systemd-logind does not answer on the system bus ({e}); a shutdown would not wait for pods."
         ))
     })?;
+    if !take_lock {
+        return Ok((port, events, delay_max, None));
+    }
     let lock = port.inhibit(&why(cfg)).await.map_err(|e| {
         ("InhibitorRefused", format!(
             "systemd-logind refused nodeguard's delay inhibitor ({e}); a shutdown would not wait for pods."
         ))
     })?;
-    Ok((port, events, delay_max, lock))
+    Ok((port, events, delay_max, Some(lock)))
 }
 
 enum Armed {
@@ -730,10 +759,17 @@ fn report_unavailable<C>(
 /// At start-up: resume an unfinished shutdown of this boot, or clean up
 /// after the reboot that followed one. Returns the record to resume and
 /// the last shutdown to report.
+/// The record to resume, the last shutdown to report, and — when this
+/// boot's shutdown is done and the host going down — whether nodeguard
+/// added the taint.
 async fn start_up<C: ClusterPort, L: LogindConnector>(
     ctx: &Ctx<C>,
     logind: &L,
-) -> (Option<ShutdownRecord>, Option<core::LastShutdown>, bool) {
+) -> (
+    Option<ShutdownRecord>,
+    Option<core::LastShutdown>,
+    Option<bool>,
+) {
     let record = match state::load(&ctx.state_dir) {
         Ok(r) => r,
         Err(e) => {
@@ -754,55 +790,25 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
         .as_ref()
         .is_some_and(|r| r.boot_id == ctx.boot_id && r.started_at.is_some());
     let preparing = if this_boot {
-        let ask = async { logind.connect().await?.preparing_for_shutdown().await };
-        match tokio::time::timeout(CALL_TIMEOUT, ask).await {
-            Ok(Ok(p)) => Some(p),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "cannot ask logind whether the host is still shutting down");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(
-                    "logind did not say in time whether the host is still shutting down"
-                );
-                None
-            }
-        }
+        preparing_for_shutdown(logind).await
     } else {
         None
     };
     match state::on_start(record.as_ref(), &ctx.boot_id, preparing) {
-        OnStart::Nothing => (None, None, false),
-        OnStart::Resume => (record, None, false),
+        OnStart::Nothing => (None, None, None),
+        OnStart::Resume => (record, None, None),
         OnStart::GoingDown => {
             tracing::info!(
                 "restarted after this boot's shutdown was done; the host is going down: the taint and the record stay for the next boot"
             );
-            (None, None, true)
+            let taint_added = record.is_some_and(|r| r.taint_added);
+            (None, None, Some(taint_added))
         }
-        OnStart::CancelledMeanwhile { taint_added } => {
-            let taint = undo_taint(ctx, taint_added).await;
-            if let Err(e) = state::clear(&ctx.state_dir) {
-                tracing::error!(error = %e, "cannot clear the shutdown state");
-            }
-            let message = format!(
-                "{} (cancelled while nodeguard was not running)",
-                core::cancel_message(taint, core::AfterCancel::Held)
-            );
-            tracing::info!("{message}");
-            ctx.reporter.event(
-                EventKind::Normal,
-                "ShutdownCancelled",
-                "CancelShutdown",
-                message,
-            );
-            let last = core::LastShutdown::Cancelled {
-                taint,
-                inhibitor: core::AfterCancel::Held,
-            };
-            report_condition(ctx, &core::Phase::Waiting, Some(&last));
-            (None, Some(last), false)
-        }
+        OnStart::CancelledMeanwhile { taint_added } => (
+            None,
+            Some(cancelled_meanwhile(ctx, taint_added).await),
+            None,
+        ),
         OnStart::AfterReboot { took, taint_added } => {
             let taint = undo_taint(ctx, taint_added).await;
             if let Some(d) = took {
@@ -830,9 +836,60 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
             if let Err(e) = state::clear(&ctx.state_dir) {
                 tracing::error!(error = %e, "cannot clear the shutdown state");
             }
-            (None, Some(last), false)
+            (None, Some(last), None)
         }
     }
+}
+
+/// How often an agent that found its shutdown done on a host going down
+/// asks logind whether that is still so.
+const GOING_DOWN_POLL: Duration = Duration::from_secs(5);
+
+/// logind's `PreparingForShutdown` (`None`: logind unreachable or slow).
+async fn preparing_for_shutdown<L: LogindConnector>(logind: &L) -> Option<bool> {
+    let ask = async { logind.connect().await?.preparing_for_shutdown().await };
+    match tokio::time::timeout(CALL_TIMEOUT, ask).await {
+        Ok(Ok(p)) => Some(p),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cannot ask logind whether the host is shutting down");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("logind did not say in time whether the host is shutting down");
+            None
+        }
+    }
+}
+
+/// Undoes a shutdown of this boot that logind no longer prepares for (it
+/// was cancelled while the agent was not running, or failed): nodeguard's
+/// taint, the record, a `ShutdownCancelled` report. The inhibitor is
+/// taken again by the armed loop that follows.
+async fn cancelled_meanwhile<C: ClusterPort>(
+    ctx: &Ctx<C>,
+    taint_added: bool,
+) -> core::LastShutdown {
+    let taint = undo_taint(ctx, taint_added).await;
+    if let Err(e) = state::clear(&ctx.state_dir) {
+        tracing::error!(error = %e, "cannot clear the shutdown state");
+    }
+    let message = format!(
+        "{} (cancelled while nodeguard was not running)",
+        core::cancel_message(taint, core::AfterCancel::Held)
+    );
+    tracing::info!("{message}");
+    ctx.reporter.event(
+        EventKind::Normal,
+        "ShutdownCancelled",
+        "CancelShutdown",
+        message,
+    );
+    let last = core::LastShutdown::Cancelled {
+        taint,
+        inhibitor: core::AfterCancel::Held,
+    };
+    report_condition(ctx, &core::Phase::Waiting, Some(&last));
+    last
 }
 
 /// Removes nodeguard's taint if it added it.

@@ -239,6 +239,12 @@ impl LoginManager {
         why: String,
         mode: String,
     ) -> zbus::fdo::Result<zbus::OwnedFd> {
+        // As logind: no new delay lock for an operation already under way.
+        if mode == "delay" && what.contains("shutdown") && self.0.lock().unwrap().preparing {
+            return Err(zbus::fdo::Error::Failed(
+                "The operation inhibition has been requested for is already running".into(),
+            ));
+        }
         let mut fds = [0; 2];
         // SAFETY: pipe2 fills two descriptors we then own.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {

@@ -95,15 +95,20 @@ fn restart_counter() -> MonitorSpec {
                 "FrequentKubeletRestart",
                 r"Started (Kubernetes kubelet|kubelet\.service)",
             ),
+            // NPD's patterns match systemd before v247 ("Starting Docker
+            // Application Container Engine..."); newer systemd names the
+            // unit first ("Starting containerd.service - containerd
+            // container runtime...", Debian 12, seen on the real node),
+            // which NPD's own configs never match. Both forms count.
             counted(
                 "FrequentDockerRestart",
                 "FrequentDockerRestart",
-                r"Starting Docker Application Container Engine",
+                r"Starting (docker\.service - )?Docker Application Container Engine",
             ),
             counted(
                 "FrequentContainerdRestart",
                 "FrequentContainerdRestart",
-                r"Starting containerd container runtime",
+                r"Starting (containerd\.service - )?containerd container runtime",
             ),
         ],
     }
@@ -206,5 +211,52 @@ mod tests {
             assert!(types.contains(&want), "{want} missing from {types:?}");
         }
         assert!(p.spec.watchdog.is_none(), "watchdog off by default");
+    }
+
+    /// The systemd-restarts rules against what systemd writes for a start,
+    /// before v247 (NPD's patterns were written for it) and since (the
+    /// unit's name first; Debian 12's systemd 252 on the real node).
+    #[test]
+    fn restart_rules_match_old_and_new_systemd_start_lines() {
+        let spec = default_spec();
+        let m = spec
+            .monitors
+            .iter()
+            .find(|m| m.name == "systemd-restarts")
+            .unwrap();
+        let (patterns, _) = m.compile_patterns("spec.monitors[1]").unwrap();
+        let rule_of = |line: &str| -> Vec<String> {
+            patterns
+                .matches(line)
+                .into_iter()
+                .map(|i| m.rules[i].reason.clone())
+                .collect()
+        };
+        for (line, reason) in [
+            ("Started Kubernetes kubelet.", "FrequentKubeletRestart"),
+            (
+                "Started kubelet.service - Kubernetes kubelet.",
+                "FrequentKubeletRestart",
+            ),
+            (
+                "Starting Docker Application Container Engine...",
+                "FrequentDockerRestart",
+            ),
+            (
+                "Starting docker.service - Docker Application Container Engine...",
+                "FrequentDockerRestart",
+            ),
+            (
+                "Starting containerd container runtime...",
+                "FrequentContainerdRestart",
+            ),
+            (
+                "Starting containerd.service - containerd container runtime...",
+                "FrequentContainerdRestart",
+            ),
+        ] {
+            assert_eq!(rule_of(line), [reason], "{line}");
+        }
+        assert!(rule_of("Stopped containerd.service - containerd container runtime.").is_empty());
     }
 }

@@ -242,12 +242,37 @@ pub async fn journald_restarts(vm: &mut Vm, admin: &Client, node: &str, rows: &R
         .sh("journalctl -b --no-pager -o cat SYSLOG_IDENTIFIER=systemd | grep -c 'Started kubelet.service' || true")
         .await;
     kubelet_back(admin, node).await;
+    // containerd: systemd 252 writes "Starting containerd.service -
+    // containerd container runtime...", which NPD's pattern (the shipped
+    // policy's until this scenario found it) never matched.
+    assert!(condition_is(admin, node, "FrequentContainerdRestart", "False").await);
+    let t1 = Instant::now();
+    for _ in 0..5 {
+        vm.sh("systemctl restart containerd").await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    wait_condition(
+        admin,
+        node,
+        "FrequentContainerdRestart",
+        "True",
+        Duration::from_secs(20),
+        "FrequentContainerdRestart=True after 5 restarts of containerd",
+    )
+    .await;
+    let containerd = t1.elapsed();
+    let line = vm
+        .sh("journalctl -b --no-pager -o cat SYSLOG_IDENTIFIER=systemd | grep -m1 'Starting containerd' || true")
+        .await;
+    kubelet_back(admin, node).await;
     rows.pass(
         "kube-journald",
         format!(
-            "{restarts} × `systemctl restart kubelet` → FrequentKubeletRestart=True {} after the first ({} kubelet starts in this boot's journal; threshold 5 in 1200 s)",
+            "{restarts} × `systemctl restart kubelet` → FrequentKubeletRestart=True {} after the first ({} kubelet starts in this boot's journal; threshold 5 in 1200 s); 5 × `systemctl restart containerd` (\"{}\") → FrequentContainerdRestart=True {}",
             secs(took),
-            starts.trim()
+            starts.trim(),
+            line.trim(),
+            secs(containerd)
         ),
     );
 }
@@ -1185,7 +1210,7 @@ fn table(gns: &Run, ours: &Run) -> String {
         let low = o.stopped(0);
         match (o.at(o.pods[1].marked), o.stopped(1), low) {
             (Some(m), _, Some(l)) => format!(
-                "held {} after its group began, then escalated (policy: Delete after 50 %)",
+                "evictions refused; deleted {} after the low pod stopped (the policy escalates after 50 % of the 10 s window)",
                 secs(m.saturating_sub(l))
             ),
             (None, Some(s), _) => format!(

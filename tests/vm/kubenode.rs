@@ -65,7 +65,52 @@ fn agent_image() -> (PathBuf, String, String) {
         "{} is missing: run e2e/image (make test does)",
         archive.display()
     );
+    // The pod must run the agent as it is now: an archive older than the
+    // sources would test an earlier agent and pass or fail for it.
+    // (NODEGUARD_STALE_IMAGE_OK=1 runs an older one on purpose, e.g. to
+    // see a scenario fail before a fix.)
+    if std::env::var_os("NODEGUARD_STALE_IMAGE_OK").is_none() {
+        let built = archive.metadata().unwrap().modified().unwrap();
+        let newer = newest_source(&repo_root());
+        if let Some((path, at)) = newer
+            && at > built
+        {
+            panic!(
+                "{} is older than {} (changed since the image was built): run e2e/image (make test does), or set NODEGUARD_STALE_IMAGE_OK=1",
+                archive.display(),
+                path.display()
+            );
+        }
+    }
     (archive, "ghcr.io/nodeguard/nodeguard".to_string(), version)
+}
+
+/// The most recently modified file the agent's image is built from
+/// (`src/`, `Cargo.toml`, `Cargo.lock`, `build.rs`).
+pub fn newest_source(repo: &Path) -> Option<(PathBuf, std::time::SystemTime)> {
+    fn walk(dir: &Path, best: &mut Option<(PathBuf, std::time::SystemTime)>) {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, best);
+            } else if let Ok(t) = e.metadata().and_then(|m| m.modified())
+                && best.as_ref().is_none_or(|(_, b)| t > *b)
+            {
+                *best = Some((p, t));
+            }
+        }
+    }
+    let mut best = None;
+    walk(&repo.join("src"), &mut best);
+    for f in ["Cargo.toml", "Cargo.lock", "build.rs"] {
+        let p = repo.join(f);
+        if let Ok(t) = p.metadata().and_then(|m| m.modified())
+            && best.as_ref().is_none_or(|(_, b)| t > *b)
+        {
+            best = Some((p, t));
+        }
+    }
+    best
 }
 
 /// A client certificate for `system:node:<node>` (group system:nodes) signed

@@ -397,6 +397,20 @@ fn agent_binary(repo: &Path) -> PathBuf {
         .map(|c| repo.join(c))
         .filter(|p| p.is_file())
         .max_by_key(|p| p.metadata().unwrap().modified().unwrap())
+        .map(|p| {
+            let built = p.metadata().unwrap().modified().unwrap();
+            if std::env::var_os("NODEGUARD_STALE_IMAGE_OK").is_none()
+                && let Some((src, at)) = kubenode::newest_source(repo)
+                && at > built
+            {
+                panic!(
+                    "{} is older than {}: run e2e/image (make test does), or set NODEGUARD_STALE_IMAGE_OK=1",
+                    p.display(),
+                    src.display()
+                );
+            }
+            p
+        })
         .unwrap_or_else(|| {
             panic!(
                 "no static nodeguard binary: run e2e/image (make test does) to build {}",

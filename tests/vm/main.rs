@@ -397,7 +397,7 @@ fn agent_binary(repo: &Path) -> PathBuf {
         .map(|c| repo.join(c))
         .filter(|p| p.is_file())
         .max_by_key(|p| p.metadata().unwrap().modified().unwrap())
-        .map(|p| {
+        .inspect(|p| {
             let built = p.metadata().unwrap().modified().unwrap();
             if std::env::var_os("NODEGUARD_STALE_IMAGE_OK").is_none()
                 && let Some((src, at)) = kubenode::newest_source(repo)
@@ -409,7 +409,6 @@ fn agent_binary(repo: &Path) -> PathBuf {
                     src.display()
                 );
             }
-            p
         })
         .unwrap_or_else(|| {
             panic!(

@@ -369,7 +369,10 @@ pub async fn run_condition_writer<P: StatusPort>(
     loop {
         let heartbeat_at = last_write.map(|t| t + config.heartbeat);
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => {
+                final_write(&reporter, &port, &observed, &applied, config.heartbeat).await;
+                return;
+            }
             _ = shared.changed.notified() => {}
             r = observed.changed() => if r.is_err() { return },
             _ = async { sleep_until(heartbeat_at.unwrap()).await }, if heartbeat_at.is_some() => {}
@@ -431,7 +434,10 @@ pub async fn run_condition_writer<P: StatusPort>(
                     // Waiting on the API is not being stuck.
                     health.updated();
                     tokio::select! {
-                        _ = shutdown.cancelled() => return,
+                        _ = shutdown.cancelled() => {
+                            final_write(&reporter, &port, &observed, &applied, config.heartbeat).await;
+                            return;
+                        }
                         _ = sleep(backoff) => {}
                     }
                     health.queued();
@@ -511,6 +517,42 @@ pub async fn run_event_publisher<P: EventPort>(
             metrics.dropped(&ev.reason, "api_error");
         }
         health.updated();
+    }
+}
+
+/// On stop: one last write, within [`DRAIN_DEADLINE`], when a condition
+/// changed since the last write (a shutdown's or a cancel's outcome, just
+/// before a deferred stop goes on). Never a heartbeat-only write.
+async fn final_write<P: StatusPort>(
+    reporter: &Reporter,
+    port: &P,
+    observed: &watch::Receiver<Option<Observation>>,
+    applied: &Option<Observation>,
+    heartbeat: Duration,
+) {
+    if !reporter.is_initialized() {
+        return;
+    }
+    let Some(obs) = newest(observed.borrow().clone(), applied.clone()) else {
+        return;
+    };
+    let desired = reporter.desired();
+    let now = reporter.shared.clock.now();
+    let Some(plan) = conditions::plan(&desired, &obs.state, now, heartbeat) else {
+        return;
+    };
+    if plan.why.changed.is_empty() && plan.why.removed.is_empty() {
+        return;
+    }
+    match tokio::time::timeout(DRAIN_DEADLINE, port.apply(&plan.conditions)).await {
+        Ok(Ok(_)) => {
+            reporter.shared.metrics.condition_writes.inc();
+            tracing::debug!(changed = ?plan.why.changed, "node conditions written on stop");
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot write node conditions on stop"),
+        Err(_) => tracing::warn!(
+            "node conditions not written on stop: the API server did not answer in time"
+        ),
     }
 }
 

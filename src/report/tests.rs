@@ -437,3 +437,33 @@ async fn events_queued_at_stop_are_published() {
         .collect();
     assert_eq!(notes, ["group 0", "released"]);
 }
+
+/// A change made just before the agent stops (a shutdown's outcome when a
+/// deferred stop goes on) is still written, without waiting for the
+/// coalescing delay; an unchanged set is not written on stop.
+#[tokio::test(start_paused = true)]
+async fn a_change_right_before_stop_is_written() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    h.reporter.set("A", desired(Status::False, "Fine"));
+    settle().await;
+    let before = h.port.with(|n| n.applies);
+    h.reporter.set("A", desired(Status::True, "Cancelled"));
+    h.shutdown.cancel();
+    settle().await;
+    assert_eq!(h.port.get("A").unwrap().status, "True");
+    assert_eq!(h.port.with(|n| n.applies), before + 1);
+
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    h.reporter.set("A", desired(Status::False, "Fine"));
+    settle().await;
+    let before = h.port.with(|n| n.applies);
+    h.shutdown.cancel();
+    settle().await;
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        before,
+        "nothing changed: no write"
+    );
+}

@@ -150,6 +150,14 @@ impl ReportMetrics {
         );
     }
 
+    fn published(&self, reason: &str) {
+        self.events
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
     fn dropped(&self, reason: &str, cause: &str) {
         self.events_dropped
             .get_or_create(&DroppedLabels {
@@ -464,7 +472,7 @@ pub async fn run_event_publisher<P: EventPort>(
     loop {
         let ev = tokio::select! {
             _ = shutdown.cancelled() => {
-                drain_events(&mut queue, &port, metrics).await;
+                drain_events(None, &mut queue, &port, metrics).await;
                 return;
             }
             ev = queue.recv() => match ev { Some(ev) => ev, None => return },
@@ -491,13 +499,8 @@ pub async fn run_event_publisher<P: EventPort>(
                     tracing::warn!(reason = %ev.reason, attempt, error = %err, "cannot publish event");
                     tokio::select! {
                         _ = shutdown.cancelled() => {
-                            // One last try for this one, then the rest.
-                            if tokio::time::timeout(DRAIN_DEADLINE, port.publish(&ev)).await.is_ok_and(|r| r.is_ok()) {
-                                metrics.events.get_or_create(&ReasonLabels { reason: ev.reason.clone() }).inc();
-                            } else {
-                                metrics.dropped(&ev.reason, "stopping");
-                            }
-                            drain_events(&mut queue, &port, metrics).await;
+                            // This one first, then the rest.
+                            drain_events(Some(ev), &mut queue, &port, metrics).await;
                             return;
                         }
                         _ = sleep(backoff) => {}
@@ -507,12 +510,7 @@ pub async fn run_event_publisher<P: EventPort>(
             }
         }
         if published {
-            metrics
-                .events
-                .get_or_create(&ReasonLabels {
-                    reason: ev.reason.clone(),
-                })
-                .inc();
+            metrics.published(&ev.reason);
         } else {
             metrics.dropped(&ev.reason, "api_error");
         }
@@ -560,15 +558,17 @@ async fn final_write<P: StatusPort>(
 /// (those of a shutdown it has just finished, a final reason to stop).
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(3);
 
-/// On stop: each queued Event is published, retried every 100 ms, all
-/// within [`DRAIN_DEADLINE`]; what is left then is counted as dropped.
+/// On stop: `first` (an Event being retried), then each queued Event is
+/// published, retried every 100 ms, all within [`DRAIN_DEADLINE`]; what is
+/// left then is counted as dropped.
 async fn drain_events<P: EventPort>(
+    mut first: Option<EventRequest>,
     queue: &mut mpsc::Receiver<EventRequest>,
     port: &P,
     metrics: &ReportMetrics,
 ) {
     let deadline = Instant::now() + DRAIN_DEADLINE;
-    while let Ok(ev) = queue.try_recv() {
+    while let Some(ev) = first.take().or_else(|| queue.try_recv().ok()) {
         let published = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -580,12 +580,7 @@ async fn drain_events<P: EventPort>(
             sleep(Duration::from_millis(100).min(left)).await;
         };
         if published {
-            metrics
-                .events
-                .get_or_create(&ReasonLabels {
-                    reason: ev.reason.clone(),
-                })
-                .inc();
+            metrics.published(&ev.reason);
         } else {
             metrics.dropped(&ev.reason, "stopping");
         }

@@ -264,14 +264,14 @@ fn kube_disk(
     disk
 }
 
-fn node_ready(n: &Node) -> bool {
+pub fn node_ready(n: &Node) -> bool {
     n.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-fn pod_ready(p: &Pod) -> bool {
+pub fn pod_ready(p: &Pod) -> bool {
     p.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())

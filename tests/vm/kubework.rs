@@ -14,6 +14,7 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 
+use crate::kubenode::{node_ready, pod_ready};
 use crate::qemu::Vm;
 use crate::support::pods::ensure_priority_class;
 use crate::support::*;
@@ -94,14 +95,6 @@ fn has_condition(
     conditions.is_some_and(|cs| cs.iter().any(|c| c.type_ == type_ && c.status == status))
 }
 
-fn pod_ready(p: &Pod) -> bool {
-    has_condition(
-        p.status.as_ref().and_then(|s| s.conditions.as_ref()),
-        "Ready",
-        "True",
-    )
-}
-
 async fn wait_pod(
     pods: &Api<Pod>,
     name: &str,
@@ -131,12 +124,7 @@ async fn agent_pod(admin: &Client, agent_ns: &str) -> Pod {
 async fn kubelet_back(admin: &Client, node: &str) {
     let nodes: Api<Node> = Api::all(admin.clone());
     eventually(Duration::from_secs(120), "the Node Ready again", || async {
-        nodes.get(node).await.is_ok_and(|n| {
-            n.status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-        })
+        nodes.get(node).await.is_ok_and(|n| node_ready(&n))
     })
     .await;
     wait_condition(

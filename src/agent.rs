@@ -28,7 +28,7 @@ use crate::monitor::{MonitorContext, MonitorMetrics, run_monitors};
 use crate::policy::monitors::MonitorSpec;
 use crate::policy::probes::ProbeSpec;
 use crate::policy::{
-    NodeGuardPolicy, Selection, WatchdogMode, WatchdogSpec, select_with_last_good,
+    NodeGuardPolicy, NodeTrust, Selection, WatchdogMode, WatchdogSpec, select_with_last_good,
 };
 use crate::probe::{KubePodConditions, ProbeHandle, ProbeMetrics, run_probe_manager};
 use crate::report::{
@@ -70,6 +70,9 @@ pub struct AgentConfig {
     /// Namespace of the Lease that elects the one agent writing the
     /// policies' status (the DaemonSet's namespace).
     pub lease_namespace: String,
+    /// What this node's owner lets policies make the agent do (commands,
+    /// repairs, paths, devices, inhibit delay); see `policy::trust`.
+    pub trust: NodeTrust,
 }
 
 impl AgentConfig {
@@ -89,6 +92,7 @@ impl AgentConfig {
             system_bus_address: None,
             boot_id: shutdown::state::current_boot_id(),
             lease_namespace: "default".into(),
+            trust: NodeTrust::default(),
         }
     }
 }
@@ -97,6 +101,8 @@ impl AgentConfig {
 pub enum AgentError {
     #[error(transparent)]
     Server(#[from] ServerError),
+    #[error("the node-local trust settings are not usable: {}", .0.join("; "))]
+    Trust(Vec<String>),
     #[error(
         "state directory {path} is not usable: {source} (set --state-dir to a writable directory)"
     )]
@@ -189,6 +195,11 @@ fn ensure_state_dir(path: &std::path::Path) -> Result<(), AgentError> {
 /// Starts the agent's loops and HTTP server, returning once it is listening.
 pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, AgentError> {
     ensure_state_dir(&config.state_dir)?;
+    let trust_problems = config.trust.problems();
+    if !trust_problems.is_empty() {
+        return Err(AgentError::Trust(trust_problems));
+    }
+    tracing::info!(trust = %config.trust.describe(), "node-local trust: what policies may make this agent do");
     // Every request of every loop gets a deadline: a connection that stops
     // answering must not hold a loop forever (see k8s::deadline).
     let client = crate::k8s::deadline::with_deadline(client, crate::k8s::deadline::API_DEADLINE);
@@ -287,6 +298,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             watchdog: keep.hold(watchdog_tx),
             shutdown_config: keep.hold(shutdown_tx),
             node_name: config.node_name.clone(),
+            trust: config.trust.clone(),
             node: node_rx.clone(),
             policies: policy_rx.clone(),
             observation: keep.hold(obs_tx),
@@ -499,6 +511,7 @@ struct NodeStateLoop {
     watchdog: watch::Sender<Option<WatchdogSpec>>,
     shutdown_config: watch::Sender<Option<ShutdownConfig>>,
     node_name: String,
+    trust: NodeTrust,
     node: watch::Receiver<Option<Snapshot<Node>>>,
     policies: watch::Receiver<Option<Snapshot<NodeGuardPolicy>>>,
     observation: watch::Sender<Option<Observation>>,
@@ -527,6 +540,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
             let selection = select_with_last_good(
                 policies.values().map(|p| p.as_ref()),
                 &labels,
+                &s.trust,
                 &mut last_good,
             );
             if last_selection.as_ref() != Some(&selection) {
@@ -674,6 +688,9 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
         tracing::warn!(%node, %section, %used, ?ignored, "conflicting policies");
         reporter.event(EventKind::Warning, "PolicyConflict", "LoadPolicy", message);
     }
+    // Sentences of the condition's message, worst first.
+    let mut problems_here: Vec<String> = Vec::new();
+    let mut reason = None;
     if let Some((name, problems)) = selection.invalid.first() {
         let first = problems
             .first()
@@ -707,12 +724,37 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
             "LoadPolicy",
             message.clone(),
         );
+        problems_here.push(message);
+        reason = Some("PolicyInvalid");
+    }
+    for r in &selection.refused {
+        tracing::warn!(%node, policy = %r.policy, field = %r.field, setting = r.setting.flag(), "policy item refused by the node-local trust");
+        reporter.event(
+            EventKind::Warning,
+            "PolicyRefused",
+            "LoadPolicy",
+            format!("{r}. The rest of the policy applies."),
+        );
+    }
+    if let Some(first) = selection.refused.first() {
+        let more = match selection.refused.len() {
+            1 => String::new(),
+            n => format!(
+                " {} more item{} refused (PolicyRefused Events).",
+                n - 1,
+                if n == 2 { " is" } else { "s are" }
+            ),
+        };
+        problems_here.push(format!("{first}; the rest of the policy applies.{more}"));
+        reason.get_or_insert("PolicyRefused");
+    }
+    if let Some(reason) = reason {
         reporter.set(
             POLICY_CONDITION,
             Desired {
                 status: Status::True,
-                reason: "PolicyInvalid".into(),
-                message,
+                reason: reason.into(),
+                message: problems_here.join(" "),
             },
         );
     } else {

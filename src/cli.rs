@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::policy::NodeTrust;
+
 /// nodeguard keeps a Kubernetes node honest with its cluster: probes,
 /// graceful shutdown through systemd-logind, the host watchdog, problem
 /// detection, and NodeConditions and Events you read in `kubectl describe node`.
@@ -79,7 +81,72 @@ pub struct RunArgs {
     pub condition_heartbeat_seconds: u64,
 
     #[command(flatten)]
+    pub trust: TrustArgs,
+
+    #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// Node-local trust: what policies (written through the API) may make this
+/// agent do on this node. Lists take repeated flags or comma-separated
+/// environment values; an empty value (`--allow-read-path=`) allows none.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Node-local trust (what policies may make this agent do)")]
+pub struct TrustArgs {
+    /// Executables exec probes and plugin monitors may run: an absolute path,
+    /// or a directory ending in '/' (everything under it). List scripts,
+    /// not interpreters: allowing /bin/sh allows anything.
+    #[arg(long = "allow-command", env = "NODEGUARD_ALLOW_COMMANDS", value_delimiter = ',',
+          default_values_t = NodeTrust::default().commands)]
+    pub commands: Vec<String>,
+
+    /// systemd units monitors may repair (KillUnit on the main process).
+    #[arg(long = "allow-repair-unit", env = "NODEGUARD_ALLOW_REPAIR_UNITS", value_delimiter = ',',
+          default_values_t = NodeTrust::default().repair_units)]
+    pub repair_units: Vec<String>,
+
+    /// Path roots monitors may read (kernel log, files, journal
+    /// directories). Their lines can reach Events and conditions.
+    #[arg(long = "allow-read-path", env = "NODEGUARD_ALLOW_READ_PATHS", value_delimiter = ',',
+          default_values_t = NodeTrust::default().read_paths)]
+    pub read_paths: Vec<String>,
+
+    /// Watchdog devices a policy may pet.
+    #[arg(long = "allow-watchdog-device", env = "NODEGUARD_ALLOW_WATCHDOG_DEVICES", value_delimiter = ',',
+          default_values_t = NodeTrust::default().watchdog_devices)]
+    pub watchdog_devices: Vec<String>,
+
+    /// Directories nodeguard may write its logind drop-in
+    /// (InhibitDelayMaxSec) into.
+    #[arg(long = "allow-logind-drop-in-dir", env = "NODEGUARD_ALLOW_LOGIND_DROP_IN_DIRS", value_delimiter = ',',
+          default_values_t = NodeTrust::default().logind_drop_in_dirs)]
+    pub logind_drop_in_dirs: Vec<String>,
+
+    /// The longest inhibit delay (priority groups' windows plus the safety
+    /// margin) a shutdown section may ask logind for.
+    #[arg(long, env = "NODEGUARD_MAX_INHIBIT_DELAY_SECONDS",
+          default_value_t = NodeTrust::default().max_inhibit_delay_seconds,
+          value_parser = clap::value_parser!(u32).range(1..=86400))]
+    pub max_inhibit_delay_seconds: u32,
+}
+
+impl TrustArgs {
+    pub fn trust(&self) -> NodeTrust {
+        let list = |v: &[String]| -> Vec<String> {
+            v.iter()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        };
+        NodeTrust {
+            commands: list(&self.commands),
+            repair_units: list(&self.repair_units),
+            read_paths: list(&self.read_paths),
+            watchdog_devices: list(&self.watchdog_devices),
+            logind_drop_in_dirs: list(&self.logind_drop_in_dirs),
+            max_inhibit_delay_seconds: self.max_inhibit_delay_seconds,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -116,6 +183,37 @@ mod tests {
         assert_eq!(args.listen, "0.0.0.0:9909".parse().unwrap());
         assert_eq!(args.state_dir, PathBuf::from("/var/lib/nodeguard"));
         assert_eq!(args.log.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn trust_defaults_are_the_codes_and_flags_replace_them() {
+        let run = |args: &[&str]| {
+            let mut all = vec!["nodeguard", "run", "--node-name", "n1"];
+            all.extend(args);
+            let Command::Run(a) = Cli::try_parse_from(all).unwrap().command else {
+                panic!()
+            };
+            a.trust.trust()
+        };
+        assert_eq!(run(&[]), NodeTrust::default());
+        let t = run(&[
+            "--allow-command",
+            "/opt/plugins/,/usr/bin/check",
+            "--allow-command=/usr/bin/other",
+            "--allow-read-path=",
+            "--allow-repair-unit",
+            "containerd.service",
+            "--max-inhibit-delay-seconds",
+            "120",
+        ]);
+        assert_eq!(
+            t.commands,
+            ["/opt/plugins/", "/usr/bin/check", "/usr/bin/other"]
+        );
+        assert!(t.read_paths.is_empty(), "an empty value allows none");
+        assert_eq!(t.repair_units, ["containerd.service"]);
+        assert_eq!(t.max_inhibit_delay_seconds, 120);
+        assert_eq!(t.watchdog_devices, NodeTrust::default().watchdog_devices);
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod npd;
 pub mod probes;
 mod select;
 pub mod selector;
+pub mod trust;
 mod validate;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
@@ -23,6 +24,7 @@ use serde::{Deserialize, Serialize};
 pub use load::{PolicyDocument, load_policies};
 pub use select::{Selection, select, select_with_last_good};
 pub use selector::Selector;
+pub use trust::{NodeTrust, Refusal};
 pub use validate::{Problem, validate};
 pub use validate::{validate_shutdown, validate_watchdog};
 
@@ -197,6 +199,23 @@ fn default_safety_margin() -> u32 {
 }
 fn default_drop_in_dir() -> String {
     "/etc/systemd/logind.conf.d".into()
+}
+
+impl ShutdownSpec {
+    /// The inhibit delay this section asks logind for: its priority groups'
+    /// windows (or `gracePeriodSeconds`, which includes the critical pods'
+    /// share) plus the safety margin.
+    pub fn inhibit_delay_seconds(&self) -> u32 {
+        let windows: u32 = if self.grace_period_by_priority.is_empty() {
+            self.grace_period_seconds.unwrap_or(0)
+        } else {
+            self.grace_period_by_priority
+                .iter()
+                .map(|g| g.grace_period_seconds)
+                .sum()
+        };
+        windows.saturating_add(self.safety_margin_seconds)
+    }
 }
 
 impl Default for ShutdownSpec {

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use super::trust::{NodeTrust, Refusal};
 use super::{NodeGuardPolicy, Problem, Selector, validate};
 
 /// The outcome of selecting policies for one node's labels.
@@ -33,6 +34,10 @@ pub struct Selection {
     /// Sections set differently by several applied policies: (section,
     /// policy whose value is used, policies ignored for it).
     pub conflicts: Vec<(String, String, Vec<String>)>,
+    /// Items of applied policies that this node's trust does not allow
+    /// (commands, repairs, paths, devices, inhibit delay); each is left out
+    /// and the rest of its policy applies.
+    pub refused: Vec<Refusal>,
 }
 
 /// A section that cannot be merged: the first policy (by name) that sets
@@ -147,6 +152,7 @@ fn drop_condition_conflicts(out: &mut Selection) {
 pub fn select_with_last_good<'a>(
     policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
     labels: &BTreeMap<String, String>,
+    trust: &NodeTrust,
     last_good: &mut BTreeMap<String, NodeGuardPolicy>,
 ) -> Selection {
     let policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
@@ -170,7 +176,7 @@ pub fn select_with_last_good<'a>(
             effective.push(p.clone());
         }
     }
-    let mut out = select(effective.iter(), labels);
+    let mut out = select(effective.iter(), labels, trust);
     for (name, problems, generation) in replaced {
         out.invalid.push((name.clone(), problems));
         out.kept.insert(name, generation);
@@ -182,6 +188,7 @@ pub fn select_with_last_good<'a>(
 pub fn select<'a>(
     policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
     labels: &BTreeMap<String, String>,
+    trust: &NodeTrust,
 ) -> Selection {
     let mut out = Selection::default();
     let mut watchdog = FirstWins::default();
@@ -205,7 +212,58 @@ pub fn select<'a>(
                     out.ineligible_taints
                         .extend(h.ineligible_taints.iter().cloned());
                 }
-                for probe in &p.spec.probes {
+                let mut refuse = |found: Option<(String, String, super::trust::Setting)>,
+                                  dropped: String| {
+                    let Some((field, asks, setting)) = found else {
+                        return false;
+                    };
+                    out.refused.push(Refusal {
+                        policy: name.clone(),
+                        field,
+                        asks,
+                        setting,
+                        dropped,
+                    });
+                    true
+                };
+                let probes: Vec<_> = p
+                    .spec
+                    .probes
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, probe)| {
+                        let at = format!("spec.probes[{i}]");
+                        !refuse(
+                            trust.check_probe(probe, &at),
+                            format!("probe {}", probe.name),
+                        )
+                    })
+                    .map(|(_, probe)| probe)
+                    .collect();
+                let monitors: Vec<_> = p
+                    .spec
+                    .monitors
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, m)| {
+                        let at = format!("spec.monitors[{i}]");
+                        !refuse(trust.check_monitor(m, &at), format!("monitor {}", m.name))
+                    })
+                    .map(|(_, m)| m)
+                    .collect();
+                let watchdog_section = p.spec.watchdog.as_ref().filter(|w| {
+                    !refuse(
+                        trust.check_watchdog(w, "spec.watchdog"),
+                        "watchdog section".into(),
+                    )
+                });
+                let shutdown_section = p.spec.shutdown.as_ref().filter(|sd| {
+                    !refuse(
+                        trust.check_shutdown(sd, "spec.shutdown"),
+                        "shutdown section".into(),
+                    )
+                });
+                for probe in probes {
                     match probe_from.get(&probe.name) {
                         None => {
                             probe_from.insert(probe.name.clone(), name.clone());
@@ -218,7 +276,7 @@ pub fn select<'a>(
                         )),
                     }
                 }
-                for monitor in &p.spec.monitors {
+                for monitor in monitors {
                     match monitor_from.get(&monitor.name) {
                         None => {
                             monitor_from.insert(monitor.name.clone(), name.clone());
@@ -231,8 +289,8 @@ pub fn select<'a>(
                         )),
                     }
                 }
-                watchdog.offer(&name, p.spec.watchdog.as_ref());
-                shutdown.offer(&name, p.spec.shutdown.as_ref());
+                watchdog.offer(&name, watchdog_section);
+                shutdown.offer(&name, shutdown_section);
                 out.generations
                     .insert(name.clone(), p.metadata.generation.unwrap_or_default());
                 out.applied.push(name);
@@ -276,6 +334,15 @@ mod tests {
         )
     }
 
+    /// A node that lets monitors read any path (these tests are about
+    /// merging, not trust).
+    fn reads_anything() -> NodeTrust {
+        NodeTrust {
+            read_paths: vec!["/".into()],
+            ..NodeTrust::default()
+        }
+    }
+
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
             .iter()
@@ -290,7 +357,7 @@ mod tests {
             policy("gpu", &[("pool", "gpu")], &["a.io/drain", "b.io/drain"]),
             policy("cpu", &[("pool", "cpu")], &["c.io/drain"]),
         ];
-        let s = select(&ps, &labels(&[("pool", "gpu")]));
+        let s = select(&ps, &labels(&[("pool", "gpu")]), &NodeTrust::default());
         assert_eq!(s.applied, ["all", "gpu"]);
         assert_eq!(s.ineligible_taints, ["a.io/drain", "b.io/drain"]);
         assert!(s.invalid.is_empty());
@@ -314,6 +381,7 @@ mod tests {
         let s = select(
             &[bad_selector, bad_elsewhere, bad_here],
             &labels(&[("pool", "gpu")]),
+            &NodeTrust::default(),
         );
         assert!(s.applied.is_empty());
         let names: Vec<&str> = s.invalid.iter().map(|(n, _)| n.as_str()).collect();
@@ -342,6 +410,7 @@ mod tests {
                 with("c", WatchdogMode::Systemd),
             ],
             &labels(&[]),
+            &NodeTrust::default(),
         );
         assert_eq!(s.watchdog.unwrap().mode, WatchdogMode::Systemd);
         assert_eq!(
@@ -359,22 +428,22 @@ mod tests {
         let mut last_good = BTreeMap::new();
         let mut good = policy("p", &[], &["a.io/t"]);
         good.metadata.generation = Some(1);
-        let s = select_with_last_good([&good], &labels(&[]), &mut last_good);
+        let s = select_with_last_good([&good], &labels(&[]), &NodeTrust::default(), &mut last_good);
         assert_eq!(s.applied, ["p"]);
         let mut bad = policy("p", &[], &["Not A Key"]);
         bad.metadata.generation = Some(2);
-        let s = select_with_last_good([&bad], &labels(&[]), &mut last_good);
+        let s = select_with_last_good([&bad], &labels(&[]), &NodeTrust::default(), &mut last_good);
         assert_eq!(s.applied, ["p"], "generation 1 stays in force");
         assert_eq!(s.ineligible_taints, ["a.io/t"]);
         assert_eq!(s.invalid.len(), 1);
         assert_eq!(s.kept.get("p"), Some(&1));
         // Never valid: not applied at all.
         let mut fresh = BTreeMap::new();
-        let s = select_with_last_good([&bad], &labels(&[]), &mut fresh);
+        let s = select_with_last_good([&bad], &labels(&[]), &NodeTrust::default(), &mut fresh);
         assert!(s.applied.is_empty() && s.kept.is_empty() && s.invalid.len() == 1);
         // Deleted: forgotten.
         let none: [&NodeGuardPolicy; 0] = [];
-        select_with_last_good(none, &labels(&[]), &mut last_good);
+        select_with_last_good(none, &labels(&[]), &NodeTrust::default(), &mut last_good);
         assert!(last_good.is_empty());
     }
 
@@ -397,7 +466,7 @@ mod tests {
             )
             .unwrap(),
         ];
-        let s = select(&[b, a], &labels(&[]));
+        let s = select(&[b, a], &labels(&[]), &NodeTrust::default());
         let names: Vec<&str> = s.probes.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names, ["kubelet", "proxy"]);
         assert_eq!(
@@ -424,7 +493,7 @@ mod tests {
             "rules": []}))
             .unwrap(),
         ];
-        let s = select(&[a, b], &labels(&[]));
+        let s = select(&[a, b], &labels(&[]), &reads_anything());
         assert_eq!(s.probes.len(), 1);
         assert!(s.monitors.is_empty(), "the later source is dropped");
         assert_eq!(
@@ -452,7 +521,7 @@ mod tests {
         a.spec.monitors = vec![mon("ma", "ABroken")];
         let mut b = policy("b", &[], &[]);
         b.spec.monitors = vec![mon("mb", "BBroken")];
-        let s = select(&[a, b], &labels(&[]));
+        let s = select(&[a, b], &labels(&[]), &reads_anything());
         assert_eq!(s.monitors.len(), 1, "the later monitor is dropped");
         assert_eq!(s.monitors[0].name, "ma");
         assert_eq!(
@@ -463,5 +532,86 @@ mod tests {
                 vec!["monitor mb".to_string()]
             )]
         );
+    }
+
+    #[test]
+    fn an_item_the_node_does_not_trust_is_left_out_and_the_rest_applies() {
+        let mut a = policy("a", &[], &["a.io/t"]);
+        a.spec.probes = vec![
+            serde_json::from_value(serde_json::json!(
+                {"name": "shell", "exec": {"command": ["/bin/sh", "-c", "id"]}, "conditionType": "Shell"}))
+            .unwrap(),
+            serde_json::from_value(serde_json::json!(
+                {"name": "kubelet", "tcp": {"port": 1}, "conditionType": "Kubelet"}))
+            .unwrap(),
+        ];
+        a.spec.monitors = vec![
+            serde_json::from_value(serde_json::json!({
+                "name": "shadow", "source": {"file": {"path": "/etc/shadow"}},
+                "conditions": [{"type": "Shadow", "reason": "Fine", "message": "fine"}], "rules": []}))
+            .unwrap(),
+        ];
+        a.spec.shutdown = Some(crate::policy::ShutdownSpec {
+            grace_period_seconds: Some(600),
+            ..Default::default()
+        });
+        let mut b = policy("b", &[], &[]);
+        b.spec.shutdown = Some(crate::policy::ShutdownSpec {
+            grace_period_seconds: Some(20),
+            ..Default::default()
+        });
+        let s = select(&[a.clone(), b], &labels(&[]), &NodeTrust::default());
+        assert_eq!(
+            s.applied,
+            ["a", "b"],
+            "refused items do not refuse the policy"
+        );
+        assert!(s.invalid.is_empty());
+        assert_eq!(s.ineligible_taints, ["a.io/t"]);
+        let probes: Vec<&str> = s.probes.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(probes, ["kubelet"]);
+        assert!(s.monitors.is_empty());
+        assert_eq!(
+            s.shutdown.as_ref().and_then(|sd| sd.grace_period_seconds),
+            Some(20),
+            "b's shutdown section is the first allowed one"
+        );
+        assert!(s.conflicts.is_empty(), "a refused section is no conflict");
+        let refused: Vec<(String, String, String)> = s
+            .refused
+            .iter()
+            .map(|r| (r.policy.clone(), r.field.clone(), r.dropped.clone()))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                (
+                    "a".into(),
+                    "spec.probes[0].exec.command[0]".into(),
+                    "probe shell".into()
+                ),
+                (
+                    "a".into(),
+                    "spec.monitors[0].source.file.path".into(),
+                    "monitor shadow".into()
+                ),
+                (
+                    "a".into(),
+                    "spec.shutdown".into(),
+                    "shutdown section".into()
+                ),
+            ]
+        );
+        // The node's owner allows them: all of it applies.
+        let wide = NodeTrust {
+            commands: vec!["/bin/sh".into()],
+            read_paths: vec!["/etc/shadow".into()],
+            max_inhibit_delay_seconds: 3600,
+            ..NodeTrust::default()
+        };
+        let s = select(&[a], &labels(&[]), &wide);
+        assert!(s.refused.is_empty(), "{:?}", s.refused);
+        assert_eq!((s.probes.len(), s.monitors.len()), (2, 1));
+        assert!(s.shutdown.is_some());
     }
 }

@@ -284,9 +284,12 @@ async fn http_get(
     if let Some(want) = body_contains
         && !body.contains(want)
     {
+        // The body itself is never reported: it lands in a NodeCondition
+        // or pod condition that anyone who reads nodes or pods can see, and
+        // a probe may point at a node-local secret (a metadata token).
         return Ok(Outcome::failure(format!(
-            "HTTP {code} but the body lacks {want:?}: {}",
-            truncate(&body)
+            "HTTP {code} but the body ({} bytes read) lacks {want:?}",
+            body.len()
         )));
     }
     Ok(Outcome::success(format!("HTTP {code}")))

@@ -912,6 +912,8 @@ fn config_from_spec_migrates_the_simple_form() {
         ]
     );
     assert_eq!(c.needed_delay(), Duration::from_secs(32));
+    // The node-local trust judges the same figure (policy::trust).
+    assert_eq!(spec.inhibit_delay_seconds(), 32);
     assert_eq!(
         c.drop_in_dir,
         Some(PathBuf::from("/etc/systemd/logind.conf.d"))
@@ -944,6 +946,7 @@ fn config_from_spec_sorts_the_priority_form() {
         vec![(0, 20), (100_000, 10)]
     );
     assert_eq!(c.needed_delay(), Duration::from_secs(35));
+    assert_eq!(spec.inhibit_delay_seconds(), 35);
     assert_eq!(c.drop_in_dir, None);
 }
 

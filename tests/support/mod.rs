@@ -318,6 +318,18 @@ impl Drop for TempDir {
     }
 }
 
+/// A node-local trust that allows every request of a policy.
+pub fn trust_everything() -> nodeguard::policy::NodeTrust {
+    nodeguard::policy::NodeTrust {
+        commands: vec!["/".into()],
+        repair_units: vec!["*".into()],
+        read_paths: vec!["/".into()],
+        watchdog_devices: vec!["/".into()],
+        logind_drop_in_dirs: vec!["/".into()],
+        max_inhibit_delay_seconds: 86_400,
+    }
+}
+
 /// Starts the real agent in-process for `node`, listening on a free port.
 pub async fn start_agent(client: Client, node: &str) -> (nodeguard::agent::RunningAgent, TempDir) {
     start_agent_with(client, node, |_| {}).await
@@ -335,6 +347,10 @@ pub async fn start_agent_with(
         "127.0.0.1:0".parse().unwrap(),
         state.path.clone(),
     );
+    // Tests of other capabilities run commands, read and write temporary
+    // paths and hold long inhibitors; tests/trust.rs starts the agent with
+    // the node-local trust it is about.
+    config.trust = trust_everything();
     adjust(&mut config);
     let agent = nodeguard::agent::start(config, client)
         .await

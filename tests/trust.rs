@@ -1,0 +1,307 @@
+//! Node-local trust against the real control plane: a policy written by a
+//! cluster admin still cannot make the agent run a command, repair a unit,
+//! read a path or hold a shutdown that the node's own settings do not allow.
+//! The refused item is left out with an Event and `NodeGuardPolicyInvalid`
+//! naming the policy, the field and the setting; the rest of the policy runs.
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use kube::Client;
+use nodeguard::policy::NodeTrust;
+use support::*;
+
+async fn condition(admin: &Client, node: &str, t: &str) -> Option<(String, String, String)> {
+    node_conditions(admin, node, t).await.first().map(|c| {
+        (
+            c.status.clone(),
+            c.reason.clone().unwrap_or_default(),
+            c.message.clone().unwrap_or_default(),
+        )
+    })
+}
+
+fn events_for(node: &str) -> String {
+    kubectl(&[
+        "events",
+        "-A",
+        "--for",
+        &format!("node/{node}"),
+        "-o",
+        "json",
+    ])
+}
+
+/// An executable script at `path` that records that it ran in `marker`.
+fn script(path: &std::path::Path, marker: &std::path::Path, exit: i32) {
+    std::fs::write(
+        path,
+        format!(
+            "#!/bin/sh\necho ran >> {}\necho 'checked by the allowed plugin'\nexit {exit}\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+#[tokio::test]
+async fn a_command_outside_the_nodes_allowlist_is_refused_and_an_allowed_one_runs() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-exec").await;
+    let dir = TempDir::new("trust-exec");
+    let plugins = dir.path.join("plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let allowed = plugins.join("check.sh");
+    let allowed_ran = dir.path.join("allowed-ran");
+    script(&allowed, &allowed_ran, 1);
+    let outside = dir.path.join("outside.sh");
+    let outside_ran = dir.path.join("outside-ran");
+    script(&outside, &outside_ran, 1);
+
+    let name = unique_name("trust-exec");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "probes": [
+                {"name": "outside", "exec": {"command": [outside.display().to_string()]},
+                 "conditionType": "OutsideBroken", "periodSeconds": 1, "failureThreshold": 1},
+                {"name": "allowed", "exec": {"command": [allowed.display().to_string()]},
+                 "conditionType": "AllowedBroken", "periodSeconds": 1, "failureThreshold": 1},
+            ],
+        }),
+    )
+    .await;
+    let trust = NodeTrust {
+        commands: vec![format!("{}/", plugins.display())],
+        ..NodeTrust::default()
+    };
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
+
+    eventually(
+        Duration::from_secs(20),
+        "the allowed command ran and set its condition",
+        || async {
+            condition(&admin, &node.name, "AllowedBroken")
+                .await
+                .is_some_and(|c| c.0 == "True" && c.2.contains("checked by the allowed plugin"))
+        },
+    )
+    .await;
+    let (status, reason, message) = condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+        .await
+        .expect("the policy condition");
+    eprintln!("NodeGuardPolicyInvalid: {status} {reason}: {message}");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "PolicyRefused")
+    );
+    for part in [
+        name.as_str(),
+        "spec.probes[0].exec.command[0]",
+        &format!("runs {}", outside.display()),
+        "probe outside",
+        "--allow-command",
+        "trust.commands",
+        "the rest of the policy applies",
+    ] {
+        assert!(message.contains(part), "{part:?} missing from: {message}");
+    }
+    assert!(
+        condition(&admin, &node.name, "OutsideBroken")
+            .await
+            .is_none(),
+        "a refused probe sets no condition"
+    );
+    assert!(!outside_ran.exists(), "the refused command must never run");
+    eventually(Duration::from_secs(15), "a PolicyRefused Event", || async {
+        let events = events_for(&node.name);
+        events.contains("PolicyRefused") && events.contains("spec.probes[0].exec.command[0]")
+    })
+    .await;
+
+    // The author removes the refused probe: the condition clears.
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "probes": [
+                {"name": "allowed", "exec": {"command": [allowed.display().to_string()]},
+                 "conditionType": "AllowedBroken", "periodSeconds": 1, "failureThreshold": 1},
+            ],
+        }),
+    )
+    .await;
+    eventually(Duration::from_secs(15), "PoliciesValid", || async {
+        condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+            .await
+            .is_some_and(|c| c.0 == "False" && c.1 == "PoliciesValid")
+    })
+    .await;
+    assert!(!outside_ran.exists());
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}
+
+#[tokio::test]
+async fn repairs_paths_and_inhibit_delays_beyond_the_node_settings_are_refused() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-paths").await;
+    let logs = TempDir::new("trust-logs");
+    let secrets = TempDir::new("trust-secrets");
+    let allowed_log = logs.path.join("app.log");
+    let secret_log = secrets.path.join("secret.log");
+    std::fs::write(&allowed_log, "").unwrap();
+    std::fs::write(&secret_log, "").unwrap();
+    let file_monitor = |name: &str, path: &std::path::Path, condition: &str| {
+        serde_json::json!({"name": name, "source": {"file": {"path": path.display().to_string()}},
+            "conditions": [{"type": condition, "reason": "Fine", "message": "fine"}],
+            "rules": [{"type": "permanent", "condition": condition, "reason": "Seen", "pattern": "boom"}]})
+    };
+    let name = unique_name("trust-paths");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [
+                file_monitor("secret", &secret_log, "SecretSeen"),
+                {"name": "sshd", "source": {"systemd": {"unit": "sshd.service", "repair": {}}},
+                 "conditions": [{"type": "SshdUnhealthy", "reason": "SshdIsHealthy", "message": "fine"}],
+                 "rules": [{"type": "permanent", "condition": "SshdUnhealthy", "reason": "SshdDown"}]},
+                file_monitor("app", &allowed_log, "AppSeen"),
+            ],
+            "shutdown": {"gracePeriodSeconds": 600, "logindDropInDir": ""},
+        }),
+    )
+    .await;
+    let trust = NodeTrust {
+        read_paths: vec![logs.path.display().to_string()],
+        ..NodeTrust::default()
+    };
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
+    eventually(
+        Duration::from_secs(20),
+        "the allowed monitor runs",
+        || async {
+            condition(&admin, &node.name, "AppSeen")
+                .await
+                .is_some_and(|c| c.0 == "False")
+        },
+    )
+    .await;
+    let append = |path: &std::path::Path| {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(path).unwrap();
+        writeln!(f, "boom").unwrap();
+    };
+    append(&secret_log);
+    append(&allowed_log);
+    eventually(
+        Duration::from_secs(15),
+        "the allowed file is read",
+        || async {
+            condition(&admin, &node.name, "AppSeen")
+                .await
+                .is_some_and(|c| c.0 == "True")
+        },
+    )
+    .await;
+    for t in ["SecretSeen", "SshdUnhealthy", "GracefulShutdown"] {
+        assert!(
+            condition(&admin, &node.name, t).await.is_none(),
+            "{t}: a refused item sets no condition"
+        );
+    }
+    let (status, reason, message) = condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+        .await
+        .unwrap();
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "PolicyRefused")
+    );
+    assert!(
+        message.contains("spec.monitors[0].source.file.path")
+            && message.contains("--allow-read-path")
+            && message.contains("2 more items are refused"),
+        "{message}"
+    );
+    let wanted = [
+        ("spec.monitors[0].source.file.path", "trust.readPaths"),
+        (
+            "spec.monitors[1].source.systemd.repair",
+            "trust.repairUnits",
+        ),
+        ("spec.shutdown", "trust.maxInhibitDelaySeconds"),
+    ];
+    eventually(Duration::from_secs(15), "one Event per refusal", || async {
+        let events = events_for(&node.name);
+        wanted
+            .iter()
+            .all(|(field, value)| events.contains(field) && events.contains(value))
+    })
+    .await;
+    eprintln!("{}", events_for(&node.name));
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}
+
+/// An HTTP probe's failure message must not carry the response body: a
+/// policy author who may write only probes could otherwise point one at a
+/// node-local secret (a cloud metadata token) and read it from the Node.
+#[tokio::test]
+async fn a_failing_http_probe_does_not_copy_the_response_body_to_the_node() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-body").await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf).await;
+            let body = "token=SECRET-TOKEN-VALUE";
+            let _ = s
+                .write_all(
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .as_bytes(),
+                )
+                .await;
+        }
+    });
+    let name = unique_name("trust-body");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "probes": [{"name": "meta", "http": {"url": format!("http://{addr}/token"), "bodyContains": "never-there"},
+                        "conditionType": "MetaBroken", "periodSeconds": 1, "failureThreshold": 1}],
+        }),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    eventually(Duration::from_secs(20), "the probe fails", || async {
+        condition(&admin, &node.name, "MetaBroken")
+            .await
+            .is_some_and(|c| c.0 == "True")
+    })
+    .await;
+    let (_, _, message) = condition(&admin, &node.name, "MetaBroken").await.unwrap();
+    eprintln!("MetaBroken: {message}");
+    assert!(message.contains("never-there"), "{message}");
+    assert!(!message.contains("SECRET"), "the body leaked: {message}");
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}

@@ -17,6 +17,11 @@ use nodeguard::report::{StatusPort, Written};
 use nodeguard::shutdown::cluster::{ClusterPort, KubeCluster};
 use support::*;
 
+/// Installs of the chart in this file, one at a time: each install's
+/// ValidatingAdmissionPolicies are cluster-wide, so one release's
+/// `policyAuthority.groups` would be judged by another's policy too.
+static INSTALL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn helm_path() -> PathBuf {
     if let Ok(h) = std::env::var("NODEGUARD_HELM") {
         return PathBuf::from(h);
@@ -318,6 +323,7 @@ fn is_forbidden<T: std::fmt::Debug, E: std::fmt::Display>(r: &Result<T, E>) -> b
 
 #[tokio::test]
 async fn install_and_a_node_bound_token_only_touches_its_own_node() {
+    let _one_install = INSTALL.lock().await;
     let admin = admin_client().await;
     let ns = unique_name("ng-install");
     let release = unique_name("ng");
@@ -455,6 +461,382 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
         "no access to secrets"
     );
 
+    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
+    assert!(ok, "{err}");
+    let _ = Api::<Namespace>::all(admin)
+        .delete(&ns, &DeleteParams::default())
+        .await;
+}
+
+/// `kubectl auth can-i` as `user` (in `groups`): "yes" or "no".
+fn can_i(user: &str, groups: &[&str], verb: &str, resource: &str) -> String {
+    let mut cmd = Command::new("kubectl");
+    cmd.arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(["auth", "can-i", verb, resource, "--as", user]);
+    for g in groups {
+        cmd.args(["--as-group", g]);
+    }
+    let out = cmd.output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// The agent's container args in a rendered chart.
+fn daemonset_args(rendered: &str) -> Vec<String> {
+    let ds = rendered
+        .split("\n---\n")
+        .find(|doc| doc.contains("\nkind: DaemonSet\n"))
+        .expect("a DaemonSet in the rendered chart");
+    let ds: serde_json::Value = serde_saphyr::from_str(ds).unwrap();
+    ds["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The node-local trust the agent gets from the chart's args, parsed by the
+/// agent's own command line.
+fn rendered_trust(set: &[&str]) -> nodeguard::policy::NodeTrust {
+    let chart_path = chart();
+    let mut args = vec!["template", "x", chart_path.as_str()];
+    for s in set {
+        args.extend(["--set", s]);
+    }
+    let (ok, out, err) = helm(&args);
+    assert!(ok, "{err}");
+    let mut argv = vec!["nodeguard".to_string()];
+    argv.extend(daemonset_args(&out));
+    argv.extend(["--node-name".into(), "n".into()]);
+    use clap::Parser;
+    let cli =
+        nodeguard::cli::Cli::try_parse_from(&argv).expect("the agent accepts the chart's args");
+    let nodeguard::cli::Command::Run(run) = cli.command else {
+        panic!("the chart runs `nodeguard run`")
+    };
+    run.trust.trust()
+}
+
+#[test]
+fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
+    use nodeguard::policy::NodeTrust;
+    assert_eq!(rendered_trust(&[]), NodeTrust::default());
+    let t = rendered_trust(&[
+        "host.plugins.enabled=true",
+        "host.journal.enabled=true",
+        "host.journal.path=/run/log/journal",
+        "host.watchdog.device=/dev/watchdog1",
+        "host.logindDropIn.path=/run/systemd/logind.conf.d",
+        "trust.commands={/opt/checks/disk}",
+        "trust.repairUnits={containerd.service,kube*}",
+        "trust.maxInhibitDelaySeconds=55",
+    ]);
+    assert_eq!(
+        t.commands,
+        ["/opt/checks/disk", "/usr/local/lib/nodeguard/plugins/"]
+    );
+    assert_eq!(t.repair_units, ["containerd.service", "kube*"]);
+    assert_eq!(
+        t.read_paths,
+        ["/dev/kmsg", "/var/log/journal", "/run/log/journal"]
+    );
+    assert_eq!(t.watchdog_devices, ["/dev/watchdog1"]);
+    assert_eq!(t.logind_drop_in_dirs, ["/run/systemd/logind.conf.d"]);
+    assert_eq!(t.max_inhibit_delay_seconds, 55);
+    // Nothing readable: an empty list renders as "allow none".
+    assert!(
+        rendered_trust(&["trust.readPaths=null"])
+            .read_paths
+            .is_empty()
+    );
+
+    // The pod's grace must cover a deferred stop during the longest
+    // shutdown the node allows.
+    let (ok, _, err) = helm(&[
+        "template",
+        "x",
+        &chart(),
+        "--set",
+        "trust.maxInhibitDelaySeconds=56",
+    ]);
+    assert!(
+        !ok && err.contains("terminationGracePeriodSeconds (60) must be at least trust.maxInhibitDelaySeconds + 5 (61)"),
+        "{err}"
+    );
+}
+
+/// No role of the chart is aggregated into the built-in admin, edit or view
+/// roles, and after an install a user bound to `admin` or `edit` across the
+/// cluster still may not write NodeGuardPolicies.
+#[tokio::test]
+async fn policy_write_access_is_never_aggregated_into_builtin_roles() {
+    let _one_install = INSTALL.lock().await;
+    let (ok, rendered, err) = helm(&["template", "x", &chart()]);
+    assert!(ok, "{err}");
+    let all = {
+        let dir = TempDir::new("values");
+        let f = dir.path.join("all.yaml");
+        std::fs::write(&f, ALL_FEATURES).unwrap();
+        let (ok, out, err) = helm(&["template", "x", &chart(), "-f", f.to_str().unwrap()]);
+        assert!(ok, "{err}");
+        out
+    };
+    for out in [rendered.as_str(), all.as_str()] {
+        assert!(
+            !out.contains("aggregate-to"),
+            "a chart role is aggregated into a built-in role"
+        );
+    }
+    let admin = admin_client().await;
+    let ns = unique_name("ng-aggr");
+    let release = unique_name("ng");
+    let (ok, out, err) = helm(&[
+        "install",
+        &release,
+        &chart(),
+        "-n",
+        &ns,
+        "--create-namespace",
+        "--wait=false",
+    ]);
+    assert!(ok, "helm install: {out}{err}");
+    namespace(&admin, &ns).await;
+    let user = unique_name("builtin");
+    for role in ["admin", "edit"] {
+        let binding = format!("{user}-{role}");
+        kubectl(&[
+            "create",
+            "clusterrolebinding",
+            &binding,
+            "--clusterrole",
+            role,
+            "--user",
+            &format!("{user}-{role}"),
+        ]);
+        for verb in ["create", "update", "patch"] {
+            assert_eq!(
+                can_i(
+                    &format!("{user}-{role}"),
+                    &[],
+                    verb,
+                    "nodeguardpolicies.nodeguard.io"
+                ),
+                "no",
+                "a user with the built-in {role} role may {verb} policies"
+            );
+        }
+        // The check can say yes: the same user may use the role's own grants.
+        assert_eq!(
+            can_i(&format!("{user}-{role}"), &[], "create", "configmaps"),
+            "yes"
+        );
+        kubectl(&["delete", "clusterrolebinding", &binding]);
+    }
+    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
+    assert!(ok, "{err}");
+    let _ = Api::<Namespace>::all(admin)
+        .delete(&ns, &DeleteParams::default())
+        .await;
+}
+
+/// Applies `policy` (YAML) as `user` in `groups`: Ok, or the server's refusal.
+fn apply_as(user: &str, groups: &[&str], policy: &str) -> Result<(), String> {
+    let mut args = vec!["apply", "-f", "-", "--as", user];
+    for g in groups {
+        args.extend(["--as-group", g]);
+    }
+    let (ok, out) = kubectl_stdin(&args, policy);
+    if ok { Ok(()) } else { Err(out) }
+}
+
+fn policy_yaml(name: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: nodeguard.io/v1alpha1\nkind: NodeGuardPolicy\nmetadata:\n  name: {name}\nspec:\n{spec}"
+    )
+}
+
+/// The chart's admission policy: a policy that uses host access (commands,
+/// unit repairs, host paths, the logind drop-in, a watchdog device) can be
+/// written only by an author with the `host-access` verb or in a group the
+/// operator names; other policies only need RBAC's write.
+#[tokio::test]
+async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
+    let _one_install = INSTALL.lock().await;
+    let admin = admin_client().await;
+    install_crd(&admin).await;
+    let ns = unique_name("ng-authority");
+    let release = unique_name("ng");
+    let trusted_group = unique_name("trusted-authors");
+    let (ok, out, err) = helm(&[
+        "install",
+        &release,
+        &chart(),
+        "-n",
+        &ns,
+        "--create-namespace",
+        "--wait=false",
+        "--set",
+        &format!("policyAuthority.groups={{{trusted_group}}}"),
+    ]);
+    assert!(ok, "helm install: {out}{err}");
+    namespace(&admin, &ns).await;
+    let fullname = format!("{release}-nodeguard");
+    let author = unique_name("author");
+    let host_admin = unique_name("host-admin");
+    kubectl(&[
+        "create",
+        "clusterrolebinding",
+        &author,
+        "--clusterrole",
+        &format!("{fullname}-policy-editor"),
+        "--user",
+        &author,
+    ]);
+    kubectl(&[
+        "create",
+        "clusterrolebinding",
+        &host_admin,
+        "--clusterrole",
+        &format!("{fullname}-policy-admin"),
+        "--user",
+        &host_admin,
+    ]);
+    assert_eq!(
+        can_i(
+            &host_admin,
+            &[],
+            "host-access",
+            "nodeguardpolicies.nodeguard.io"
+        ),
+        "yes"
+    );
+    assert_eq!(
+        can_i(
+            &author,
+            &[],
+            "host-access",
+            "nodeguardpolicies.nodeguard.io"
+        ),
+        "no"
+    );
+
+    let name = |what: &str| unique_name(&format!("auth-{what}"));
+    let exec = policy_yaml(
+        &name("exec"),
+        "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+    );
+    // The admission policy takes effect within moments of the install.
+    let mut denied = apply_as(&author, &[], &exec);
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while denied.is_ok() && std::time::Instant::now() < deadline {
+        kubectl(&[
+            "delete",
+            "nodeguardpolicy",
+            exec.lines().nth(3).unwrap().trim_start_matches("  name: "),
+        ]);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        denied = apply_as(&author, &[], &exec);
+    }
+    let message = denied.expect_err("an exec probe from a policy editor must be refused");
+    eprintln!("{message}");
+    for part in [
+        "uses host access (exec probes)",
+        &author,
+        "'host-access'",
+        &format!("{fullname}-policy-admin"),
+        "policyAuthority.groups",
+    ] {
+        assert!(message.contains(part), "{part:?} missing from: {message}");
+    }
+    let refused = [
+        (
+            "plugin monitors (commands)",
+            "  monitors:\n  - {name: m, source: {plugin: {}}, rules: [{type: temporary, reason: A, command: [/usr/local/bin/check]}]}\n",
+        ),
+        (
+            "monitors reading host paths",
+            "  monitors:\n  - {name: m, source: {file: {path: /etc/shadow}}, rules: [{type: temporary, reason: A, pattern: x}]}\n",
+        ),
+        (
+            "monitors reading host paths",
+            "  monitors:\n  - {name: m, source: {kmsg: {}}, rules: [{type: temporary, reason: A, pattern: x}]}\n",
+        ),
+        (
+            "unit repairs",
+            "  monitors:\n  - {name: m, source: {systemd: {unit: sshd.service, repair: {}}}, rules: [{type: permanent, condition: C, reason: Down}], conditions: [{type: C, reason: Up, message: up}]}\n",
+        ),
+        (
+            "the logind drop-in",
+            "  shutdown: {gracePeriodSeconds: 10}\n",
+        ),
+        ("a watchdog device", "  watchdog: {mode: Device}\n"),
+    ];
+    for (what, spec) in refused {
+        let err = apply_as(&author, &[], &policy_yaml(&name("refused"), spec))
+            .expect_err(&format!("{what} must be refused"));
+        assert!(err.contains(what), "{what}: {err}");
+    }
+    // Without host access a policy editor writes what RBAC lets them.
+    let allowed = [
+        "  probes:\n  - {name: x, http: {url: \"http://127.0.0.1:10248/healthz\"}, conditionType: X}\n",
+        "  monitors:\n  - {name: m, source: {systemd: {unit: kubelet.service}}, rules: [{type: permanent, condition: C, reason: Down}], conditions: [{type: C, reason: Up, message: up}]}\n",
+        "  shutdown: {gracePeriodSeconds: 10, logindDropInDir: \"\"}\n  watchdog: {mode: Systemd}\n",
+    ];
+    let mut created = Vec::new();
+    for spec in allowed {
+        let n = name("allowed");
+        apply_as(&author, &[], &policy_yaml(&n, spec)).unwrap_or_else(|e| panic!("{spec}: {e}"));
+        created.push(n);
+    }
+    // The host-access verb, a named group and cluster admins may.
+    let by_host_admin = name("exec");
+    apply_as(
+        &host_admin,
+        &[],
+        &policy_yaml(
+            &by_host_admin,
+            "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+        ),
+    )
+    .unwrap();
+    let by_group = name("exec");
+    apply_as(
+        &author,
+        &[&trusted_group],
+        &policy_yaml(
+            &by_group,
+            "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+        ),
+    )
+    .unwrap();
+    let (ok, out) = kubectl_stdin(
+        &["apply", "-f", "-"],
+        &policy_yaml(
+            &name("exec"),
+            "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+        ),
+    );
+    assert!(ok, "a cluster admin (system:masters): {out}");
+    created.extend([by_host_admin.clone(), by_group]);
+    // An editor may not retarget an admin's host-access policy.
+    let retarget = policy_yaml(
+        &by_host_admin,
+        "  nodeSelector: {matchLabels: {pool: all}}\n  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+    );
+    let err =
+        apply_as(&author, &[], &retarget).expect_err("an editor updating a host-access policy");
+    assert!(err.contains("uses host access (exec probes)"), "{err}");
+    // ...but may delete it: removing a check escalates nothing.
+    let deleted = kubectl_status(&["delete", "nodeguardpolicy", &by_host_admin, "--as", &author]);
+    assert!(deleted.is_ok(), "{deleted:?}");
+
+    for n in created {
+        let _ = kubectl_status(&["delete", "nodeguardpolicy", &n, "--ignore-not-found"]);
+    }
+    for b in [&author, &host_admin] {
+        kubectl(&["delete", "clusterrolebinding", b]);
+    }
     let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
     assert!(ok, "{err}");
     let _ = Api::<Namespace>::all(admin)

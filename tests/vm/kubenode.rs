@@ -51,6 +51,15 @@ fn lib_dir(function: &str) -> PathBuf {
 }
 
 /// The agent's image archive from e2e/image and its reference.
+/// The static agent binary `e2e/image` put into the image.
+fn static_binary() -> PathBuf {
+    ["x86_64-unknown-linux-musl", "x86_64-unknown-linux-gnu"]
+        .iter()
+        .map(|t| repo_root().join(format!("target/{t}/release/nodeguard")))
+        .find(|p| p.is_file())
+        .expect("the static binary of e2e/image (run e2e/image; make test does)")
+}
+
 fn agent_image() -> (PathBuf, String, String) {
     let cargo = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
     let version = cargo
@@ -229,6 +238,15 @@ fn kube_disk(
         );
     }
     disk.write("/etc/hostname", format!("{node}\n").as_bytes(), 0o644);
+    // A node-local plugin for host.plugins (kube-trust): the image's own
+    // static binary, which runs in the pod without a shell or libc.
+    disk.mkdir("/usr/local/lib/nodeguard");
+    disk.mkdir("/usr/local/lib/nodeguard/plugins");
+    disk.write(
+        kubework::PLUGIN,
+        &std::fs::read(static_binary()).unwrap(),
+        0o755,
+    );
     let kubelet = lib_dir("node_bin_dir").join("kubelet");
     assert!(
         kubelet.is_file(),
@@ -287,12 +305,13 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
 }
 
 /// The real node's scenarios, in the order they run on its boots.
-pub const STEPS: [&str; 7] = [
+pub const STEPS: [&str; 8] = [
     "daemonset",
     "kube-probe",
     "kube-journald",
     "kube-node-restriction",
     "kube-readiness-gate",
+    "kube-trust",
     "kube-reboot",
     "kube-device-watchdog",
 ];
@@ -339,6 +358,9 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
         }
         if wants("kube-readiness-gate") {
             kubework::readiness_gate(&mut vm, &admin, &node.0, &work.0, rows).await;
+        }
+        if wants("kube-trust") {
+            kubework::trust(&admin, &node.0, rows).await;
         }
         if wants("kube-reboot") {
             let kernel = vm
@@ -582,6 +604,7 @@ async fn install(
             "dbus": {"enabled": true},
             "logindDropIn": {"enabled": true},
             "watchdog": {"enabled": shutdown_by == ShutdownBy::Nodeguard},
+            "plugins": {"enabled": true},
         },
         "defaultPolicy": {"enabled": true, "spec": spec},
     });

@@ -1409,3 +1409,84 @@ pub async fn device_watchdog(vm: &mut Vm, admin: &Client, node: &str, agent_ns: 
         ),
     );
 }
+
+/// Where the disk puts the node-local plugin (`host.plugins`): the agent's
+/// own static binary, which `version` runs without a shell or libc.
+pub const PLUGIN: &str = "/usr/local/lib/nodeguard/plugins/nodeguard";
+
+/// Node-local trust from the chart's pod: a policy (written by a cluster
+/// admin, so admission lets it through) with an exec probe of a node-local
+/// plugin under `host.plugins` and one of `/bin/sh`. The plugin runs; the
+/// shell is refused on the node with `NodeGuardPolicyInvalid=True` naming
+/// the field and the chart value, and the rest of the policy applies.
+pub async fn trust(admin: &Client, node: &str, rows: &Rows) {
+    let policy = PolicyName(unique_name("vm-trust"));
+    let t0 = Instant::now();
+    apply_policy(
+        admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node}},
+            "probes": [
+                {"name": "plugin", "exec": {"command": [PLUGIN, "version"]},
+                 "conditionType": "PluginCheckFailed", "periodSeconds": 2, "failureThreshold": 1},
+                {"name": "shell", "exec": {"command": ["/bin/sh", "-c", "id"]},
+                 "conditionType": "ShellCheckFailed", "periodSeconds": 2, "failureThreshold": 1},
+            ],
+        }),
+    )
+    .await;
+    let c = |t: &'static str| async move {
+        node_conditions(admin, node, t).await.first().map(|c| {
+            (
+                c.status.clone(),
+                c.reason.clone().unwrap_or_default(),
+                c.message.clone().unwrap_or_default(),
+            )
+        })
+    };
+    eventually(
+        Duration::from_secs(60),
+        "the plugin probe passes",
+        || async {
+            c("PluginCheckFailed").await.is_some_and(|(s, _, m)| {
+                s == "False" && m.contains("passes") && m.contains("nodeguard")
+            })
+        },
+    )
+    .await;
+    let ran = t0.elapsed();
+    eventually(
+        Duration::from_secs(30),
+        "the shell probe refused",
+        || async {
+            c("NodeGuardPolicyInvalid").await.is_some_and(|(s, r, m)| {
+                s == "True"
+                    && r == "PolicyRefused"
+                    && m.contains("spec.probes[1].exec.command[0] runs /bin/sh")
+                    && m.contains("trust.commands")
+            })
+        },
+    )
+    .await;
+    assert!(
+        c("ShellCheckFailed").await.is_none(),
+        "a refused probe sets no condition"
+    );
+    let (_, _, refused) = c("NodeGuardPolicyInvalid").await.unwrap();
+    delete_policy(admin, &policy).await;
+    eventually(Duration::from_secs(30), "PoliciesValid again", || async {
+        c("NodeGuardPolicyInvalid")
+            .await
+            .is_some_and(|(s, _, _)| s == "False")
+    })
+    .await;
+    rows.pass(
+        "kube-trust",
+        format!(
+            "exec of the node-local plugin ({PLUGIN}, host.plugins) passed {} after the policy; `/bin/sh` refused on the node: \"{}\"",
+            secs(ran),
+            refused.replace('|', "/")
+        ),
+    );
+}

@@ -27,7 +27,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 14] = [
+const SCENARIOS: [&str; 15] = [
     "inhibit-delay",
     "kernel-problem",
     "systemd-watchdog",
@@ -39,6 +39,7 @@ const SCENARIOS: [&str; 14] = [
     "kube-journald",
     "kube-node-restriction",
     "kube-readiness-gate",
+    "kube-trust",
     "kube-reboot",
     "kube-device-watchdog",
     "kube-gns",

@@ -183,6 +183,22 @@ fn check(files: &[std::path::PathBuf]) -> anyhow::Result<ExitCode> {
             if doc.problems.is_empty() {
                 println!("{origin}: NodeGuardPolicy {name}: valid");
             }
+            // Not problems: each node decides. Said here so the author
+            // knows before a node refuses it.
+            for r in doc
+                .policy
+                .iter()
+                .flat_map(|p| policy::NodeTrust::default().refusals(p))
+            {
+                println!(
+                    "{origin}: NodeGuardPolicy {name}: note: {} {}; nodes with the default trust refuse its {} (their owners allow it with {}, chart value {})",
+                    r.field,
+                    r.asks,
+                    r.dropped,
+                    r.setting.flag(),
+                    r.setting.chart_value()
+                );
+            }
             for p in &doc.problems {
                 println!(
                     "{origin}: NodeGuardPolicy {name} (document {}): {p}",

@@ -650,9 +650,16 @@ fn apply_as(user: &str, groups: &[&str], policy: &str) -> Result<(), String> {
     if ok { Ok(()) } else { Err(out) }
 }
 
+/// A policy that selects no node (agents of tests running beside this one
+/// must not get it), unless `spec` sets its own nodeSelector.
 fn policy_yaml(name: &str, spec: &str) -> String {
+    let selector = if spec.contains("nodeSelector") {
+        ""
+    } else {
+        "  nodeSelector: {matchLabels: {nodeguard.io/test-none: none}}\n"
+    };
     format!(
-        "apiVersion: nodeguard.io/v1alpha1\nkind: NodeGuardPolicy\nmetadata:\n  name: {name}\nspec:\n{spec}"
+        "apiVersion: nodeguard.io/v1alpha1\nkind: NodeGuardPolicy\nmetadata:\n  name: {name}\nspec:\n{selector}{spec}"
     )
 }
 
@@ -722,19 +729,16 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
     );
 
     let name = |what: &str| unique_name(&format!("auth-{what}"));
+    let exec_name = name("exec");
     let exec = policy_yaml(
-        &name("exec"),
+        &exec_name,
         "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
     );
     // The admission policy takes effect within moments of the install.
     let mut denied = apply_as(&author, &[], &exec);
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while denied.is_ok() && std::time::Instant::now() < deadline {
-        kubectl(&[
-            "delete",
-            "nodeguardpolicy",
-            exec.lines().nth(3).unwrap().trim_start_matches("  name: "),
-        ]);
+        kubectl(&["delete", "nodeguardpolicy", &exec_name]);
         tokio::time::sleep(Duration::from_millis(250)).await;
         denied = apply_as(&author, &[], &exec);
     }
@@ -810,19 +814,20 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
         ),
     )
     .unwrap();
+    let by_cluster_admin = name("exec");
     let (ok, out) = kubectl_stdin(
         &["apply", "-f", "-"],
         &policy_yaml(
-            &name("exec"),
+            &by_cluster_admin,
             "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
         ),
     );
     assert!(ok, "a cluster admin (system:masters): {out}");
-    created.extend([by_host_admin.clone(), by_group]);
+    created.extend([by_host_admin.clone(), by_group, by_cluster_admin]);
     // An editor may not retarget an admin's host-access policy.
     let retarget = policy_yaml(
         &by_host_admin,
-        "  nodeSelector: {matchLabels: {pool: all}}\n  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+        "  nodeSelector: {matchLabels: {nodeguard.io/test-none: other}}\n  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
     );
     let err =
         apply_as(&author, &[], &retarget).expect_err("an editor updating a host-access policy");

@@ -114,6 +114,21 @@ fn import_npd_converts_the_published_shapes_into_a_valid_policy() {
     std::fs::write(&out, &yaml).unwrap();
     let (code, text, _) = nodeguard(&["check", "-f", out.to_str().unwrap()]);
     assert_eq!(code, 0, "{text}\n{yaml}");
+    // A plugin command is valid, but the default node-local trust refuses
+    // it: check says so (not a problem: each node decides), and so does
+    // the import, since NPD's plugin paths are relative.
+    assert!(
+        text.contains("note: spec.monitors[")
+            && text.contains(
+                ".command[0] runs \"./config/plugin/check_ntp.sh\", which is not an absolute path"
+            )
+            && text.contains("--allow-command, chart value trust.commands"),
+        "{text}"
+    );
+    assert!(
+        notes.contains("is relative to NPD's working directory"),
+        "{notes}"
+    );
     let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
     let monitors = &docs[0].policy.as_ref().unwrap().spec.monitors;
     let names: Vec<&str> = monitors.iter().map(|m| m.name.as_str()).collect();

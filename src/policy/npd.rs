@@ -344,6 +344,11 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                 "{origin}: rules[{i}] timeout: nodeguard uses the monitor's timeoutSeconds for every rule"
             ));
         }
+        if !path.starts_with('/') {
+            out.notes.push(format!(
+                "{origin}: rules[{i}] path {path:?} is relative to NPD's working directory: give the absolute path on the node, and its owner must allow it (--allow-command, chart value trust.commands or host.plugins)"
+            ));
+        }
         let mut command = vec![path.to_string()];
         command.extend(args);
         plugin_rules.push(RuleSpec {

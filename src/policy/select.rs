@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::trust::{NodeTrust, Refusal};
+use super::trust::{Item, NodeTrust, Refusal};
 use super::{NodeGuardPolicy, Problem, Selector, validate};
 
 /// The outcome of selecting policies for one node's labels.
@@ -212,57 +212,24 @@ pub fn select<'a>(
                     out.ineligible_taints
                         .extend(h.ineligible_taints.iter().cloned());
                 }
-                let mut refuse = |found: Option<(String, String, super::trust::Setting)>,
-                                  dropped: String| {
-                    let Some((field, asks, setting)) = found else {
-                        return false;
-                    };
-                    out.refused.push(Refusal {
-                        policy: name.clone(),
-                        field,
-                        asks,
-                        setting,
-                        dropped,
-                    });
-                    true
-                };
-                let probes: Vec<_> = p
+                let refused = trust.refusals(p);
+                let allowed = |item: Item| !refused.iter().any(|r| r.item == item);
+                let probes = p
                     .spec
                     .probes
                     .iter()
                     .enumerate()
-                    .filter(|(i, probe)| {
-                        let at = format!("spec.probes[{i}]");
-                        !refuse(
-                            trust.check_probe(probe, &at),
-                            format!("probe {}", probe.name),
-                        )
-                    })
-                    .map(|(_, probe)| probe)
-                    .collect();
-                let monitors: Vec<_> = p
+                    .filter(|(i, _)| allowed(Item::Probe(*i)))
+                    .map(|(_, probe)| probe);
+                let monitors = p
                     .spec
                     .monitors
                     .iter()
                     .enumerate()
-                    .filter(|(i, m)| {
-                        let at = format!("spec.monitors[{i}]");
-                        !refuse(trust.check_monitor(m, &at), format!("monitor {}", m.name))
-                    })
-                    .map(|(_, m)| m)
-                    .collect();
-                let watchdog_section = p.spec.watchdog.as_ref().filter(|w| {
-                    !refuse(
-                        trust.check_watchdog(w, "spec.watchdog"),
-                        "watchdog section".into(),
-                    )
-                });
-                let shutdown_section = p.spec.shutdown.as_ref().filter(|sd| {
-                    !refuse(
-                        trust.check_shutdown(sd, "spec.shutdown"),
-                        "shutdown section".into(),
-                    )
-                });
+                    .filter(|(i, _)| allowed(Item::Monitor(*i)))
+                    .map(|(_, m)| m);
+                let watchdog_section = p.spec.watchdog.as_ref().filter(|_| allowed(Item::Watchdog));
+                let shutdown_section = p.spec.shutdown.as_ref().filter(|_| allowed(Item::Shutdown));
                 for probe in probes {
                     match probe_from.get(&probe.name) {
                         None => {
@@ -291,6 +258,7 @@ pub fn select<'a>(
                 }
                 watchdog.offer(&name, watchdog_section);
                 shutdown.offer(&name, shutdown_section);
+                out.refused.extend(refused);
                 out.generations
                     .insert(name.clone(), p.metadata.generation.unwrap_or_default());
                 out.applied.push(name);

@@ -101,11 +101,23 @@ impl Setting {
     }
 }
 
+/// The part of a policy a refusal leaves out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Item {
+    /// `spec.probes[i]`.
+    Probe(usize),
+    /// `spec.monitors[i]`.
+    Monitor(usize),
+    Shutdown,
+    Watchdog,
+}
+
 /// One request of one policy that this node's trust does not cover. The
 /// item holding it (`dropped`) is not put in force on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
     pub policy: String,
+    pub item: Item,
     /// Field path of the request, e.g. `spec.probes[2].exec.command[0]`.
     pub field: String,
     /// What it asks for, e.g. `runs /bin/sh`.
@@ -276,6 +288,42 @@ impl NodeTrust {
             format!("pets the device {}", w.device),
             Setting::WatchdogDevices,
         ))
+    }
+
+    /// Every item of `policy` this node does not allow, in spec order.
+    pub fn refusals(&self, policy: &super::NodeGuardPolicy) -> Vec<Refusal> {
+        let name = policy.metadata.name.clone().unwrap_or_default();
+        let spec = &policy.spec;
+        let mut out = Vec::new();
+        let mut push = |found: Option<(String, String, Setting)>, item: Item, dropped: String| {
+            if let Some((field, asks, setting)) = found {
+                out.push(Refusal {
+                    policy: name.clone(),
+                    item,
+                    field,
+                    asks,
+                    setting,
+                    dropped,
+                });
+            }
+        };
+        for (i, p) in spec.probes.iter().enumerate() {
+            let found = self.check_probe(p, &format!("spec.probes[{i}]"));
+            push(found, Item::Probe(i), format!("probe {}", p.name));
+        }
+        for (i, m) in spec.monitors.iter().enumerate() {
+            let found = self.check_monitor(m, &format!("spec.monitors[{i}]"));
+            push(found, Item::Monitor(i), format!("monitor {}", m.name));
+        }
+        if let Some(sd) = &spec.shutdown {
+            let found = self.check_shutdown(sd, "spec.shutdown");
+            push(found, Item::Shutdown, "shutdown section".into());
+        }
+        if let Some(w) = &spec.watchdog {
+            let found = self.check_watchdog(w, "spec.watchdog");
+            push(found, Item::Watchdog, "watchdog section".into());
+        }
+        out
     }
 
     /// One line for the agent's start-up log.

@@ -200,6 +200,11 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         return Err(AgentError::Trust(trust_problems));
     }
     tracing::info!(trust = %config.trust.describe(), "node-local trust: what policies may make this agent do");
+    for warning in config.trust.warnings() {
+        tracing::warn!(
+            "node-local trust: {warning}: any policy author who may use host access gets that on this node"
+        );
+    }
     // Every request of every loop gets a deadline: a connection that stops
     // answering must not hold a loop forever (see k8s::deadline).
     let client = crate::k8s::deadline::with_deadline(client, crate::k8s::deadline::API_DEADLINE);
@@ -402,6 +407,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 metrics: monitor_metrics,
                 health: health.clone(),
                 boot_id: config.boot_id.clone(),
+                read_roots: config.trust.read_paths.iter().map(PathBuf::from).collect(),
             },
             shutdown.clone(),
         ),

@@ -22,6 +22,19 @@ use support::*;
 /// `policyAuthority.groups` would be judged by another's policy too.
 static INSTALL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Uninstalls a release when dropped, so a failing test leaves no
+/// cluster-wide admission policy behind for the tests after it.
+struct Uninstall {
+    release: String,
+    namespace: String,
+}
+
+impl Drop for Uninstall {
+    fn drop(&mut self) {
+        let _ = helm(&["uninstall", &self.release, "-n", &self.namespace]);
+    }
+}
+
 fn helm_path() -> PathBuf {
     if let Ok(h) = std::env::var("NODEGUARD_HELM") {
         return PathBuf::from(h);
@@ -337,6 +350,10 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
         "--wait=false",
     ]);
     assert!(ok, "helm install: {out}{err}");
+    let _uninstall = Uninstall {
+        release: release.clone(),
+        namespace: ns.clone(),
+    };
     namespace(&admin, &ns).await;
     let fullname = format!("{release}-nodeguard");
     let sa = fullname.clone();
@@ -526,6 +543,7 @@ fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
         "host.plugins.enabled=true",
         "host.journal.enabled=true",
         "host.journal.path=/run/log/journal",
+        "host.watchdog.enabled=true",
         "host.watchdog.device=/dev/watchdog1",
         "host.logindDropIn.path=/run/systemd/logind.conf.d",
         "trust.commands={/opt/checks/disk}",
@@ -544,6 +562,21 @@ fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
     assert_eq!(t.watchdog_devices, ["/dev/watchdog1"]);
     assert_eq!(t.logind_drop_in_dirs, ["/run/systemd/logind.conf.d"]);
     assert_eq!(t.max_inhibit_delay_seconds, 55);
+    // A privileged pod (host.kmsg) sees every host device: without
+    // host.watchdog no watchdog device is allowed.
+    assert!(
+        rendered_trust(&[
+            "host.kmsg.enabled=true",
+            "host.watchdog.device=/dev/watchdog1"
+        ])
+        .watchdog_devices
+        .is_empty()
+    );
+    // Flags are quoted: a value cannot change the YAML around it.
+    assert_eq!(
+        rendered_trust(&["trust.commands={/opt/odd name: #x}"]).commands,
+        ["/opt/odd name: #x"]
+    );
     // Nothing readable: an empty list renders as "allow none".
     assert!(
         rendered_trust(&["trust.readPaths=null"])
@@ -601,6 +634,10 @@ async fn policy_write_access_is_never_aggregated_into_builtin_roles() {
         "--wait=false",
     ]);
     assert!(ok, "helm install: {out}{err}");
+    let _uninstall = Uninstall {
+        release: release.clone(),
+        namespace: ns.clone(),
+    };
     namespace(&admin, &ns).await;
     let user = unique_name("builtin");
     for role in ["admin", "edit"] {
@@ -687,6 +724,10 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
         &format!("policyAuthority.groups={{{trusted_group}}}"),
     ]);
     assert!(ok, "helm install: {out}{err}");
+    let _uninstall = Uninstall {
+        release: release.clone(),
+        namespace: ns.clone(),
+    };
     namespace(&admin, &ns).await;
     let fullname = format!("{release}-nodeguard");
     let author = unique_name("author");
@@ -775,6 +816,10 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
             "  shutdown: {gracePeriodSeconds: 10}\n",
         ),
         ("a watchdog device", "  watchdog: {mode: Device}\n"),
+        (
+            "probes matching response bodies (bodyContains)",
+            "  probes:\n  - {name: x, http: {url: \"http://169.254.169.254/token\", bodyContains: \"ya29\"}, conditionType: X}\n",
+        ),
     ];
     for (what, spec) in refused {
         let err = apply_as(&author, &[], &policy_yaml(&name("refused"), spec))

@@ -305,3 +305,141 @@ async fn a_failing_http_probe_does_not_copy_the_response_body_to_the_node() {
     agent.stop().await;
     delete_policy(&admin, &name).await;
 }
+
+/// A monitor's name names its state file on the node: a name that is a
+/// path (`../x`, `/etc/x`) would make the agent write, as root, outside its
+/// state directory. The API refuses such names (the CRD's pattern).
+#[tokio::test]
+async fn a_monitor_name_that_is_a_path_is_refused_by_the_api() {
+    let admin = admin_client().await;
+    install_crd(&admin).await;
+    let api: kube::Api<nodeguard::policy::NodeGuardPolicy> = kube::Api::all(admin.clone());
+    for bad in ["../shutdown-state", "/etc/docker/daemon", "Kernel"] {
+        let name = unique_name("trust-name");
+        let p: nodeguard::policy::NodeGuardPolicy = serde_json::from_value(serde_json::json!({
+            "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+            "metadata": {"name": name},
+            "spec": {"nodeSelector": {"matchLabels": {"nodeguard.io/test-none": "none"}},
+                     "monitors": [{"name": bad, "source": {"systemd": {"unit": "kubelet.service"}}}]},
+        }))
+        .unwrap();
+        let r = api.create(&kube::api::PostParams::default(), &p).await;
+        if r.is_ok() {
+            delete_policy(&admin, &name).await;
+        }
+        let err = r.expect_err(&format!("monitor name {bad:?} must be refused"));
+        assert!(
+            err.to_string().contains("spec.monitors[0].name"),
+            "{bad}: {err}"
+        );
+    }
+}
+
+/// Read roots are judged on the path a policy wrote; the kernel follows
+/// links. A link under an allowed root that leads out of it is not read.
+#[tokio::test]
+async fn a_link_under_an_allowed_root_that_leads_out_is_not_read() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-link").await;
+    let logs = TempDir::new("trust-link-logs");
+    let secrets = TempDir::new("trust-link-secrets");
+    let secret = secrets.path.join("secret.log");
+    std::fs::write(&secret, "").unwrap();
+    let link = logs.path.join("app.log");
+    std::os::unix::fs::symlink(&secret, &link).unwrap();
+    let name = unique_name("trust-link");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [{"name": "app", "source": {"file": {"path": link.display().to_string()}},
+                "conditions": [{"type": "LinkSeen", "reason": "Fine", "message": "fine"}],
+                "rules": [{"type": "permanent", "condition": "LinkSeen", "reason": "Seen", "pattern": "boom"}]}],
+        }),
+    )
+    .await;
+    let trust = NodeTrust {
+        read_paths: vec![logs.path.display().to_string()],
+        ..NodeTrust::default()
+    };
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
+    eventually(
+        Duration::from_secs(20),
+        "the monitor reports its source refused",
+        || async {
+            condition(&admin, &node.name, "LinkSeen")
+                .await
+                .is_some_and(|c| {
+                    c.0 == "Unknown" && c.2.contains("outside the read paths this node allows")
+                })
+        },
+    )
+    .await;
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&secret)
+            .unwrap();
+        writeln!(f, "boom").unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (status, _, message) = condition(&admin, &node.name, "LinkSeen").await.unwrap();
+    eprintln!("LinkSeen: {status}: {message}");
+    assert_eq!(status, "Unknown", "the secret file was read: {message}");
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}
+
+/// A shutdown section whose logind drop-in directory the node does not
+/// allow keeps the rest of the section: graceful shutdown still runs with
+/// logind's own delay, and nothing is written there.
+#[tokio::test]
+async fn a_refused_drop_in_directory_leaves_the_shutdown_section_in_force() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-dropin").await;
+    let elsewhere = TempDir::new("trust-dropin");
+    let name = unique_name("trust-dropin");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "shutdown": {"gracePeriodSeconds": 10, "logindDropInDir": elsewhere.path.display().to_string()},
+        }),
+    )
+    .await;
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.trust = NodeTrust::default();
+        // No logind here: the shutdown manager reports that, in force.
+        c.system_bus_address = Some("unix:path=/nonexistent/bus".into());
+    })
+    .await;
+    eventually(Duration::from_secs(20), "the drop-in refused", || async {
+        condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+            .await
+            .is_some_and(|c| {
+                c.0 == "True"
+                    && c.2.contains("spec.shutdown.logindDropInDir")
+                    && c.2.contains("the shutdown section applies")
+            })
+    })
+    .await;
+    eventually(
+        Duration::from_secs(20),
+        "the shutdown section is in force",
+        || async {
+            condition(&admin, &node.name, "GracefulShutdownUnavailable")
+                .await
+                .is_some()
+        },
+    )
+    .await;
+    assert!(
+        std::fs::read_dir(&elsewhere.path).unwrap().next().is_none(),
+        "nothing written into the refused directory"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}

@@ -218,9 +218,19 @@ pub fn same_boot(saved: &MonitorState, boot_id: &str, written_before_boot: bool)
     }
 }
 
-/// The path of a monitor's state file.
+/// The path of a monitor's state file, always inside `dir/monitors`:
+/// validation admits only DNS labels as names, and anything else is
+/// flattened here too (a name is never a path: `../x` or `/etc/x` would
+/// otherwise write outside the state directory as root).
 pub fn state_path(dir: &Path, monitor: &str) -> PathBuf {
-    dir.join("monitors").join(format!("{monitor}.json"))
+    let file: String = monitor
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | '0'..='9' | '-' => c,
+            _ => '_',
+        })
+        .collect();
+    dir.join("monitors").join(format!("{file}.json"))
 }
 
 /// The saved state, and whether its file was last written before this boot
@@ -280,6 +290,9 @@ pub struct MonitorContext<T> {
     /// This boot's id: a state saved in another boot resets what a reboot
     /// makes stale.
     pub boot_id: String,
+    /// The node-local read roots (`--allow-read-path`): an opened source
+    /// whose real path (links resolved) is outside them is refused.
+    pub read_roots: Vec<PathBuf>,
 }
 
 struct Running {
@@ -487,6 +500,7 @@ async fn run_monitor<T: TaintPort>(
     let started = if let Some(k) = &spec.source.kmsg {
         let r = sources::spawn_kmsg(
             PathBuf::from(&k.path),
+            &ctx.read_roots,
             resume.kmsg,
             tx,
             counters.clone(),
@@ -496,6 +510,7 @@ async fn run_monitor<T: TaintPort>(
     } else if let Some(f) = &spec.source.file {
         let r = sources::spawn_file(
             PathBuf::from(&f.path),
+            ctx.read_roots.clone(),
             resume.file,
             tx,
             counters.clone(),
@@ -505,6 +520,7 @@ async fn run_monitor<T: TaintPort>(
     } else if let Some(j) = &spec.source.journald {
         let r = sources::spawn_journald(
             j.clone(),
+            &ctx.read_roots,
             resume.journal.clone(),
             tx,
             counters.clone(),
@@ -1094,6 +1110,7 @@ mod tests {
             metrics: MonitorMetrics::default(),
             health,
             boot_id: "this-boot".into(),
+            read_roots: vec![PathBuf::from("/")],
         });
         let stop = CancellationToken::new();
         let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));

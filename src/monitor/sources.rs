@@ -311,6 +311,7 @@ fn skip_to_end(reader: &mut BufReader<File>) -> std::io::Result<Option<u64>> {
 /// after it rather than at the (then later) end.
 pub fn spawn_kmsg(
     path: PathBuf,
+    roots: &[PathBuf],
     start: KmsgStart,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
@@ -324,6 +325,7 @@ pub fn spawn_kmsg(
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(&path)?;
+    check_opened(&file, &path, roots)?;
     let mut reader = BufReader::with_capacity(64 * 1024, file);
     let skip_to = match start {
         KmsgStart::After(seq) => Some(seq),
@@ -393,8 +395,42 @@ pub fn spawn_kmsg(
     Ok(started)
 }
 
-fn open_at(path: &Path, resume: Option<(u64, u64)>) -> std::io::Result<(File, u64, u64)> {
+/// Whether `real` (a path with its links resolved) lies under one of
+/// `roots`, each resolved the same way.
+pub fn beneath(real: &Path, roots: &[PathBuf]) -> bool {
+    roots.iter().any(|root| {
+        let root = std::fs::canonicalize(root).unwrap_or_else(|_| root.clone());
+        real.starts_with(&root)
+    })
+}
+
+/// Refuses an opened file whose real path is outside `roots`. The node's
+/// trust judges the path a policy wrote (`policy::trust`); the kernel
+/// follows symbolic links, so a link under an allowed root (`/var/log/x ->
+/// /etc/shadow`) is caught here, on the file actually opened.
+fn check_opened(file: &File, path: &Path, roots: &[PathBuf]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    if beneath(&real, roots) {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "{} resolves to {}, outside the read paths this node allows (--allow-read-path)",
+            path.display(),
+            real.display()
+        ),
+    ))
+}
+
+fn open_at(
+    path: &Path,
+    roots: &[PathBuf],
+    resume: Option<(u64, u64)>,
+) -> std::io::Result<(File, u64, u64)> {
     let mut f = File::open(path)?;
+    check_opened(&f, path, roots)?;
     let meta = f.metadata()?;
     let offset = match resume {
         Some((inode, off)) if inode == meta.ino() && off <= meta.len() => off,
@@ -414,12 +450,13 @@ fn open_at(path: &Path, resume: Option<(u64, u64)>) -> std::io::Result<(File, u6
 /// from its start once it is), to be saved before any line is read.
 pub fn spawn_file(
     path: PathBuf,
+    roots: Vec<PathBuf>,
     resume: Option<(u64, u64)>,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
-    let (file, inode, offset) = match open_at(&path, resume) {
+    let (file, inode, offset) = match open_at(&path, &roots, resume) {
         Ok(x) => x,
         // Not there yet: wait for it and read it from the start.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -450,13 +487,24 @@ pub fn spawn_file(
                         // At the end: rotated or truncated?
                         match std::fs::metadata(&path) {
                             Ok(m) if m.ino() != inode => {
-                                if let Ok((f, ino, _)) = open_at(&path, Some((m.ino(), 0))) {
-                                    waiter.watch_file(&path);
-                                    reader = BufReader::with_capacity(64 * 1024, f);
-                                    inode = ino;
-                                    offset = 0;
-                                    partial.clear();
-                                    continue;
+                                match open_at(&path, &roots, Some((m.ino(), 0))) {
+                                    Ok((f, ino, _)) => {
+                                        waiter.watch_file(&path);
+                                        reader = BufReader::with_capacity(64 * 1024, f);
+                                        inode = ino;
+                                        offset = 0;
+                                        partial.clear();
+                                        continue;
+                                    }
+                                    Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                                        if let Some(why) =
+                                            failures.failed("the log file", &path, &e)
+                                        {
+                                            counters.give_up(why);
+                                            return;
+                                        }
+                                    }
+                                    Err(_) => {}
                                 }
                             }
                             Ok(m)
@@ -534,11 +582,25 @@ pub fn journal_message(entry: &serde_json::Value) -> Option<String> {
 /// dependency in the agent, and the cursor gives exact resumption.
 pub fn spawn_journald(
     source: crate::policy::monitors::JournaldSource,
+    roots: &[PathBuf],
     resume: Option<String>,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
+    // journalctl follows links in --directory itself: judge where it leads.
+    if let Some(d) = &source.directory
+        && let Ok(real) = std::fs::canonicalize(d)
+        && !beneath(&real, roots)
+    {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{d} resolves to {}, outside the read paths this node allows (--allow-read-path)",
+                real.display()
+            ),
+        ));
+    }
     let started = Cursor {
         journal: resume.clone(),
         ..Default::default()
@@ -769,7 +831,15 @@ mod tests {
         std::fs::write(&path, "").unwrap();
         let (tx, mut rx) = mpsc::channel(16);
         let stop = StopFlag::default();
-        spawn_file(path.clone(), None, tx, Default::default(), stop.clone()).unwrap();
+        spawn_file(
+            path.clone(),
+            vec![PathBuf::from("/")],
+            None,
+            tx,
+            Default::default(),
+            stop.clone(),
+        )
+        .unwrap();
         let lines: [&[u8]; 3] = [
             b"before\n",
             b"bad \xff\xfe byte\n",
@@ -863,7 +933,15 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(16);
         let stop = StopFlag::default();
         let start = Resume::plan(Some(&saved), false).kmsg;
-        spawn_kmsg(path.clone(), start, tx, Default::default(), stop.clone()).unwrap();
+        spawn_kmsg(
+            path.clone(),
+            &[PathBuf::from("/")],
+            start,
+            tx,
+            Default::default(),
+            stop.clone(),
+        )
+        .unwrap();
         let first = next(&mut rx).await;
         assert_eq!(first.line, "Linux version 6.1");
         assert_eq!(first.cursor.kmsg_sequence, Some(0));
@@ -905,7 +983,15 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(4);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
-        spawn_file(path.clone(), None, tx, counters.clone(), stop.clone()).unwrap();
+        spawn_file(
+            path.clone(),
+            vec![PathBuf::from("/")],
+            None,
+            tx,
+            counters.clone(),
+            stop.clone(),
+        )
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut f = append(&path);
         for i in 0..10_000u64 {
@@ -938,7 +1024,15 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(16);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
-        spawn_file(path.clone(), None, tx, counters.clone(), stop.clone()).unwrap();
+        spawn_file(
+            path.clone(),
+            vec![PathBuf::from("/")],
+            None,
+            tx,
+            counters.clone(),
+            stop.clone(),
+        )
+        .unwrap();
         let mut f = append(&path);
         writeln!(f, "first").unwrap();
         write!(f, "half").unwrap();
@@ -971,6 +1065,7 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(16);
         spawn_file(
             path.clone(),
+            vec![PathBuf::from("/")],
             Some((meta.ino(), "after truncation\n".len() as u64)),
             tx,
             counters,
@@ -1053,7 +1148,15 @@ mod tests {
         let path = scratch.0.join("app.log");
         let (tx, mut rx) = mpsc::channel(16);
         let stop = StopFlag::default();
-        spawn_file(path.clone(), None, tx, Default::default(), stop.clone()).unwrap();
+        spawn_file(
+            path.clone(),
+            vec![PathBuf::from("/")],
+            None,
+            tx,
+            Default::default(),
+            stop.clone(),
+        )
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&path, "written before the follower looked\n").unwrap();
         writeln!(append(&path), "and after").unwrap();
@@ -1085,6 +1188,7 @@ mod tests {
         let stop = StopFlag::default();
         spawn_kmsg(
             path.clone(),
+            &[PathBuf::from("/")],
             KmsgStart::After(2),
             tx,
             counters.clone(),

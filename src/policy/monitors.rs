@@ -8,13 +8,18 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::Problem;
-use super::selector::check_label_key;
+use super::selector::{check_label_key, is_dns_label};
 use patterns::{BadPattern, Patterns};
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MonitorSpec {
-    /// Unique among the node's monitors; lowercase letters, digits and '-'.
+    /// Unique among the node's monitors; lowercase letters, digits and '-'
+    /// (it names the monitor's state file on the node).
+    #[schemars(
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"),
+        length(min = 1, max = 63)
+    )]
     pub name: String,
     pub source: LogSource,
     /// The conditions this monitor owns, with their no-problem state.
@@ -320,6 +325,15 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
     let mut taints: std::collections::BTreeMap<(&str, &str), &str> = Default::default();
     for (i, m) in monitors.iter().enumerate() {
         let at = format!("{path}[{i}]");
+        if !is_dns_label(&m.name) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!(
+                    "{:?} must be a DNS label (lowercase letters, digits, '-'; at most 63): it names the monitor's state file",
+                    m.name
+                ),
+            ));
+        }
         if !names.insert(m.name.as_str()) {
             problems.push(Problem::new(
                 format!("{at}.name"),

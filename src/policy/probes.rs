@@ -6,7 +6,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::Problem;
-use super::selector::{Selector, check_label_key, is_dns_subdomain};
+use super::selector::{Selector, check_label_key, is_dns_label};
 
 /// One probe.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -28,6 +28,10 @@ use super::selector::{Selector, check_label_key, is_dns_subdomain};
 ]))]
 pub struct ProbeSpec {
     /// Unique within the policy; lowercase letters, digits and '-'.
+    #[schemars(
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"),
+        length(min = 1, max = 63)
+    )]
     pub name: String,
     /// What to probe: absent is this node (127.0.0.1 and the host's
     /// commands); `pods` probes each pod on the node that matches.
@@ -180,10 +184,6 @@ pub struct GrpcProbe {
 pub struct ExecProbe {
     /// argv; exit 0 passes. Output (truncated) is the message.
     pub command: Vec<String>,
-}
-
-fn is_dns_label(s: &str) -> bool {
-    is_dns_subdomain(s) && !s.contains('.') && s.len() <= 63
 }
 
 /// Rules for `spec.probes` beyond the schema.

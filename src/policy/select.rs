@@ -169,7 +169,12 @@ pub fn select_with_last_good<'a>(
         if problems.is_empty() {
             last_good.insert(name, p.clone());
             effective.push(p.clone());
-        } else if let Some(good) = last_good.get(&name) {
+        } else if let Some(good) = last_good
+            .get(&name)
+            .filter(|g| g.metadata.uid == p.metadata.uid)
+        {
+            // (A policy deleted and created again under its name is another
+            // policy: the old one's last good version does not carry over.)
             replaced.push((name, problems, good.metadata.generation.unwrap_or_default()));
             effective.push(good.clone());
         } else {
@@ -229,7 +234,18 @@ pub fn select<'a>(
                     .filter(|(i, _)| allowed(Item::Monitor(*i)))
                     .map(|(_, m)| m);
                 let watchdog_section = p.spec.watchdog.as_ref().filter(|_| allowed(Item::Watchdog));
-                let shutdown_section = p.spec.shutdown.as_ref().filter(|_| allowed(Item::Shutdown));
+                let shutdown_section = p
+                    .spec
+                    .shutdown
+                    .as_ref()
+                    .filter(|_| allowed(Item::Shutdown))
+                    .map(|sd| {
+                        let mut sd = sd.clone();
+                        if !allowed(Item::ShutdownDropIn) {
+                            sd.logind_drop_in_dir.clear();
+                        }
+                        sd
+                    });
                 for probe in probes {
                     match probe_from.get(&probe.name) {
                         None => {
@@ -257,7 +273,7 @@ pub fn select<'a>(
                     }
                 }
                 watchdog.offer(&name, watchdog_section);
-                shutdown.offer(&name, shutdown_section);
+                shutdown.offer(&name, shutdown_section.as_ref());
                 out.refused.extend(refused);
                 out.generations
                     .insert(name.clone(), p.metadata.generation.unwrap_or_default());
@@ -378,7 +394,10 @@ mod tests {
                 with("c", WatchdogMode::Systemd),
             ],
             &labels(&[]),
-            &NodeTrust::default(),
+            &NodeTrust {
+                watchdog_devices: vec!["/dev/watchdog".into()],
+                ..NodeTrust::default()
+            },
         );
         assert_eq!(s.watchdog.unwrap().mode, WatchdogMode::Systemd);
         assert_eq!(
@@ -409,6 +428,26 @@ mod tests {
         let mut fresh = BTreeMap::new();
         let s = select_with_last_good([&bad], &labels(&[]), &NodeTrust::default(), &mut fresh);
         assert!(s.applied.is_empty() && s.kept.is_empty() && s.invalid.len() == 1);
+        // Deleted and created again (a new uid) while invalid: the old
+        // policy's last good version is not the new one's.
+        let mut good_v1 = good.clone();
+        good_v1.metadata.uid = Some("uid-1".into());
+        let mut remembered = BTreeMap::new();
+        select_with_last_good(
+            [&good_v1],
+            &labels(&[]),
+            &NodeTrust::default(),
+            &mut remembered,
+        );
+        let mut recreated = bad.clone();
+        recreated.metadata.uid = Some("uid-2".into());
+        let s = select_with_last_good(
+            [&recreated],
+            &labels(&[]),
+            &NodeTrust::default(),
+            &mut remembered,
+        );
+        assert!(s.applied.is_empty() && s.kept.is_empty(), "{s:?}");
         // Deleted: forgotten.
         let none: [&NodeGuardPolicy; 0] = [];
         select_with_last_good(none, &labels(&[]), &NodeTrust::default(), &mut last_good);

@@ -100,6 +100,12 @@ impl Selector {
     }
 }
 
+/// A DNS label (RFC 1123): what probe and monitor names must be, since
+/// they name files and metric labels.
+pub fn is_dns_label(s: &str) -> bool {
+    is_dns_subdomain(s) && !s.contains('.') && s.len() <= 63
+}
+
 /// A DNS-1123 subdomain: what Kubernetes accepts as most object names and
 /// as the prefix of a label key.
 pub fn is_dns_subdomain(s: &str) -> bool {

@@ -35,7 +35,7 @@ pub struct NodeTrust {
     pub repair_units: Vec<String>,
     /// Path roots monitors may read: the kernel log device, log files,
     /// journal directories (a journald monitor without `directory` reads
-    /// `/var/log/journal`).
+    /// `/var/log/journal` and `/run/log/journal`).
     pub read_paths: Vec<String>,
     /// Watchdog devices policies may pet: device paths (an entry ending in
     /// `/` allows everything under it; never list `/dev/`).
@@ -47,16 +47,18 @@ pub struct NodeTrust {
     pub max_inhibit_delay_seconds: u32,
 }
 
-/// The journal directory a journald monitor without `directory` reads.
-pub const LOCAL_JOURNAL: &str = "/var/log/journal";
+/// The journal directories a journald monitor without `directory` reads
+/// (journalctl's own default: the persistent and the volatile journal).
+pub const LOCAL_JOURNAL: [&str; 2] = ["/var/log/journal", "/run/log/journal"];
 
 impl Default for NodeTrust {
     fn default() -> Self {
         NodeTrust {
             commands: Vec::new(),
             repair_units: Vec::new(),
-            read_paths: vec!["/dev/kmsg".into(), LOCAL_JOURNAL.into()],
-            watchdog_devices: vec!["/dev/watchdog".into()],
+            read_paths: vec!["/dev/kmsg".into(), "/var/log/journal".into()],
+            // The default policy pets no device.
+            watchdog_devices: Vec::new(),
             logind_drop_in_dirs: vec!["/etc/systemd/logind.conf.d".into()],
             // The shipped default: 30 s of groups and a 2 s margin.
             max_inhibit_delay_seconds: 32,
@@ -109,6 +111,9 @@ pub enum Item {
     /// `spec.monitors[i]`.
     Monitor(usize),
     Shutdown,
+    /// Only the logind drop-in of the shutdown section: the section applies
+    /// and nodeguard never writes logind's configuration.
+    ShutdownDropIn,
     Watchdog,
 }
 
@@ -139,6 +144,16 @@ impl fmt::Display for Refusal {
             self.setting.flag(),
             self.setting.chart_value()
         )
+    }
+}
+
+/// What a policy asks for, cut to a length an Event note (1 KiB) and a
+/// condition message can carry along with the rest of the sentence.
+fn clip(s: &str) -> String {
+    const MAX: usize = 300;
+    match s.char_indices().nth(MAX) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_string(),
     }
 }
 
@@ -233,7 +248,9 @@ impl NodeTrust {
         if let Some(j) = &src.journald {
             return match &j.directory {
                 Some(d) => read(d, format!("{at}.source.journald.directory")),
-                None => read(LOCAL_JOURNAL, format!("{at}.source.journald")),
+                None => LOCAL_JOURNAL
+                    .iter()
+                    .find_map(|d| read(d, format!("{at}.source.journald"))),
             };
         }
         if let Some(s) = &src.systemd
@@ -254,7 +271,8 @@ impl NodeTrust {
         None
     }
 
-    /// Whether a shutdown section may be put in force here.
+    /// Whether a shutdown section may be put in force here (its inhibit
+    /// delay; the drop-in is [`NodeTrust::check_drop_in`]'s).
     pub fn check_shutdown(&self, s: &ShutdownSpec, at: &str) -> Option<(String, String, Setting)> {
         let delay = s.inhibit_delay_seconds();
         if delay > self.max_inhibit_delay_seconds {
@@ -267,6 +285,11 @@ impl NodeTrust {
                 Setting::MaxInhibitDelay,
             ));
         }
+        None
+    }
+
+    /// Whether the shutdown section's logind drop-in may be written here.
+    pub fn check_drop_in(&self, s: &ShutdownSpec, at: &str) -> Option<(String, String, Setting)> {
         let dir = &s.logind_drop_in_dir;
         if !dir.is_empty() && !self.logind_drop_in_dirs.iter().any(|r| under(dir, r)) {
             return Some((
@@ -301,7 +324,7 @@ impl NodeTrust {
                     policy: name.clone(),
                     item,
                     field,
-                    asks,
+                    asks: clip(&asks),
                     setting,
                     dropped,
                 });
@@ -317,7 +340,16 @@ impl NodeTrust {
         }
         if let Some(sd) = &spec.shutdown {
             let found = self.check_shutdown(sd, "spec.shutdown");
+            let whole = found.is_some();
             push(found, Item::Shutdown, "shutdown section".into());
+            if !whole {
+                let found = self.check_drop_in(sd, "spec.shutdown");
+                push(
+                    found,
+                    Item::ShutdownDropIn,
+                    "logind drop-in (the shutdown section applies with logind's own InhibitDelayMaxSec)".into(),
+                );
+            }
         }
         if let Some(w) = &spec.watchdog {
             let found = self.check_watchdog(w, "spec.watchdog");
@@ -344,6 +376,28 @@ impl NodeTrust {
             list(&self.logind_drop_in_dirs),
             self.max_inhibit_delay_seconds
         )
+    }
+
+    /// Settings that allow everything of their kind, for a start-up warning.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let all = |v: &[String]| v.iter().any(|p| p.trim_end_matches('/').is_empty());
+        if all(&self.commands) {
+            out.push("--allow-command allows every executable on the node".to_string());
+        }
+        if all(&self.read_paths) {
+            out.push("--allow-read-path allows reading every file into Events".to_string());
+        }
+        if all(&self.watchdog_devices) || self.watchdog_devices.iter().any(|d| d == "/dev/") {
+            out.push("--allow-watchdog-device allows writing to every device".to_string());
+        }
+        if all(&self.logind_drop_in_dirs) {
+            out.push("--allow-logind-drop-in-dir allows writing a file anywhere".to_string());
+        }
+        if self.repair_units.iter().any(|u| u == "*") {
+            out.push("--allow-repair-unit allows killing every unit".to_string());
+        }
+        out
     }
 
     /// Problems with the settings themselves (relative or non-normal paths),
@@ -387,7 +441,7 @@ mod tests {
                 "/usr/bin/check-disk".into(),
             ],
             repair_units: vec!["containerd.service".into(), "kube*".into()],
-            read_paths: vec!["/var/log".into(), "/dev/kmsg".into()],
+            read_paths: vec!["/var/log".into(), "/run/log".into(), "/dev/kmsg".into()],
             ..NodeTrust::default()
         }
     }
@@ -470,7 +524,18 @@ mod tests {
         assert_eq!(
             check(src(json!({"journald": {}}))),
             None,
-            "local journal under /var/log"
+            "the local journal (/var/log/journal, /run/log/journal) under /var/log and /run/log"
+        );
+        let only_var = NodeTrust {
+            read_paths: vec!["/var/log/journal".into()],
+            ..NodeTrust::default()
+        };
+        assert_eq!(
+            only_var
+                .check_monitor(&monitor(src(json!({"journald": {}}))), "m")
+                .map(|r| r.1),
+            Some("reads /run/log/journal".into()),
+            "journalctl without --directory reads the volatile journal too"
         );
         assert_eq!(
             check(src(json!({"journald": {"directory": "/home/x"}}))),
@@ -527,18 +592,46 @@ mod tests {
         );
         assert!(r.1.contains("33 s") && r.1.contains("32 s"), "{}", r.1);
         let elsewhere = spec(json!({"gracePeriodSeconds": 10, "logindDropInDir": "/etc/cron.d"}));
+        assert_eq!(t.check_shutdown(&elsewhere, "s"), None, "the delay is fine");
         assert_eq!(
-            t.check_shutdown(&elsewhere, "s").map(|r| (r.0, r.2)),
+            t.check_drop_in(&elsewhere, "s").map(|r| (r.0, r.2)),
             Some(("s.logindDropInDir".into(), Setting::LogindDropInDirs))
         );
         let never = spec(json!({"gracePeriodSeconds": 10, "logindDropInDir": ""}));
-        assert_eq!(t.check_shutdown(&never, "s"), None, "never writes");
+        assert_eq!(t.check_drop_in(&never, "s"), None, "never writes");
+        // A refused drop-in leaves the section in force; a refused delay
+        // refuses the section and says nothing more of it.
+        let policy = |sd: ShutdownSpec| {
+            let mut p = crate::policy::NodeGuardPolicy::new("p", Default::default());
+            p.spec.shutdown = Some(sd);
+            p
+        };
+        let items: Vec<Item> = t
+            .refusals(&policy(elsewhere))
+            .iter()
+            .map(|r| r.item)
+            .collect();
+        assert_eq!(items, [Item::ShutdownDropIn]);
+        let mut both = long.clone();
+        both.logind_drop_in_dir = "/etc/cron.d".into();
+        let items: Vec<Item> = t.refusals(&policy(both)).iter().map(|r| r.item).collect();
+        assert_eq!(items, [Item::Shutdown]);
     }
 
     #[test]
     fn only_listed_watchdog_devices_are_petted() {
-        let t = NodeTrust::default();
         let w = |v| serde_json::from_value::<WatchdogSpec>(v).unwrap();
+        assert_eq!(
+            NodeTrust::default()
+                .check_watchdog(&w(json!({"mode": "Device"})), "w")
+                .map(|r| r.2),
+            Some(Setting::WatchdogDevices),
+            "the default policy pets no device, so the default allows none"
+        );
+        let t = NodeTrust {
+            watchdog_devices: vec!["/dev/watchdog".into()],
+            ..NodeTrust::default()
+        };
         assert_eq!(t.check_watchdog(&w(json!({"mode": "Device"})), "w"), None);
         assert_eq!(
             t.check_watchdog(&w(json!({"mode": "Both", "device": "/dev/sda"})), "w")
@@ -569,6 +662,25 @@ mod tests {
         assert_eq!(s.inhibit_delay_seconds(), t.max_inhibit_delay_seconds);
         assert!(t.commands.is_empty() && t.repair_units.is_empty());
         assert!(t.problems().is_empty());
+    }
+
+    #[test]
+    fn a_long_request_is_clipped_and_catch_all_settings_are_warned_about() {
+        let long = format!("/usr/{}", "x".repeat(5000));
+        let p = probe(json!({"name": "p", "exec": {"command": [long]}, "conditionType": "X"}));
+        let mut policy = crate::policy::NodeGuardPolicy::new("p", Default::default());
+        policy.spec.probes = vec![p];
+        let r = &NodeTrust::default().refusals(&policy)[0];
+        assert!(r.to_string().len() < 1000, "{}", r.to_string().len());
+        assert!(r.asks.ends_with('…'));
+        assert!(NodeTrust::default().warnings().is_empty());
+        let wide = NodeTrust {
+            commands: vec!["/".into()],
+            repair_units: vec!["*".into()],
+            watchdog_devices: vec!["/dev/".into()],
+            ..NodeTrust::default()
+        };
+        assert_eq!(wide.warnings().len(), 3, "{:?}", wide.warnings());
     }
 
     #[test]

@@ -288,11 +288,14 @@ impl Env {
         // The agent runs as the chart's ServiceAccount with the chart's
         // ClusterRole and Role (from the rendered manifest), not as admin.
         let manifest = std::fs::read_to_string(repo.join("manifests/nodeguard.yaml")).unwrap();
+        // (The policy-editor and -admin ClusterRoles are for people.)
         let docs: Vec<&str> = manifest
             .split("\n---")
             .filter(|d| {
                 d.lines()
                     .any(|l| RBAC_KINDS.iter().any(|k| *l == format!("kind: {k}")))
+                    && !d.contains("-policy-editor\n")
+                    && !d.contains("-policy-admin\n")
             })
             .collect();
         assert_eq!(
@@ -354,7 +357,7 @@ impl Env {
         );
         disk.mkdir("/etc/systemd/system/nodeguard.service.d");
         let mut drop_in = String::from(
-            "[Service]\n# The Lease of the policy status writer lives in the chart's namespace.\nEnvironment=POD_NAMESPACE=nodeguard-system\nEnvironment=RUST_LOG=info,nodeguard=debug\n",
+            "[Service]\n# The Lease of the policy status writer lives in the chart's namespace.\nEnvironment=POD_NAMESPACE=nodeguard-system\nEnvironment=RUST_LOG=info,nodeguard=debug\n# The node's owner lets policies pet softdog (device-watchdog).\nEnvironment=NODEGUARD_ALLOW_WATCHDOG_DEVICES=/dev/watchdog\n",
         );
         if let Some(s) = unit_watchdog {
             writeln!(drop_in, "WatchdogSec={s}s").unwrap();

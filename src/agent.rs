@@ -200,6 +200,14 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         return Err(AgentError::Trust(trust_problems));
     }
     tracing::info!(trust = %config.trust.describe(), "node-local trust: what policies may make this agent do");
+    let resolved = crate::monitor::sources::resolve_roots(&config.trust.read_paths);
+    if resolved
+        .iter()
+        .zip(&config.trust.read_paths)
+        .any(|(r, w)| r.as_os_str() != w.as_str())
+    {
+        tracing::info!(roots = ?resolved, "read paths with their links resolved (a link under them that leads out is refused)");
+    }
     for warning in config.trust.warnings() {
         tracing::warn!(
             "node-local trust: {warning}: any policy author who may use host access gets that on this node"
@@ -407,7 +415,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 metrics: monitor_metrics,
                 health: health.clone(),
                 boot_id: config.boot_id.clone(),
-                read_roots: config.trust.read_paths.iter().map(PathBuf::from).collect(),
+                read_roots: crate::monitor::sources::resolve_roots(&config.trust.read_paths),
             },
             shutdown.clone(),
         ),

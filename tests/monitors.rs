@@ -299,7 +299,7 @@ async fn a_plugin_check_sets_and_clears_its_condition() {
             "source": {"plugin": {"intervalSeconds": 1, "timeoutSeconds": 5}},
             "conditions": [{"type": "NTPProblem", "reason": "NTPIsUp", "message": "ntp service is up"}],
             "rules": [{"type": "permanent", "condition": "NTPProblem", "reason": "NTPIsDown",
-                       "command": ["sh", "-c", script]}],
+                       "command": ["/bin/sh", "-c", script]}],
         }]),
     )
     .await;
@@ -1106,15 +1106,16 @@ async fn a_line_that_is_not_utf8_does_not_hide_the_next_one() {
 async fn a_monitor_whose_source_ends_fails_livez_naming_it() {
     let admin = admin_client().await;
     let node = TestNode::selectable(&admin, "ended").await;
-    // A path every read of which fails (EISDIR): a reader that cannot go on.
-    let dir = TempDir::new("ended-source");
+    // A regular file every read of which fails (EIO: nothing is mapped at
+    // address 0 of the reading process): a reader that cannot go on. (A
+    // directory, used before, is now refused at the open: not a file.)
     let policy = unique_name("ended");
     apply_monitors(
         &admin,
         &policy,
         &node.name,
         serde_json::json!([{
-            "name": "broken", "source": {"file": {"path": dir.path.display().to_string()}},
+            "name": "broken", "source": {"file": {"path": "/proc/self/mem"}},
             "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine."}],
             "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": "app crashed"}],
         }]),

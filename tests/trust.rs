@@ -443,3 +443,128 @@ async fn a_refused_drop_in_directory_leaves_the_shutdown_section_in_force() {
     agent.stop().await;
     delete_policy(&admin, &name).await;
 }
+
+/// The file at a monitor's path is checked before it is opened: a link to a
+/// FIFO (whose open blocks) or a device (whose open has effects: a watchdog
+/// starts) is refused without opening it, and the agent stays live.
+#[tokio::test]
+async fn a_link_to_a_fifo_is_refused_without_opening_it() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-fifo").await;
+    let logs = TempDir::new("trust-fifo-logs");
+    let fifo = logs.path.join("fifo");
+    let c_path = std::ffi::CString::new(fifo.display().to_string()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let name = unique_name("trust-fifo");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [{"name": "app", "source": {"file": {"path": fifo.display().to_string()}},
+                "conditions": [{"type": "FifoSeen", "reason": "Fine", "message": "fine"}],
+                "rules": [{"type": "permanent", "condition": "FifoSeen", "reason": "Seen", "pattern": "boom"}]}],
+        }),
+    )
+    .await;
+    let trust = NodeTrust {
+        read_paths: vec![logs.path.display().to_string()],
+        ..NodeTrust::default()
+    };
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
+    eventually(Duration::from_secs(20), "the FIFO refused", || async {
+        condition(&admin, &node.name, "FifoSeen")
+            .await
+            .is_some_and(|c| c.0 == "Unknown" && c.2.contains("is not a regular file"))
+    })
+    .await;
+    let (code, body) = http_get(agent.addr, "/livez").await;
+    assert_eq!(code, 200, "{body}");
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}
+
+/// A rotation that puts a link leading out at the monitor's path makes the
+/// monitor blind (Unknown, an Event) instead of reading the target; a
+/// regular file there again makes it see.
+#[tokio::test]
+async fn a_rotation_to_a_link_leading_out_makes_the_monitor_blind_until_a_file_returns() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "trust-rot").await;
+    let logs = TempDir::new("trust-rot-logs");
+    let secrets = TempDir::new("trust-rot-secrets");
+    let log = logs.path.join("app.log");
+    let secret = secrets.path.join("secret.log");
+    std::fs::write(&log, "").unwrap();
+    std::fs::write(&secret, "").unwrap();
+    let name = unique_name("trust-rot");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [{"name": "app", "source": {"file": {"path": log.display().to_string()}},
+                "conditions": [{"type": "RotSeen", "reason": "Fine", "message": "fine", "clearPattern": "fixed"}],
+                "rules": [{"type": "permanent", "condition": "RotSeen", "reason": "Seen", "pattern": "boom"}]}],
+        }),
+    )
+    .await;
+    let trust = NodeTrust {
+        read_paths: vec![logs.path.display().to_string()],
+        ..NodeTrust::default()
+    };
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
+    eventually(Duration::from_secs(20), "the monitor reads", || async {
+        condition(&admin, &node.name, "RotSeen")
+            .await
+            .is_some_and(|c| c.0 == "False")
+    })
+    .await;
+    // "Rotation": the path now names a link to the secret.
+    std::fs::rename(&log, logs.path.join("app.log.1")).unwrap();
+    std::os::unix::fs::symlink(&secret, &log).unwrap();
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&secret)
+            .unwrap();
+        writeln!(f, "boom").unwrap();
+    }
+    eventually(Duration::from_secs(20), "the monitor blind", || async {
+        condition(&admin, &node.name, "RotSeen")
+            .await
+            .is_some_and(|c| c.0 == "Unknown" && c.2.contains("outside the read paths"))
+    })
+    .await;
+    eventually(
+        Duration::from_secs(15),
+        "a MonitorSourceUnavailable Event",
+        || async {
+            let events = events_for(&node.name);
+            events.contains("MonitorSourceUnavailable") && events.contains("resolves to")
+        },
+    )
+    .await;
+    // A regular file again: read from its start.
+    std::fs::remove_file(&log).unwrap();
+    std::fs::write(&log, "all fine\n").unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "the monitor sees again",
+        || async {
+            condition(&admin, &node.name, "RotSeen")
+                .await
+                .is_some_and(|c| c.0 == "False")
+        },
+    )
+    .await;
+    let (status, _, message) = condition(&admin, &node.name, "RotSeen").await.unwrap();
+    assert_eq!(
+        status, "False",
+        "the secret's line was never read: {message}"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}

@@ -290,8 +290,9 @@ pub struct MonitorContext<T> {
     /// This boot's id: a state saved in another boot resets what a reboot
     /// makes stale.
     pub boot_id: String,
-    /// The node-local read roots (`--allow-read-path`): an opened source
-    /// whose real path (links resolved) is outside them is refused.
+    /// The node-local read roots (`--allow-read-path`), resolved once at
+    /// start (`sources::resolve_roots`): an opened source whose real path
+    /// (links resolved) is outside them is refused.
     pub read_roots: Vec<PathBuf>,
 }
 
@@ -617,6 +618,8 @@ async fn run_monitor<T: TaintPort>(
     let mut dirty = false;
     let mut last_save = tokio::time::Instant::now();
     let mut last_taint_retry = tokio::time::Instant::now();
+    // What the reader last said about a refused file (after the start).
+    let mut refused_seen: Option<String> = None;
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break None,
@@ -664,6 +667,35 @@ async fn run_monitor<T: TaintPort>(
                 });
             }
             _ = tick.tick() => {
+                let refused_now = counters.refused_reason();
+                if refused_now != refused_seen {
+                    // The file now at the path is refused by the node's read
+                    // roots, or allowed again: blind (Unknown) or not.
+                    handle.queued();
+                    blind = match &refused_now {
+                        Some(why) => {
+                            tracing::error!(monitor = %spec.name, error = %why, "monitor source refused");
+                            ctx.reporter.event(
+                                EventKind::Warning,
+                                "MonitorSourceUnavailable",
+                                "ReadSource",
+                                format!("Monitor {} cannot read its source: {why}.", spec.name),
+                            );
+                            Some(format!(
+                                "Monitor {} cannot read its source: {why}; the condition is unknown until it can.",
+                                spec.name
+                            ))
+                        }
+                        None => {
+                            tracing::info!(monitor = %spec.name, "monitor source readable again");
+                            None
+                        }
+                    };
+                    refused_seen = refused_now;
+                    let current = engine.current(clock.now());
+                    apply(&current, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
+                    handle.updated();
+                }
                 let mut actions = engine.on_tick(clock.now());
                 if last_taint_retry.elapsed() >= TAINT_RETRY {
                     last_taint_retry = tokio::time::Instant::now();

@@ -106,11 +106,27 @@ pub struct SourceCounters {
     pub malformed: AtomicU64,
     /// Set by a reader thread that gave up, just before its queue closes.
     pub ended: std::sync::Mutex<Option<String>>,
+    /// Set while the source's current file is refused by the node's read
+    /// roots (a link leading out appeared, or a rotation put one there);
+    /// cleared when a later open is allowed. The reader keeps running.
+    pub refused: std::sync::Mutex<Option<String>>,
 }
 
 impl SourceCounters {
     fn give_up(&self, why: String) {
         *self.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+
+    fn set_refused(&self, why: Option<String>) {
+        *self.refused.lock().unwrap_or_else(|e| e.into_inner()) = why;
+    }
+
+    /// Why the source's current file is refused, while it is.
+    pub fn refused_reason(&self) -> Option<String> {
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Why the reader gave up, if it said.
@@ -318,14 +334,9 @@ pub fn spawn_kmsg(
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
     // Non-blocking while skipping what is there (/dev/kmsg answers EAGAIN
     // at its end), blocking afterwards.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(&path)?;
-    check_opened(&file, &path, roots)?;
+    let file = open_checked(&path, roots, Expect::KernelLog, libc::O_NONBLOCK)?;
     let mut reader = BufReader::with_capacity(64 * 1024, file);
     let skip_to = match start {
         KmsgStart::After(seq) => Some(seq),
@@ -395,33 +406,82 @@ pub fn spawn_kmsg(
     Ok(started)
 }
 
-/// Whether `real` (a path with its links resolved) lies under one of
-/// `roots`, each resolved the same way.
-pub fn beneath(real: &Path, roots: &[PathBuf]) -> bool {
-    roots.iter().any(|root| {
-        let root = std::fs::canonicalize(root).unwrap_or_else(|_| root.clone());
-        real.starts_with(&root)
-    })
+/// The node's read roots with their links resolved, once, when the agent
+/// starts (a root that does not exist is kept as written). Resolving them
+/// at each open would let whoever can replace a root, or a directory above
+/// it, by a link move the root itself.
+pub fn resolve_roots(roots: &[String]) -> Vec<PathBuf> {
+    roots
+        .iter()
+        .map(|r| std::fs::canonicalize(r).unwrap_or_else(|_| PathBuf::from(r)))
+        .collect()
 }
 
-/// Refuses an opened file whose real path is outside `roots`. The node's
-/// trust judges the path a policy wrote (`policy::trust`); the kernel
-/// follows symbolic links, so a link under an allowed root (`/var/log/x ->
-/// /etc/shadow`) is caught here, on the file actually opened.
-fn check_opened(file: &File, path: &Path, roots: &[PathBuf]) -> std::io::Result<()> {
+/// Whether `real` (a path with its links resolved) lies under one of the
+/// resolved `roots`.
+pub fn beneath(real: &Path, roots: &[PathBuf]) -> bool {
+    roots.iter().any(|root| real.starts_with(root))
+}
+
+/// What a source's file must be.
+#[derive(Clone, Copy, Debug)]
+enum Expect {
+    /// A log file.
+    Regular,
+    /// `/dev/kmsg` (a character device), or a file of its records.
+    KernelLog,
+}
+
+fn refused(message: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::PermissionDenied, message)
+}
+
+/// Opens `path` for reading only once it is known to be the right kind of
+/// file under the node's read roots. The node's trust judges the path a
+/// policy wrote (`policy::trust`); the kernel follows links, so the file
+/// is first resolved without being opened (`O_PATH`: a device's open has
+/// effects, a watchdog starts; a FIFO's blocks), its type and real path
+/// checked, and only then that very file opened through its descriptor.
+fn open_checked(
+    path: &Path,
+    roots: &[PathBuf],
+    expect: Expect,
+    flags: i32,
+) -> std::io::Result<File> {
     use std::os::fd::AsRawFd;
-    let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
-    if beneath(&real, roots) {
-        return Ok(());
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let handle = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
+        .open(path)?;
+    let kind = handle.metadata()?.file_type();
+    let right_kind = match expect {
+        Expect::Regular => kind.is_file(),
+        Expect::KernelLog => kind.is_char_device() || kind.is_file(),
+    };
+    if !right_kind {
+        return Err(refused(format!(
+            "{} is not a {}",
+            path.display(),
+            match expect {
+                Expect::Regular => "regular file",
+                Expect::KernelLog => "kernel log device or file",
+            }
+        )));
     }
-    Err(std::io::Error::new(
-        std::io::ErrorKind::PermissionDenied,
-        format!(
+    let fd = format!("/proc/self/fd/{}", handle.as_raw_fd());
+    let real = std::fs::read_link(&fd)?;
+    if !beneath(&real, roots) {
+        return Err(refused(format!(
             "{} resolves to {}, outside the read paths this node allows (--allow-read-path)",
             path.display(),
             real.display()
-        ),
-    ))
+        )));
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(&fd)
 }
 
 fn open_at(
@@ -429,8 +489,7 @@ fn open_at(
     roots: &[PathBuf],
     resume: Option<(u64, u64)>,
 ) -> std::io::Result<(File, u64, u64)> {
-    let mut f = File::open(path)?;
-    check_opened(&f, path, roots)?;
+    let mut f = open_checked(path, roots, Expect::Regular, 0)?;
     let meta = f.metadata()?;
     let offset = match resume {
         Some((inode, off)) if inode == meta.ino() && off <= meta.len() => off,
@@ -489,6 +548,7 @@ pub fn spawn_file(
                             Ok(m) if m.ino() != inode => {
                                 match open_at(&path, &roots, Some((m.ino(), 0))) {
                                     Ok((f, ino, _)) => {
+                                        counters.set_refused(None);
                                         waiter.watch_file(&path);
                                         reader = BufReader::with_capacity(64 * 1024, f);
                                         inode = ino;
@@ -496,13 +556,14 @@ pub fn spawn_file(
                                         partial.clear();
                                         continue;
                                     }
+                                    // A new file the node does not allow (a
+                                    // link leading out): say so and keep
+                                    // watching; the monitor goes blind.
                                     Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                                        if let Some(why) =
-                                            failures.failed("the log file", &path, &e)
-                                        {
-                                            counters.give_up(why);
-                                            return;
+                                        if counters.refused_reason().is_none() {
+                                            tracing::warn!(path = %path.display(), error = %e, "log file refused");
                                         }
+                                        counters.set_refused(Some(e.to_string()));
                                     }
                                     Err(_) => {}
                                 }
@@ -588,27 +649,17 @@ pub fn spawn_journald(
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
-    // journalctl follows links in --directory itself: judge where it leads.
-    if let Some(d) = &source.directory
-        && let Ok(real) = std::fs::canonicalize(d)
-        && !beneath(&real, roots)
-    {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::PermissionDenied,
-            format!(
-                "{d} resolves to {}, outside the read paths this node allows (--allow-read-path)",
-                real.display()
-            ),
-        ));
-    }
     let started = Cursor {
         journal: resume.clone(),
         ..Default::default()
     };
     spawn_journalctl(
-        "journalctl".into(),
-        JOURNAL_RESTART_MIN,
-        source,
+        Journalctl {
+            program: "journalctl".into(),
+            restart_min: JOURNAL_RESTART_MIN,
+            source,
+            roots: roots.to_vec(),
+        },
         resume,
         tx,
         counters,
@@ -623,10 +674,22 @@ pub fn spawn_journald(
 const JOURNAL_RESTART_MIN: Duration = Duration::from_secs(1);
 const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
 
-fn spawn_journalctl(
+/// What the journal reader runs, and what it may read.
+struct Journalctl {
     program: PathBuf,
     restart_min: Duration,
     source: crate::policy::monitors::JournaldSource,
+    /// The node's resolved read roots (`--directory` must lie under one).
+    roots: Vec<PathBuf>,
+}
+
+fn spawn_journalctl(
+    Journalctl {
+        program,
+        restart_min,
+        source,
+        roots,
+    }: Journalctl,
     resume: Option<String>,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
@@ -643,7 +706,30 @@ fn spawn_journalctl(
                 let mut cmd = std::process::Command::new(&program);
                 cmd.args(["--follow", "--output=json", "--no-pager", "--quiet"]);
                 if let Some(d) = &source.directory {
-                    cmd.arg(format!("--directory={d}"));
+                    // journalctl follows links in --directory: judge where
+                    // this one leads now (each run), and hand it that.
+                    match std::fs::canonicalize(d) {
+                        Ok(real) if beneath(&real, &roots) => {
+                            counters.set_refused(None);
+                            cmd.arg(format!("--directory={}", real.display()));
+                        }
+                        Ok(real) => {
+                            let why = format!(
+                                "{d} resolves to {}, outside the read paths this node allows (--allow-read-path)",
+                                real.display()
+                            );
+                            if counters.refused_reason().is_none() {
+                                tracing::warn!(directory = %d, "journal directory refused: {why}");
+                            }
+                            counters.set_refused(Some(why));
+                            std::thread::sleep(Duration::from_secs(5));
+                            continue;
+                        }
+                        // Not there (yet): journalctl says so and is retried.
+                        Err(_) => {
+                            cmd.arg(format!("--directory={d}"));
+                        }
+                    }
                 }
                 if let Some(u) = &source.unit {
                     cmd.arg(format!("--unit={u}"));
@@ -756,6 +842,33 @@ mod tests {
         }
     }
 
+    /// Roots are resolved once, at start: replacing a root by a link
+    /// afterwards does not move it, and a link under it leading out stays
+    /// refused; devices and FIFOs are refused without being opened.
+    #[test]
+    fn roots_are_resolved_once_and_only_right_kinds_of_files_open() {
+        let scratch = Scratch::new("roots");
+        let root = scratch.0.join("logs");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(root.join("app.log"), "x\n").unwrap();
+        let roots = resolve_roots(&[root.display().to_string()]);
+        assert!(open_checked(&root.join("app.log"), &roots, Expect::Regular, 0).is_ok());
+        // Swap the root for a link to / (as whoever may write its parent).
+        std::fs::rename(&root, scratch.0.join("logs.old")).unwrap();
+        std::os::unix::fs::symlink("/", &root).unwrap();
+        let err = open_checked(&root.join("etc/hostname"), &roots, Expect::Regular, 0).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied);
+        assert!(
+            err.to_string().contains("resolves to /etc/hostname"),
+            "{err}"
+        );
+        // A device is not a log file, and is not opened to find out.
+        let all = [PathBuf::from("/")];
+        let err = open_checked(Path::new("/dev/null"), &all, Expect::Regular, 0).unwrap_err();
+        assert!(err.to_string().contains("is not a regular file"), "{err}");
+        assert!(open_checked(Path::new("/dev/null"), &all, Expect::KernelLog, 0).is_ok());
+    }
+
     fn append(path: &Path) -> File {
         std::fs::OpenOptions::new().append(true).open(path).unwrap()
     }
@@ -791,9 +904,12 @@ mod tests {
         let stop = StopFlag::default();
         let min = Duration::from_millis(50);
         spawn_journalctl(
-            fake,
-            min,
-            Default::default(),
+            Journalctl {
+                program: fake,
+                restart_min: min,
+                source: Default::default(),
+                roots: vec![PathBuf::from("/")],
+            },
             None,
             tx,
             Arc::new(SourceCounters::default()),

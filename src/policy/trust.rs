@@ -150,11 +150,15 @@ impl fmt::Display for Refusal {
 /// What a policy asks for, cut to a length an Event note (1 KiB) and a
 /// condition message can carry along with the rest of the sentence.
 fn clip(s: &str) -> String {
-    const MAX: usize = 300;
-    match s.char_indices().nth(MAX) {
-        Some((at, _)) => format!("{}…", &s[..at]),
-        None => s.to_string(),
+    const MAX_BYTES: usize = 300;
+    if s.len() <= MAX_BYTES {
+        return s.to_string();
     }
+    let mut at = MAX_BYTES;
+    while !s.is_char_boundary(at) {
+        at -= 1;
+    }
+    format!("{}…", &s[..at])
 }
 
 /// `path` split into its components when it is absolute and normal.
@@ -673,6 +677,14 @@ mod tests {
         let r = &NodeTrust::default().refusals(&policy)[0];
         assert!(r.to_string().len() < 1000, "{}", r.to_string().len());
         assert!(r.asks.ends_with('…'));
+        // Bytes, not characters: an Event note is limited to 1 KiB.
+        let wide_chars = format!("/usr/{}", "語".repeat(2000));
+        let mut policy = crate::policy::NodeGuardPolicy::new("p", Default::default());
+        policy.spec.probes = vec![probe(
+            json!({"name": "p", "exec": {"command": [wide_chars]}, "conditionType": "X"}),
+        )];
+        let r = &NodeTrust::default().refusals(&policy)[0];
+        assert!(r.to_string().len() < 1000, "{}", r.to_string().len());
         assert!(NodeTrust::default().warnings().is_empty());
         let wide = NodeTrust {
             commands: vec!["/".into()],

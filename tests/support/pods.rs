@@ -48,7 +48,21 @@ pub async fn running_pod(
                  "containers": [{"name": "c", "image": "example.invalid/app"}]},
     }))
     .unwrap();
-    pods.create(&PostParams::default(), &pod).await.unwrap();
+    // The API server's priority admission reads PriorityClasses from its
+    // cache: one created a moment ago may not be there yet.
+    let mut tries = 0;
+    loop {
+        match pods.create(&PostParams::default(), &pod).await {
+            Ok(_) => break,
+            Err(kube::Error::Api(e))
+                if e.code == 403 && e.message.contains("no PriorityClass") && tries < 50 =>
+            {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("create pod {name}: {e}"),
+        }
+    }
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let status = serde_json::json!({"status": {"phase": "Running", "podIP": "127.0.0.1",
         "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}});

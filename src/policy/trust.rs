@@ -96,7 +96,7 @@ impl Setting {
             Setting::Commands => "trust.commands",
             Setting::RepairUnits => "trust.repairUnits",
             Setting::ReadPaths => "trust.readPaths",
-            Setting::WatchdogDevices => "host.watchdog.device",
+            Setting::WatchdogDevices => "host.watchdog.enabled and .device",
             Setting::LogindDropInDirs => "host.logindDropIn.path",
             Setting::MaxInhibitDelay => "trust.maxInhibitDelaySeconds",
         }

@@ -42,6 +42,24 @@ pub enum Command {
         #[arg(long, default_value = "imported-npd")]
         name: String,
     },
+    /// One node at a glance: nodeguard's conditions, the policies in force,
+    /// the taints they may add, the last Events, shutdown readiness, the
+    /// watchdog and the agent's pod. Also a kubectl plugin: install the
+    /// binary (or a link to it) as `kubectl-nodeguard` and run
+    /// `kubectl nodeguard status NODE`.
+    Status {
+        /// The Node's name.
+        node: String,
+        /// table or json.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+        output: Output,
+        /// How many of the newest Events to show.
+        #[arg(long, default_value_t = 10)]
+        events: usize,
+        /// Kubeconfig to use (default: KUBECONFIG, then ~/.kube/config).
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+    },
     /// Print the default policy shipped with the chart (NPD's standard
     /// monitors, kubelet and kube-proxy probes, kubelet-like shutdown).
     DefaultPolicy,
@@ -154,6 +172,14 @@ pub struct LogArgs {
     /// Log format. Filter with RUST_LOG (default: info).
     #[arg(long, env = "NODEGUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Sections of aligned columns.
+    Table,
+    /// The whole view, with full messages.
+    Json,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

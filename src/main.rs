@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use nodeguard::agent::{self, AgentConfig};
-use nodeguard::cli::{Cli, Command, LogFormat, RunArgs};
+use nodeguard::cli::{Cli, Command, LogFormat, Output, RunArgs};
 use nodeguard::policy::{self, NodeGuardPolicy};
 use tracing_subscriber::EnvFilter;
 
@@ -30,6 +30,12 @@ fn main() -> ExitCode {
         }
         Command::Check { files } => check(&files),
         Command::ImportNpd { files, name } => import_npd(&files, &name),
+        Command::Status {
+            node,
+            output,
+            events,
+            kubeconfig,
+        } => status(&node, output, events, kubeconfig.as_deref()),
         Command::Version => {
             println!("{}", nodeguard::version_string());
             Ok(ExitCode::SUCCESS)
@@ -108,6 +114,27 @@ async fn wait_for_signal() -> anyhow::Result<&'static str> {
     Ok(tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
+    })
+}
+
+fn status(
+    node: &str,
+    output: Output,
+    events: usize,
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let client = nodeguard::k8s::client(kubeconfig).await?;
+        let view = nodeguard::k8s::view::fetch(&client, node, events).await?;
+        match output {
+            Output::Table => print!("{}", nodeguard::status::render(&view)),
+            Output::Json => println!("{}", serde_json::to_string_pretty(&view)?),
+        }
+        Ok(ExitCode::SUCCESS)
     })
 }
 

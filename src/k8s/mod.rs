@@ -7,6 +7,7 @@ pub mod node;
 pub mod policy_status;
 pub mod status;
 pub mod taints;
+pub mod view;
 pub mod watch;
 
 use std::path::Path;

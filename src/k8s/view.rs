@@ -1,0 +1,257 @@
+//! Fills `status::NodeView` from the API for `nodeguard status NODE`.
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use kube::api::ListParams;
+use kube::{Api, Client};
+
+use crate::agent::EFFECTIVE_ANNOTATION;
+use crate::policy::NodeGuardPolicy;
+use crate::report::conditions::owned_types;
+use crate::status::{
+    AgentRow, ConditionRow, EventRow, Healthz, NodeView, TaintRow, parse_effective,
+};
+
+use super::status::{FIELD_MANAGER, REPORTING_CONTROLLER};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ViewError {
+    #[error("node {0} not found")]
+    NoNode(String),
+    #[error("cannot read {what}: {source}")]
+    Api {
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+fn api(what: &'static str) -> impl FnOnce(kube::Error) -> ViewError {
+    move |source| ViewError::Api { what, source }
+}
+
+/// Reads what `nodeguard status` shows of `node`; at most `events` Events.
+pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeView, ViewError> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let n = nodes
+        .get_opt(node)
+        .await
+        .map_err(api("the Node"))?
+        .ok_or_else(|| ViewError::NoNode(node.to_string()))?;
+    let mut view = NodeView {
+        node: node.to_string(),
+        ..Default::default()
+    };
+    let annotations = n.metadata.annotations.clone().unwrap_or_default();
+    view.policies = annotations
+        .get(EFFECTIVE_ANNOTATION)
+        .map(|v| parse_effective(v))
+        .unwrap_or_default();
+
+    // The conditions nodeguard's field manager owns on the status.
+    let owned: std::collections::BTreeSet<String> = n
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| {
+            m.manager.as_deref() == Some(FIELD_MANAGER)
+                && m.subresource.as_deref() == Some("status")
+        })
+        .filter_map(|m| m.fields_v1.as_ref())
+        .flat_map(|f| owned_types(&f.0))
+        .collect();
+    view.conditions = n
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|c| owned.contains(&c.type_))
+        .map(|c| ConditionRow {
+            type_: c.type_.clone(),
+            status: c.status.clone(),
+            reason: c.reason.clone().unwrap_or_default(),
+            message: c.message.clone().unwrap_or_default(),
+            since: c.last_transition_time.as_ref().map(|t| t.0.to_string()),
+            heartbeat: c.last_heartbeat_time.as_ref().map(|t| t.0.to_string()),
+        })
+        .collect();
+
+    // Taints the policies in force may add: the shutdown taint, and each
+    // monitor condition's.
+    let on_node: Vec<(String, String)> = n
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|t| (t.key.clone(), t.effect.clone()))
+        .collect();
+    let mut wanted: Vec<(String, String, String)> = Vec::new();
+    let policies: Api<NodeGuardPolicy> = Api::all(client.clone());
+    for p in &view.policies {
+        let Some(policy) = policies
+            .get_opt(&p.name)
+            .await
+            .map_err(api("NodeGuardPolicies"))?
+        else {
+            continue;
+        };
+        if policy.spec.shutdown.is_some() {
+            wanted.push((
+                crate::shutdown::core::TAINT_KEY.into(),
+                crate::shutdown::core::TAINT_EFFECT.into(),
+                format!("graceful shutdown ({})", p.name),
+            ));
+        }
+        for m in &policy.spec.monitors {
+            for c in &m.conditions {
+                if let Some(t) = &c.taint {
+                    wanted.push((
+                        t.key.clone(),
+                        t.effect.clone(),
+                        format!("monitor {} ({} True)", m.name, c.type_),
+                    ));
+                }
+            }
+        }
+    }
+    // The shutdown taint shows even when no policy in force has a shutdown
+    // section any more (left behind is worth seeing).
+    if !wanted
+        .iter()
+        .any(|(k, _, _)| k == crate::shutdown::core::TAINT_KEY)
+        && on_node
+            .iter()
+            .any(|(k, _)| k == crate::shutdown::core::TAINT_KEY)
+    {
+        wanted.push((
+            crate::shutdown::core::TAINT_KEY.into(),
+            crate::shutdown::core::TAINT_EFFECT.into(),
+            "graceful shutdown (no policy in force has one)".into(),
+        ));
+    }
+    view.taints = wanted
+        .into_iter()
+        .map(|(key, effect, source)| TaintRow {
+            present: on_node.iter().any(|(k, e)| *k == key && *e == effect),
+            key,
+            effect,
+            source,
+        })
+        .collect();
+
+    // nodeguard's Events about the node (it writes them in "default").
+    let evs: Api<K8sEvent> = Api::namespaced(client.clone(), "default");
+    let list = evs
+        .list(&ListParams::default().fields(&format!("regarding.name={node}")))
+        .await
+        .map_err(api("Events"))?;
+    let mut rows: Vec<(String, EventRow)> = list
+        .items
+        .into_iter()
+        .filter(|e| e.reporting_controller.as_deref() == Some(REPORTING_CONTROLLER))
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some("Node"))
+        .map(|e| {
+            let last = e
+                .series
+                .as_ref()
+                .map(|s| s.last_observed_time.0.to_string())
+                .unwrap_or_else(|| {
+                    e.event_time
+                        .as_ref()
+                        .map(|t| t.0.to_string())
+                        .unwrap_or_default()
+                });
+            let count = e.series.as_ref().map(|s| s.count).unwrap_or(1);
+            (
+                last.clone(),
+                EventRow {
+                    time: last,
+                    type_: e.type_.unwrap_or_default(),
+                    reason: e.reason.unwrap_or_default(),
+                    note: e.note.unwrap_or_default(),
+                    count,
+                },
+            )
+        })
+        .collect();
+    rows.sort_by(|a, b| a.0.cmp(&b.0));
+    let skip = rows.len().saturating_sub(events);
+    view.events = rows.into_iter().skip(skip).map(|(_, r)| r).collect();
+
+    // The agent's pod on the node (the chart's label), and its /healthz.
+    let pods: Api<Pod> = Api::all(client.clone());
+    let agent = pods
+        .list(
+            &ListParams::default()
+                .fields(&format!("spec.nodeName={node}"))
+                .labels("app.kubernetes.io/name=nodeguard"),
+        )
+        .await
+        .map_err(api("Pods"))?
+        .items
+        .into_iter()
+        .next();
+    if let Some(pod) = agent {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let status = pod.status.clone().unwrap_or_default();
+        let ready = status
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let port = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.ports.as_ref())
+            .and_then(|ps| ps.iter().find(|p| p.name.as_deref() == Some("http")))
+            .map(|p| p.container_port)
+            .unwrap_or(9909);
+        let healthz = healthz(client, &namespace, &name, port).await;
+        view.agent = Some(AgentRow {
+            pod: name,
+            namespace,
+            phase: status.phase.unwrap_or_else(|| "Unknown".into()),
+            ready,
+            healthz,
+        });
+    }
+    Ok(view)
+}
+
+/// `/healthz` of the agent's pod through the API server's pod proxy
+/// (the status code, and the body, which says why when it is not 200).
+async fn healthz(client: &Client, ns: &str, pod: &str, port: i32) -> Healthz {
+    let unreachable = |why: String| Healthz {
+        code: None,
+        body: why,
+    };
+    let path = format!("/api/v1/namespaces/{ns}/pods/{pod}:{port}/proxy/healthz");
+    let req = match http::Request::get(&path).body(Vec::new()) {
+        Ok(r) => r,
+        Err(e) => return unreachable(e.to_string()),
+    };
+    let call = client.send(req.map(Into::into));
+    let resp = match tokio::time::timeout(std::time::Duration::from_secs(5), call).await {
+        Err(_) => return unreachable("no answer within 5 s".into()),
+        Ok(Err(e)) => return unreachable(e.to_string()),
+        Ok(Ok(r)) => r,
+    };
+    let code = resp.status().as_u16();
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        .unwrap_or_default();
+    // The API server answers 503 itself when it cannot reach the pod.
+    if code == 503 && body.contains("error trying to reach service") {
+        return unreachable(body);
+    }
+    Healthz {
+        code: Some(code),
+        body,
+    }
+}

@@ -30,6 +30,15 @@ pub enum Command {
         /// Policy files (YAML, one or more documents each); `-` reads stdin.
         #[arg(short = 'f', long = "filename", required = true, num_args = 1..)]
         files: Vec<PathBuf>,
+        /// Also run the valid policies' log monitors over this log and print
+        /// what they would have done, line by line (journalctl -o json,
+        /// /dev/kmsg records, syslog or dmesg lines, plain text). Exit 0 when
+        /// a rule fired, 1 when none did.
+        #[arg(long)]
+        replay: Option<PathBuf>,
+        /// The year of syslog time stamps, which carry none (default: this year).
+        #[arg(long, requires = "replay")]
+        year: Option<i16>,
     },
     /// Convert node-problem-detector monitor configs (JSON) into a
     /// NodeGuardPolicy printed as YAML; what cannot be expressed is listed
@@ -246,6 +255,6 @@ mod tests {
     fn check_needs_a_file() {
         assert!(Cli::try_parse_from(["nodeguard", "check"]).is_err());
         let cli = Cli::try_parse_from(["nodeguard", "check", "-f", "a.yaml", "b.yaml"]).unwrap();
-        assert!(matches!(cli.command, Command::Check { files } if files.len() == 2));
+        assert!(matches!(cli.command, Command::Check { files, .. } if files.len() == 2));
     }
 }

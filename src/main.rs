@@ -28,7 +28,11 @@ fn main() -> ExitCode {
             print!("{}", NodeGuardPolicy::crd_yaml());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Check { files } => check(&files),
+        Command::Check {
+            files,
+            replay,
+            year,
+        } => check(&files, replay.as_deref(), year),
         Command::ImportNpd { files, name } => import_npd(&files, &name),
         Command::Status {
             node,
@@ -179,9 +183,14 @@ fn import_npd(files: &[std::path::PathBuf], name: &str) -> anyhow::Result<ExitCo
     })
 }
 
-fn check(files: &[std::path::PathBuf]) -> anyhow::Result<ExitCode> {
+fn check(
+    files: &[std::path::PathBuf],
+    replay: Option<&std::path::Path>,
+    year: Option<i16>,
+) -> anyhow::Result<ExitCode> {
     let mut problems = 0usize;
     let mut policies = 0usize;
+    let mut monitors = Vec::new();
     for file in files {
         let origin = file.display().to_string();
         let text = if origin == "-" {
@@ -209,6 +218,9 @@ fn check(files: &[std::path::PathBuf]) -> anyhow::Result<ExitCode> {
             let name = doc.name.as_deref().unwrap_or("<unnamed>");
             if doc.problems.is_empty() {
                 println!("{origin}: NodeGuardPolicy {name}: valid");
+                if let Some(p) = &doc.policy {
+                    monitors.extend(p.spec.monitors.iter().cloned());
+                }
             }
             // Not problems: each node decides. Said here so the author
             // knows before a node refuses it.
@@ -240,8 +252,27 @@ fn check(files: &[std::path::PathBuf]) -> anyhow::Result<ExitCode> {
             "{problems} problem(s) in {policies} polic{}",
             if policies == 1 { "y" } else { "ies" }
         );
-        Ok(ExitCode::from(1))
-    } else {
-        Ok(ExitCode::SUCCESS)
+        return Ok(ExitCode::from(1));
     }
+    let Some(log) = replay else {
+        return Ok(ExitCode::SUCCESS);
+    };
+    let bytes = std::fs::read(log).with_context(|| format!("cannot read {}", log.display()))?;
+    let lines: Vec<String> = String::from_utf8_lossy(&bytes)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let year = year.unwrap_or_else(|| jiff::Zoned::now().year());
+    println!(
+        "\nreplaying {} over {} monitor(s):\n",
+        log.display(),
+        monitors.len()
+    );
+    let result = nodeguard::monitor::replay::replay(&monitors, &lines, year);
+    print!("{}", nodeguard::monitor::replay::render(&result));
+    Ok(if result.fired() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

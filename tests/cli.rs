@@ -175,3 +175,88 @@ fn import_npd_converts_the_published_shapes_into_a_valid_policy() {
     assert_eq!(ntp.rules[1].command, ["./config/plugin/check_ntp.sh"]);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `check --replay`: the shipped default policy over a node's log (our own
+/// lines in syslog and journal formats): the kernel monitor's Events and
+/// condition, the kubelet-restart counter reaching 5 within its window, and
+/// both clearing after their quiet periods, at the log's own times.
+#[test]
+fn replay_runs_the_default_policy_over_a_log_at_its_own_times() {
+    let (code, policy, _) = nodeguard(&["default-policy"]);
+    assert_eq!(code, 0);
+    let dir = std::env::temp_dir().join(support::unique_name("replay"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("default.yaml");
+    std::fs::write(&p, policy).unwrap();
+    let fixtures = support::repo_root().join("tests/fixtures/replay");
+    let log = fixtures.join("node.log");
+    let (code, out, err) = nodeguard(&[
+        "check",
+        "-f",
+        p.to_str().unwrap(),
+        "--replay",
+        log.to_str().unwrap(),
+        "--year",
+        "2026",
+    ]);
+    println!("{out}");
+    assert_eq!(code, 0, "a rule fired: exit 0\n{out}{err}");
+    for want in [
+        "line 2  2026-11-23T10:00:00Z  kernel: Event OOMKilling: Out of memory: Killed process 4242 (java)",
+        "line 3  2026-11-23T10:00:05Z  kernel: KernelDeadlock=True (DockerHung): INFO: task docker:1234 blocked",
+        "line 9  2026-11-23T10:05:00Z  systemd-restarts: FrequentKubeletRestart=True (FrequentKubeletRestart)",
+        "(quiet)  2026-11-23T10:25:00Z  systemd-restarts: FrequentKubeletRestart=False (NoFrequentKubeletRestart)",
+        "(quiet)  2026-11-23T11:00:05Z  kernel: KernelDeadlock=False (KernelHasNoDeadlock)",
+        "10 lines (journal 5, plain 1, syslog 4); 6 problem step(s), 4 clearing(s)",
+    ] {
+        assert!(out.contains(want), "{want:?} missing:\n{out}");
+    }
+    // The counter fired at the 5th start, not before.
+    assert!(!out.contains("line 8  "), "{out}");
+
+    // Nothing fires: exit 1, as grep.
+    let quiet = fixtures.join("quiet.log");
+    let (code, out, _) = nodeguard(&[
+        "check",
+        "-f",
+        p.to_str().unwrap(),
+        "--replay",
+        quiet.to_str().unwrap(),
+        "--year",
+        "2026",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("0 problem step(s)"), "{out}");
+
+    // A file monitor matches the raw line; its taint is shown added and removed.
+    let tainting = dir.join("taint.yaml");
+    std::fs::write(
+        &tainting,
+        "apiVersion: nodeguard.io/v1alpha1\nkind: NodeGuardPolicy\nmetadata: {name: app}\nspec:\n  monitors:\n  - name: app\n    source: {file: {path: /var/log/app.log}}\n    conditions:\n    - {type: AppBroken, reason: AppIsFine, message: fine, clearPattern: recovered, taint: {key: example.com/app, effect: NoSchedule}}\n    rules:\n    - {type: permanent, condition: AppBroken, reason: AppCrashed, pattern: 'node-a app\\[\\d+\\]: crashed'}\n",
+    )
+    .unwrap();
+    let applog = dir.join("app.log");
+    std::fs::write(
+        &applog,
+        "Nov 23 09:00:00 node-a app[7]: crashed\nNov 23 09:00:30 node-a app[7]: recovered\n",
+    )
+    .unwrap();
+    let (code, out, err) = nodeguard(&[
+        "check",
+        "-f",
+        tainting.to_str().unwrap(),
+        "--replay",
+        applog.to_str().unwrap(),
+        "--year",
+        "2026",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    for want in [
+        "line 1  2026-11-23T09:00:00Z  app: AppBroken=True (AppCrashed)",
+        "line 1  2026-11-23T09:00:00Z  app: taint added example.com/app:NoSchedule",
+        "line 2  2026-11-23T09:00:30Z  app: taint removed example.com/app:NoSchedule",
+    ] {
+        assert!(out.contains(want), "{want:?} missing:\n{out}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -11,6 +11,7 @@
 
 pub mod engine;
 pub mod kmsg;
+pub mod replay;
 pub mod sources;
 
 use std::collections::{BTreeMap, HashMap};

@@ -65,8 +65,9 @@ pub enum Command {
         /// How many of the newest Events to show.
         #[arg(long, default_value_t = 10)]
         events: usize,
-        /// Kubeconfig to use (default: KUBECONFIG, then ~/.kube/config).
-        #[arg(long, env = "KUBECONFIG")]
+        /// Kubeconfig to use (default: KUBECONFIG, which may list several
+        /// files, then ~/.kube/config).
+        #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
     /// Print the default policy shipped with the chart (NPD's standard

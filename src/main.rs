@@ -252,23 +252,30 @@ fn check(
             "{problems} problem(s) in {policies} polic{}",
             if policies == 1 { "y" } else { "ies" }
         );
-        return Ok(ExitCode::from(1));
+        // With --replay, 1 means "nothing fired": a broken policy is 2.
+        return Ok(ExitCode::from(if replay.is_some() { 2 } else { 1 }));
     }
     let Some(log) = replay else {
         return Ok(ExitCode::SUCCESS);
     };
-    let bytes = std::fs::read(log).with_context(|| format!("cannot read {}", log.display()))?;
-    let lines: Vec<String> = String::from_utf8_lossy(&bytes)
-        .lines()
-        .map(str::to_string)
-        .collect();
+    use std::io::BufRead;
+    let file =
+        std::fs::File::open(log).with_context(|| format!("cannot read {}", log.display()))?;
+    // Streamed a line at a time; bytes that are not UTF-8 are replaced.
+    let lines = std::io::BufReader::new(file)
+        .split(b'\n')
+        .map_while(Result::ok)
+        .map(|l| {
+            let l = l.strip_suffix(b"\r").unwrap_or(&l);
+            String::from_utf8_lossy(l).into_owned()
+        });
     let year = year.unwrap_or_else(|| jiff::Zoned::now().year());
     println!(
         "\nreplaying {} over {} monitor(s):\n",
         log.display(),
         monitors.len()
     );
-    let result = nodeguard::monitor::replay::replay(&monitors, &lines, year);
+    let result = nodeguard::monitor::replay::replay(&monitors, lines, year);
     print!("{}", nodeguard::monitor::replay::render(&result));
     Ok(if result.fired() {
         ExitCode::SUCCESS

@@ -23,6 +23,8 @@ pub struct NodeView {
     pub events: Vec<EventRow>,
     /// The agent's pod on the node; `None` in host mode or when absent.
     pub agent: Option<AgentRow>,
+    /// Sections that could not be read, and why (the rest is shown).
+    pub errors: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -158,13 +160,38 @@ pub fn render(v: &NodeView) -> String {
             .join(", ")
     };
     out.push_str(&format!("Policies:  {policies}\n"));
+    // These conditions say what is *unavailable*: False is good news.
     let about = |t: &str| {
         v.conditions
             .iter()
             .find(|c| c.type_ == t)
-            .map(|c| format!("{} ({}): {}", c.status, c.reason, cut(&c.message, 160)))
+            .map(|c| {
+                let verdict = match c.status.as_str() {
+                    "False" => "ready",
+                    "True" => "NOT ready",
+                    _ => "unknown",
+                };
+                format!(
+                    "{verdict} ({t}={}, {}): {}",
+                    c.status,
+                    c.reason,
+                    cut(&c.message, 160)
+                )
+            })
             .unwrap_or_else(|| "not configured on this node".to_string())
     };
+    // When the agent last wrote its conditions (it rewrites them every
+    // heartbeat interval, 300 s by default): an old time is a stale agent.
+    if let Some(newest) = v
+        .conditions
+        .iter()
+        .filter_map(|c| c.heartbeat.as_deref())
+        .max()
+    {
+        out.push_str(&format!(
+            "Written:   {newest} (newest heartbeat of its conditions)\n"
+        ));
+    }
     out.push_str(&format!("Shutdown:  {}\n", about(SHUTDOWN)));
     out.push_str(&format!("Watchdog:  {}\n", about(WATCHDOG)));
     match &v.agent {
@@ -186,6 +213,9 @@ pub fn render(v: &NodeView) -> String {
         }
     }
 
+    for e in &v.errors {
+        out.push_str(&format!("Not shown: {e}\n"));
+    }
     out.push_str("\nConditions (written by nodeguard):\n");
     if v.conditions.is_empty() {
         out.push_str("  none\n");
@@ -308,6 +338,9 @@ mod tests {
                 count: 3,
             }],
             agent: None,
+            errors: vec![
+                "Events: forbidden (needs list events.events.k8s.io in namespace default)".into(),
+            ],
         }
     }
 
@@ -335,7 +368,7 @@ mod tests {
         assert!(out.contains("Policies:  default@3, gpu@1"), "{out}");
         assert!(
             out.contains(
-                "Shutdown:  False (InhibitorHeld): logind allows 30 s the policy needs 32 s"
+                "Shutdown:  ready (GracefulShutdownUnavailable=False, InhibitorHeld): logind allows 30 s the policy needs 32 s"
             ),
             "{out}"
         );
@@ -344,6 +377,10 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("Agent:     no nodeguard pod"), "{out}");
+        assert!(
+            out.contains("Not shown: Events: forbidden (needs list"),
+            "{out}"
+        );
         let conditions: Vec<&str> = out
             .lines()
             .skip_while(|l| !l.starts_with("Conditions"))

@@ -142,6 +142,49 @@ async fn status_shows_conditions_policies_taints_and_events_of_one_node() {
     assert!(ok, "kubectl nodeguard status: {err}");
     assert!(out.contains(&format!("Node:      {}", node.name)), "{out}");
 
+    // An agent pod on the node: found by the chart's label, its /healthz
+    // asked through the API server's pod proxy (nothing listens at this
+    // pod's address here, and the answer says it is the API server's).
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    let pod_name = unique_name("nodeguard-agent");
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": pod_name, "labels": {"app.kubernetes.io/name": "nodeguard"}},
+        "spec": {"nodeName": node.name, "automountServiceAccountToken": false,
+                 "containers": [{"name": "nodeguard", "image": "example.invalid/nodeguard",
+                                 "ports": [{"name": "http", "containerPort": 1}]}]},
+    }))
+    .unwrap();
+    pods.create(&kube::api::PostParams::default(), &pod)
+        .await
+        .unwrap();
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    pods.patch_status(
+        &pod_name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(
+            serde_json::json!({"status": {"phase": "Running", "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}}),
+        ),
+    )
+    .await
+    .unwrap();
+    let (ok, out, err) = status(&["status", &node.name], None);
+    assert!(ok, "{err}");
+    let agent_line = out.lines().find(|l| l.starts_with("Agent:")).unwrap();
+    println!("{agent_line}");
+    assert!(
+        agent_line.contains(&format!("pod {TEST_NAMESPACE}/{pod_name} Running, Ready"))
+            && agent_line.contains("/healthz not reachable"),
+        "{agent_line}"
+    );
+    let _ = pods
+        .delete(
+            &pod_name,
+            &kube::api::DeleteParams::default().grace_period(0),
+        )
+        .await;
+
     // A node that does not exist: a clear error, exit code not 0.
     let (ok, _, err) = status(&["status", "no-such-node-x"], None);
     assert!(

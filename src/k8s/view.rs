@@ -91,13 +91,31 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
     let mut wanted: Vec<(String, String, String)> = Vec::new();
     let policies: Api<NodeGuardPolicy> = Api::all(client.clone());
     for p in &view.policies {
-        let Some(policy) = policies
-            .get_opt(&p.name)
-            .await
-            .map_err(api("NodeGuardPolicies"))?
-        else {
-            continue;
+        let policy = match policies.get_opt(&p.name).await {
+            Ok(Some(policy)) => policy,
+            Ok(None) => {
+                view.errors.push(format!(
+                    "the taints of policy {} (in force at generation {}; since deleted)",
+                    p.name, p.generation
+                ));
+                continue;
+            }
+            Err(e) => {
+                view.errors.push(format!(
+                    "the taints of policy {}: {e} (needs get on nodeguardpolicies.nodeguard.io)",
+                    p.name
+                ));
+                continue;
+            }
         };
+        if policy.metadata.generation != Some(p.generation) {
+            view.errors.push(format!(
+                "policy {} is at generation {} but generation {} is in force here: taints shown are the newer one's",
+                p.name,
+                policy.metadata.generation.unwrap_or_default(),
+                p.generation
+            ));
+        }
         if policy.spec.shutdown.is_some() {
             wanted.push((
                 crate::shutdown::core::TAINT_KEY.into(),
@@ -144,12 +162,19 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
 
     // nodeguard's Events about the node (it writes them in "default").
     let evs: Api<K8sEvent> = Api::namespaced(client.clone(), "default");
-    let list = evs
+    let list = match evs
         .list(&ListParams::default().fields(&format!("regarding.name={node}")))
         .await
-        .map_err(api("Events"))?;
-    let mut rows: Vec<(String, EventRow)> = list
-        .items
+    {
+        Ok(l) => l.items,
+        Err(e) => {
+            view.errors.push(format!(
+                "Events: {e} (needs list events.events.k8s.io in namespace default)"
+            ));
+            Vec::new()
+        }
+    };
+    let mut rows: Vec<(jiff::Timestamp, EventRow)> = list
         .into_iter()
         .filter(|e| e.reporting_controller.as_deref() == Some(REPORTING_CONTROLLER))
         .filter(|e| e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some("Node"))
@@ -157,18 +182,14 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
             let last = e
                 .series
                 .as_ref()
-                .map(|s| s.last_observed_time.0.to_string())
-                .unwrap_or_else(|| {
-                    e.event_time
-                        .as_ref()
-                        .map(|t| t.0.to_string())
-                        .unwrap_or_default()
-                });
+                .map(|s| s.last_observed_time.0)
+                .or(e.event_time.as_ref().map(|t| t.0))
+                .unwrap_or(jiff::Timestamp::UNIX_EPOCH);
             let count = e.series.as_ref().map(|s| s.count).unwrap_or(1);
             (
-                last.clone(),
+                last,
                 EventRow {
-                    time: last,
+                    time: last.to_string(),
                     type_: e.type_.unwrap_or_default(),
                     reason: e.reason.unwrap_or_default(),
                     note: e.note.unwrap_or_default(),
@@ -183,17 +204,30 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
 
     // The agent's pod on the node (the chart's label), and its /healthz.
     let pods: Api<Pod> = Api::all(client.clone());
-    let agent = pods
+    let candidates = match pods
         .list(
             &ListParams::default()
                 .fields(&format!("spec.nodeName={node}"))
                 .labels("app.kubernetes.io/name=nodeguard"),
         )
         .await
-        .map_err(api("Pods"))?
-        .items
-        .into_iter()
-        .next();
+    {
+        Ok(l) => l.items,
+        Err(e) => {
+            view.errors.push(format!(
+                "the agent's pod: {e} (needs list pods in all namespaces)"
+            ));
+            Vec::new()
+        }
+    };
+    // During a rollout the old pod may be terminating beside the new one:
+    // a running one that is not being deleted first.
+    let rank = |p: &Pod| {
+        let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+        let deleting = p.metadata.deletion_timestamp.is_some();
+        (!running, deleting)
+    };
+    let agent = candidates.into_iter().min_by_key(rank);
     if let Some(pod) = agent {
         let name = pod.metadata.name.clone().unwrap_or_default();
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
@@ -246,9 +280,22 @@ async fn healthz(client: &Client, ns: &str, pod: &str, port: i32) -> Healthz {
         .await
         .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
         .unwrap_or_default();
-    // The API server answers 503 itself when it cannot reach the pod.
-    if code == 503 && body.contains("error trying to reach service") {
-        return unreachable(body);
+    // The API server's own refusals (403 without pods/proxy, 503 when it
+    // cannot reach the pod) are a metav1.Status, not the agent's answer.
+    if let Ok(status) = serde_json::from_str::<serde_json::Value>(&body)
+        && status.get("kind").and_then(|k| k.as_str()) == Some("Status")
+    {
+        let message = status
+            .get("message")
+            .and_then(|m| m.as_str())
+            .unwrap_or("")
+            .to_string();
+        let hint = if code == 403 {
+            " (needs get on pods/proxy)"
+        } else {
+            ""
+        };
+        return unreachable(format!("API server {code}: {message}{hint}"));
     }
     Healthz {
         code: Some(code),

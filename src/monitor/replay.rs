@@ -27,8 +27,13 @@ pub struct LogLine {
     pub raw: String,
     /// The syslog identifier (`kernel`, `systemd`, `dockerd`), if known.
     pub identifier: Option<String>,
-    /// The systemd unit (journal entries only).
-    pub unit: Option<String>,
+    /// The systemd units a journal entry is about (`_SYSTEMD_UNIT`, and
+    /// `UNIT`/`OBJECT_SYSTEMD_UNIT` as `journalctl --unit` matches them);
+    /// `None` for lines of other formats, which say nothing of units.
+    pub units: Option<Vec<String>>,
+    /// A `/dev/kmsg` dictionary continuation (` SUBSYSTEM=…`): the agent
+    /// skips these.
+    pub continuation: bool,
     /// Which format it was read as.
     pub format: &'static str,
 }
@@ -40,7 +45,8 @@ impl LogLine {
 }
 
 fn boot_relative(secs: u64, micros: u64) -> Option<Timestamp> {
-    Timestamp::from_microsecond((secs * 1_000_000 + micros) as i64).ok()
+    let us = secs.checked_mul(1_000_000)?.checked_add(micros)?;
+    Timestamp::from_microsecond(i64::try_from(us).ok()?).ok()
 }
 
 /// Strips a leading `[ 123.456789] ` (the kernel's time since boot).
@@ -54,10 +60,15 @@ fn strip_kernel_time(s: &str) -> (&str, Option<Timestamp>) {
     let Some((secs, frac)) = stamp.trim().split_once('.') else {
         return (s, None);
     };
-    let (Ok(secs), Ok(frac_n)) = (secs.parse::<u64>(), frac.parse::<u64>()) else {
+    // Microseconds: at most six digits of the fraction count.
+    let frac6: String = frac.chars().take(6).collect();
+    let (Ok(secs), Ok(frac_n)) = (secs.parse::<u64>(), frac6.parse::<u64>()) else {
         return (s, None);
     };
-    let micros = frac_n * 10u64.pow(6u32.saturating_sub(frac.len() as u32));
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return (s, None);
+    }
+    let micros = frac_n * 10u64.pow(6 - frac6.len() as u32);
     (after.trim_start(), boot_relative(secs, micros))
 }
 
@@ -83,7 +94,8 @@ pub fn parse_line(raw: &str, year: i16) -> LogLine {
         message: raw.to_string(),
         raw: raw.to_string(),
         identifier: None,
-        unit: None,
+        units: None,
+        continuation: raw.starts_with(' ') || raw.starts_with('\t'),
         format: "plain",
     };
     let t = raw.trim_start();
@@ -96,12 +108,25 @@ pub fn parse_line(raw: &str, year: i16) -> LogLine {
         line.time = field("__REALTIME_TIMESTAMP")
             .and_then(|us| us.parse::<i64>().ok())
             .and_then(|us| Timestamp::from_microsecond(us).ok());
+        // An entry's origin is known: the kernel's by its transport, and
+        // anything else is not the kernel's even without an identifier.
         line.identifier = if field("_TRANSPORT").as_deref() == Some("kernel") {
             Some("kernel".into())
         } else {
-            field("SYSLOG_IDENTIFIER")
+            Some(field("SYSLOG_IDENTIFIER").unwrap_or_default())
         };
-        line.unit = field("_SYSTEMD_UNIT");
+        let pid1 = field("_PID").as_deref() == Some("1");
+        line.units = Some(
+            [
+                field("_SYSTEMD_UNIT"),
+                field("UNIT").filter(|_| pid1),
+                field("OBJECT_SYSTEMD_UNIT"),
+                field("COREDUMP_UNIT"),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+        );
         line.message = message;
         line.format = "journal";
         return line;
@@ -143,18 +168,26 @@ pub fn parse_line(raw: &str, year: i16) -> LogLine {
     // BSD syslog: "Nov 23 10:00:00 host ident[pid]: message"
     if let Some(stamp) = t.get(..15).filter(|s| s.is_ascii())
         && let Some(month) = MONTHS.iter().position(|m| stamp.starts_with(m))
-        && let Some(after) = t.get(16..)
+        && let Some(after) = t.get(15..)
     {
+        let after = after.strip_prefix(' ').unwrap_or(after);
         let month = month + 1;
         let day = stamp[4..6].trim().parse::<i8>().ok();
         let hms: Vec<i8> = stamp[7..15]
             .split(':')
             .filter_map(|x| x.parse().ok())
             .collect();
+        // `journalctl -o short-precise` adds `.123456` to the second.
+        let after = match after.strip_prefix('.') {
+            Some(frac) => frac
+                .trim_start_matches(|c: char| c.is_ascii_digit())
+                .trim_start(),
+            None => after,
+        };
         if let (Some(day), [h, m, s]) = (day, hms.as_slice())
-            && let Ok(dt) = jiff::civil::date(year, month as i8, day)
-                .at(*h, *m, *s, 0)
-                .to_zoned(jiff::tz::TimeZone::UTC)
+            && let Ok(date) = jiff::civil::Date::new(year, month as i8, day)
+            && let Ok(time) = jiff::civil::Time::new(*h, *m, *s, 0)
+            && let Ok(dt) = date.to_datetime(time).to_zoned(jiff::tz::TimeZone::UTC)
             && let Some((_host, rest)) = after.split_once(' ')
         {
             let (ident, msg) = split_ident(rest);
@@ -176,19 +209,27 @@ fn input_for<'a>(m: &MonitorSpec, line: &'a LogLine) -> Option<&'a str> {
         return Some(&line.raw);
     }
     if src.kmsg.is_some() {
-        // The kernel's lines, and lines that do not say where they are from.
-        return (line.kernel() || line.identifier.is_none()).then_some(line.message.as_str());
+        // The kernel's lines, and lines that do not say where they are from
+        // (never a record's dictionary continuation, which the agent skips).
+        return (!line.continuation && (line.kernel() || line.identifier.is_none()))
+            .then_some(line.message.as_str());
     }
     if let Some(j) = &src.journald {
         let ident_ok = j
             .identifier
             .as_ref()
             .is_none_or(|want| line.identifier.as_ref() == Some(want));
-        // Only journal entries carry a unit; other lines pass a unit filter.
-        let unit_ok = j
-            .unit
-            .as_ref()
-            .is_none_or(|want| line.unit.as_ref().is_none_or(|u| u == want));
+        // As `journalctl --unit`: a bare name is a service; only journal
+        // entries say which unit they are about, so other lines never pass
+        // a unit filter.
+        let unit_ok = j.unit.as_ref().is_none_or(|want| {
+            let want = if want.contains('.') {
+                want.clone()
+            } else {
+                format!("{want}.service")
+            };
+            line.units.as_ref().is_some_and(|us| us.contains(&want))
+        });
         return (ident_ok && unit_ok).then_some(line.message.as_str());
     }
     None
@@ -219,6 +260,8 @@ pub struct Replay {
     pub skipped: Vec<String>,
     /// Each condition's state after the last line.
     pub end: BTreeMap<String, String>,
+    /// Lines older than the line before them (taken at that one's time).
+    pub out_of_order: usize,
 }
 
 impl Replay {
@@ -266,8 +309,17 @@ fn describe(a: &Action) -> (String, bool) {
     }
 }
 
+/// At most this many quiet-period ticks between two lines: across longer
+/// gaps ticks are spaced wider, so a clearing shows up to gap/100,000 late.
+const MAX_TICKS_PER_GAP: u32 = 100_000;
+
 /// Runs `monitors` over `lines` (the log's text, one entry per line).
-pub fn replay(monitors: &[MonitorSpec], lines: &[String], year: i16) -> Replay {
+pub fn replay(
+    monitors: &[MonitorSpec],
+    lines: impl IntoIterator<Item = String>,
+    year: i16,
+) -> Replay {
+    let mut year = year;
     let mut out = Replay::default();
     let mut engines: Vec<(&MonitorSpec, Engine)> = Vec::new();
     for m in monitors {
@@ -296,12 +348,18 @@ pub fn replay(monitors: &[MonitorSpec], lines: &[String], year: i16) -> Replay {
                 engine.taint_result(condition, outcome);
             }
             // The engine restates a condition's value at times; show changes.
-            if let Action::Condition { type_, active, .. } = &a {
-                let now = if *active { "True" } else { "False" };
-                if out.end.get(type_).map(String::as_str) == Some(now) {
+            if let Action::Condition {
+                type_,
+                active,
+                reason,
+                ..
+            } = &a
+            {
+                let now = format!("{} ({reason})", if *active { "True" } else { "False" });
+                if out.end.get(type_) == Some(&now) {
                     continue;
                 }
-                out.end.insert(type_.clone(), now.to_string());
+                out.end.insert(type_.clone(), now);
             }
             let (what, mut fired) = describe(&a);
             // A condition's clearing Event carries its no-problem reason.
@@ -322,25 +380,45 @@ pub fn replay(monitors: &[MonitorSpec], lines: &[String], year: i16) -> Replay {
     // Every condition starts at its no-problem state.
     for (m, _) in &engines {
         for c in &m.conditions {
-            out.end.insert(c.type_.clone(), "False".into());
+            out.end
+                .insert(c.type_.clone(), format!("False ({})", c.reason));
         }
     }
-    for (i, raw) in lines.iter().enumerate() {
-        let line = parse_line(raw, year);
+    for (i, raw) in lines.into_iter().enumerate() {
+        let mut line = parse_line(&raw, year);
+        // Syslog stamps carry no year: December to January is a new one.
+        if line.format == "syslog"
+            && let (Some(t), Some(prev)) = (line.time, last)
+            && prev.duration_since(t).unsigned_abs() > Duration::from_secs(180 * 86_400)
+            && t < prev
+            && year < 9999
+        {
+            let next = parse_line(&raw, year + 1);
+            if next.time.is_some_and(|n| n >= prev) {
+                year += 1;
+                line = next;
+            }
+        }
         out.lines += 1;
         *out.formats.entry(line.format).or_default() += 1;
-        let time = line.time.or(last).unwrap_or(Timestamp::UNIX_EPOCH);
-        // Quiet periods that ran out before this line, second by second
-        // (minute by minute across gaps of more than a day).
+        // The engine's time never goes back (the agent's clock does not):
+        // a line older than the one before it is taken at that one's time.
+        let time = match (line.time, last) {
+            (Some(t), Some(prev)) if t < prev => {
+                out.out_of_order += 1;
+                prev
+            }
+            (Some(t), _) => t,
+            (None, Some(prev)) => prev,
+            // Untimed lines before the first timed one: no clock yet.
+            (None, None) => Timestamp::UNIX_EPOCH,
+        };
+        // Quiet periods that ran out before this line.
         if let Some(prev) = last
             && time > prev
         {
             let gap = time.duration_since(prev).unsigned_abs();
-            let step = if gap > Duration::from_secs(86_400) {
-                Duration::from_secs(60)
-            } else {
-                Duration::from_secs(1)
-            };
+            let step = (gap / MAX_TICKS_PER_GAP).max(Duration::from_secs(1));
             let mut t = prev;
             while let Ok(next) = t.checked_add(step) {
                 if next >= time {
@@ -355,7 +433,9 @@ pub fn replay(monitors: &[MonitorSpec], lines: &[String], year: i16) -> Replay {
                 }
             }
         }
-        last = Some(time.max(last.unwrap_or(time)));
+        if line.time.is_some() || last.is_some() {
+            last = Some(time);
+        }
         for (m, e) in engines.iter_mut() {
             let Some(input) = input_for(m, &line) else {
                 continue;
@@ -395,6 +475,12 @@ pub fn render(r: &Replay) -> String {
     let end: Vec<String> = r.end.iter().map(|(t, v)| format!("{t}={v}")).collect();
     if !end.is_empty() {
         s.push_str(&format!("after the last line: {}\n", end.join(", ")));
+    }
+    if r.out_of_order > 0 {
+        s.push_str(&format!(
+            "{} line(s) older than the line before them were taken at that line's time\n",
+            r.out_of_order
+        ));
     }
     if !r.skipped.is_empty() {
         s.push_str(&format!(
@@ -451,9 +537,24 @@ mod tests {
         assert_eq!(b.time.unwrap().to_string(), "2026-11-23T10:00:07Z");
         let p = parse_line("app crashed: disk full", 2026);
         assert_eq!((p.format, p.time), ("plain", None));
+        let sp = parse_line(
+            "Nov 23 10:00:07.123456 node-a kubelet[9]: E1123 failed",
+            2026,
+        );
+        assert_eq!(
+            (sp.format, sp.identifier.as_deref()),
+            ("syslog", Some("kubelet"))
+        );
+        assert_eq!(sp.message, "E1123 failed");
         // Hostile lines are plain text, never a panic.
         for odd in [
             "Ñov 23 10:00:00 x y: z",
+            "Nov 31 10:00:00 host kernel: no such day",
+            "Feb 29 10:00:00 host kernel: not a leap year",
+            "Nov 23 99:99:99 host kernel: no such time",
+            "Nov 00 10:00:00 host kernel: day zero",
+            "[99999999999999999999.1] overflow",
+            "[18446744073709.551615] overflow",
             "Nov",
             "[",
             "[1.x] a",
@@ -463,5 +564,85 @@ mod tests {
         ] {
             assert_eq!(parse_line(odd, 2026).format, "plain", "{odd:?}");
         }
+    }
+
+    fn monitor(v: serde_json::Value) -> MonitorSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_unit_filter_matches_as_journalctl_and_only_journal_entries() {
+        let m = monitor(serde_json::json!({
+            "name": "kubelet", "source": {"journald": {"unit": "kubelet"}},
+            "conditions": [{"type": "KubeletBroken", "reason": "KubeletIsFine", "message": "fine"}],
+            "rules": [{"type": "permanent", "condition": "KubeletBroken", "reason": "KubeletFailed", "pattern": "failed"}]}));
+        let pid1 = r#"{"__REALTIME_TIMESTAMP":"1763892000000000","_PID":"1","UNIT":"kubelet.service","_SYSTEMD_UNIT":"init.scope","SYSLOG_IDENTIFIER":"systemd","MESSAGE":"kubelet.service: Main process exited, code=exited, status=1/FAILURE; failed"}"#;
+        let other = r#"{"__REALTIME_TIMESTAMP":"1763892000000000","_SYSTEMD_UNIT":"sshd.service","MESSAGE":"failed password"}"#;
+        let syslog = "Nov 23 10:00:00 node-a kubelet[9]: failed to sync";
+        let r = replay(
+            &[m.clone()],
+            vec![other.to_string(), syslog.to_string()],
+            2026,
+        );
+        assert!(!r.fired(), "{:?}", r.steps);
+        let r = replay(&[m], vec![pid1.to_string()], 2026);
+        assert!(
+            r.fired(),
+            "PID 1's message about the unit matches, as journalctl --unit"
+        );
+    }
+
+    #[test]
+    fn time_never_goes_back_years_roll_over_and_gaps_are_bounded() {
+        let m = monitor(serde_json::json!({
+            "name": "k", "source": {"kmsg": {}},
+            "conditions": [{"type": "Hung", "reason": "NotHung", "message": "fine", "clearAfterSeconds": 60}],
+            "rules": [{"type": "permanent", "condition": "Hung", "reason": "TaskHung", "pattern": "blocked"}]}));
+        // An older line after a newer one does not clear the condition.
+        let r = replay(
+            &[m.clone()],
+            vec![
+                "2026-11-23T10:00:00Z h kernel: task x blocked".to_string(),
+                "2026-11-23T09:00:00Z h kernel: older".to_string(),
+            ],
+            2026,
+        );
+        assert_eq!(r.out_of_order, 1);
+        assert_eq!(r.end["Hung"], "True (TaskHung)", "{:?}", r.steps);
+        assert!(render(&r).contains("1 line(s) older than the line before them"));
+        // December to January in a syslog file: the next year, not 11 months back.
+        let r = replay(
+            &[m.clone()],
+            vec![
+                "Dec 31 23:59:59 h kernel: task x blocked".to_string(),
+                "Jan  1 00:00:30 h kernel: later".to_string(),
+                "Jan  1 00:01:30 h kernel: quiet for 91 s".to_string(),
+            ],
+            2026,
+        );
+        assert_eq!(r.out_of_order, 0);
+        assert_eq!(r.end["Hung"], "False (NotHung)", "{:?}", r.steps);
+        let cleared = r
+            .steps
+            .iter()
+            .find(|s| s.what.starts_with("Hung=False"))
+            .unwrap();
+        assert_eq!(cleared.time.to_string(), "2027-01-01T00:00:59Z");
+        // A line dated far ahead does not make the replay run for hours.
+        let started = std::time::Instant::now();
+        let r = replay(
+            &[m],
+            vec![
+                "2026-11-23T10:00:00Z h kernel: task x blocked".to_string(),
+                r#"{"__REALTIME_TIMESTAMP":"221845392000000000","_TRANSPORT":"kernel","MESSAGE":"far ahead"}"#.to_string(),
+            ],
+            2026,
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(r.end["Hung"], "False (NotHung)");
     }
 }

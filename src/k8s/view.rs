@@ -198,7 +198,7 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
             )
         })
         .collect();
-    rows.sort_by(|a, b| a.0.cmp(&b.0));
+    rows.sort_by_key(|r| r.0);
     let skip = rows.len().saturating_sub(events);
     view.events = rows.into_iter().skip(skip).map(|(_, r)| r).collect();
 

@@ -580,7 +580,7 @@ mod tests {
         let other = r#"{"__REALTIME_TIMESTAMP":"1763892000000000","_SYSTEMD_UNIT":"sshd.service","MESSAGE":"failed password"}"#;
         let syslog = "Nov 23 10:00:00 node-a kubelet[9]: failed to sync";
         let r = replay(
-            &[m.clone()],
+            std::slice::from_ref(&m),
             vec![other.to_string(), syslog.to_string()],
             2026,
         );
@@ -600,7 +600,7 @@ mod tests {
             "rules": [{"type": "permanent", "condition": "Hung", "reason": "TaskHung", "pattern": "blocked"}]}));
         // An older line after a newer one does not clear the condition.
         let r = replay(
-            &[m.clone()],
+            std::slice::from_ref(&m),
             vec![
                 "2026-11-23T10:00:00Z h kernel: task x blocked".to_string(),
                 "2026-11-23T09:00:00Z h kernel: older".to_string(),
@@ -612,7 +612,7 @@ mod tests {
         assert!(render(&r).contains("1 line(s) older than the line before them"));
         // December to January in a syslog file: the next year, not 11 months back.
         let r = replay(
-            &[m.clone()],
+            std::slice::from_ref(&m),
             vec![
                 "Dec 31 23:59:59 h kernel: task x blocked".to_string(),
                 "Jan  1 00:00:30 h kernel: later".to_string(),

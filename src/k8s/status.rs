@@ -22,6 +22,23 @@ use crate::report::{
 
 /// Field manager of every nodeguard write.
 pub const FIELD_MANAGER: &str = "nodeguard";
+
+/// The condition types nodeguard's field manager applied to the Node's
+/// status (from its managedFields).
+pub fn owned_condition_types(node: &Node) -> std::collections::BTreeSet<String> {
+    node.metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| {
+            m.manager.as_deref() == Some(FIELD_MANAGER)
+                && m.subresource.as_deref() == Some("status")
+                && m.operation.as_deref() == Some("Apply")
+        })
+        .filter_map(|m| m.fields_v1.as_ref())
+        .flat_map(|f| owned_types(&f.0))
+        .collect()
+}
 /// `reportingController` of nodeguard's Events.
 pub const REPORTING_CONTROLLER: &str = "nodeguard.io/agent";
 
@@ -44,19 +61,7 @@ pub fn observe(node: &Node) -> Observation {
                 .collect()
         })
         .unwrap_or_default();
-    let owned = node
-        .metadata
-        .managed_fields
-        .iter()
-        .flatten()
-        .filter(|m| {
-            m.manager.as_deref() == Some(FIELD_MANAGER)
-                && m.subresource.as_deref() == Some("status")
-                && m.operation.as_deref() == Some("Apply")
-        })
-        .filter_map(|m| m.fields_v1.as_ref())
-        .flat_map(|f| owned_types(&f.0))
-        .collect();
+    let owned = owned_condition_types(node);
     Observation {
         state: NodeState { conditions, owned },
         resource_version: node

@@ -7,12 +7,11 @@ use kube::{Api, Client};
 
 use crate::agent::EFFECTIVE_ANNOTATION;
 use crate::policy::NodeGuardPolicy;
-use crate::report::conditions::owned_types;
 use crate::status::{
     AgentRow, ConditionRow, EventRow, Healthz, NodeView, TaintRow, parse_effective,
 };
 
-use super::status::{FIELD_MANAGER, REPORTING_CONTROLLER};
+use super::status::REPORTING_CONTROLLER;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ViewError {
@@ -49,18 +48,7 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
         .unwrap_or_default();
 
     // The conditions nodeguard's field manager owns on the status.
-    let owned: std::collections::BTreeSet<String> = n
-        .metadata
-        .managed_fields
-        .iter()
-        .flatten()
-        .filter(|m| {
-            m.manager.as_deref() == Some(FIELD_MANAGER)
-                && m.subresource.as_deref() == Some("status")
-        })
-        .filter_map(|m| m.fields_v1.as_ref())
-        .flat_map(|f| owned_types(&f.0))
-        .collect();
+    let owned = super::status::owned_condition_types(&n);
     view.conditions = n
         .status
         .as_ref()

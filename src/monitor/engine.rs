@@ -153,15 +153,7 @@ pub fn cleanup(
 const MESSAGE_LIMIT: usize = 512;
 
 fn truncate(s: &str) -> String {
-    let s = s.trim();
-    if s.len() <= MESSAGE_LIMIT {
-        return s.to_string();
-    }
-    let mut end = MESSAGE_LIMIT;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
+    crate::report::clip(s.trim(), MESSAGE_LIMIT)
 }
 
 impl Engine {

@@ -150,15 +150,7 @@ impl fmt::Display for Refusal {
 /// What a policy asks for, cut to a length an Event note (1 KiB) and a
 /// condition message can carry along with the rest of the sentence.
 fn clip(s: &str) -> String {
-    const MAX_BYTES: usize = 300;
-    if s.len() <= MAX_BYTES {
-        return s.to_string();
-    }
-    let mut at = MAX_BYTES;
-    while !s.is_char_boundary(at) {
-        at -= 1;
-    }
-    format!("{}…", &s[..at])
+    crate::report::clip(s, 300)
 }
 
 /// `path` split into its components when it is absolute and normal.

@@ -214,15 +214,7 @@ impl Default for Probers {
 }
 
 fn truncate(s: &str) -> String {
-    let s = s.trim();
-    if s.len() <= OUTPUT_LIMIT {
-        return s.to_string();
-    }
-    let mut end = OUTPUT_LIMIT;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
+    crate::report::clip(s.trim(), OUTPUT_LIMIT)
 }
 
 async fn http_get(

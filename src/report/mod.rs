@@ -11,6 +11,19 @@
 pub mod conditions;
 pub mod events;
 
+/// `s` cut to at most `max` bytes at a character boundary, with `…` when
+/// cut: what a condition message, an Event note or a probe's output keeps.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -142,6 +142,37 @@ pub struct Vm {
     qga: Option<(BufReader<OwnedReadHalf>, OwnedWriteHalf)>,
     qga_path: PathBuf,
     sync_id: u64,
+    launch: Launch,
+}
+
+/// How a boot was started, to start it again after a hang.
+#[derive(Clone)]
+struct Launch {
+    image_dir: PathBuf,
+    disk: PathBuf,
+    apiserver_port: u16,
+    dir: PathBuf,
+    boot: u32,
+    memory_mib: u32,
+    attempt: u32,
+}
+
+/// No guest agent this long after qemu started: the boot hung.
+/// `VM_HUNG_BOOT_SECS` overrides it (a tiny value exercises the power cycle).
+fn hung_boot() -> Duration {
+    let secs = std::env::var("VM_HUNG_BOOT_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(90);
+    Duration::from_secs(secs)
+}
+
+/// The last `n` lines of a serial log, for a failure message.
+fn serial_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 async fn connect(path: &Path) -> UnixStream {
@@ -176,30 +207,50 @@ impl Vm {
         boot: u32,
         memory_mib: u32,
     ) -> Vm {
-        let serial = dir.join(format!("serial-{boot}.log"));
-        let qmp_path = dir.join("qmp.sock");
-        let qga_path = dir.join("qga.sock");
+        Vm::launch(Launch {
+            image_dir: image.dir.clone(),
+            disk: disk.path.clone(),
+            apiserver_port,
+            dir: dir.to_path_buf(),
+            boot,
+            memory_mib,
+            attempt: 1,
+        })
+        .await
+    }
+
+    async fn launch(l: Launch) -> Vm {
+        let suffix = if l.attempt == 1 {
+            l.boot.to_string()
+        } else {
+            format!("{}-try{}", l.boot, l.attempt)
+        };
+        let serial = l.dir.join(format!("serial-{suffix}.log"));
+        let qemu_log = l.dir.join(format!("qemu-{suffix}.log"));
+        let qmp_path = l.dir.join("qmp.sock");
+        let qga_path = l.dir.join("qga.sock");
         let _ = std::fs::remove_file(&qmp_path);
         let _ = std::fs::remove_file(&qga_path);
         let (guest_ip, guest_port) = GUEST_APISERVER.split_once(':').unwrap();
         let child = tokio::process::Command::new("qemu-system-x86_64")
             .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2"])
-            .args(["-m", &memory_mib.to_string()])
+            .args(["-m", &l.memory_mib.to_string()])
             .args(["-display", "none", "-monitor", "none", "-no-reboot"])
             .arg("-kernel")
-            .arg(image.dir.join("vmlinuz"))
+            .arg(l.image_dir.join("vmlinuz"))
             .arg("-initrd")
-            .arg(image.dir.join("initrd.img"))
+            .arg(l.image_dir.join("initrd.img"))
             .args(["-append", "root=/dev/vda rw console=ttyS0"])
             .arg("-drive")
-            .arg(format!("file={},if=virtio,format=raw", disk.path.display()))
+            .arg(format!("file={},if=virtio,format=raw", l.disk.display()))
             .arg("-serial")
             .arg(format!("file:{}", serial.display()))
             // The only network: user mode, no way out but one forward per
             // connection to the loopback API server.
             .arg("-netdev")
             .arg(format!(
-                "user,id=n0,restrict=on,guestfwd=tcp:{guest_ip}:{guest_port}-cmd:socat STDIO TCP:127.0.0.1:{apiserver_port}"
+                "user,id=n0,restrict=on,guestfwd=tcp:{guest_ip}:{guest_port}-cmd:socat STDIO TCP:127.0.0.1:{}",
+                l.apiserver_port
             ))
             .args(["-device", "virtio-net-pci,netdev=n0"])
             .arg("-chardev")
@@ -209,9 +260,9 @@ impl Vm {
             .arg("-qmp")
             .arg(format!("unix:{},server=on,wait=off", qmp_path.display()))
             .stdin(Stdio::null())
-            .stdout(Stdio::from(std::fs::File::create(dir.join(format!("qemu-{boot}.log"))).unwrap()))
+            .stdout(Stdio::from(std::fs::File::create(&qemu_log).unwrap()))
             .stderr(Stdio::from(
-                std::fs::OpenOptions::new().append(true).open(dir.join(format!("qemu-{boot}.log"))).unwrap(),
+                std::fs::OpenOptions::new().append(true).open(&qemu_log).unwrap(),
             ))
             .kill_on_drop(true)
             .spawn()
@@ -244,26 +295,57 @@ impl Vm {
             qga: None,
             qga_path,
             sync_id: 0,
+            launch: l,
         }
     }
 
     /// Waits until the guest agent answers (systemd has reached it); the
-    /// time since qemu started.
+    /// time since qemu started. A boot that shows no guest agent within
+    /// [`hung_boot`] (boots take 12–30 s here) is taken for a hung TCG boot:
+    /// its serial log is kept, its tail printed, and the VM is power-cycled
+    /// once on the same disk, as an operator would. A second hang fails.
     pub async fn wait_guest_agent(&mut self, timeout: Duration) -> Duration {
+        let hung = hung_boot();
+        if self.launch.attempt == 1 && timeout > hung {
+            if let Some(booted) = self.try_wait_guest_agent(hung).await {
+                return booted;
+            }
+            eprintln!(
+                "vm: boot {} in {}: no guest agent after {hung:?}; power-cycling once. The serial log ({}) ends:\n{}",
+                self.launch.boot,
+                self.launch.dir.display(),
+                self.serial.display(),
+                serial_tail(&self.serial, 15)
+            );
+            let _ = self.child.kill().await;
+            let mut again = self.launch.clone();
+            again.attempt += 1;
+            *self = Vm::launch(again).await;
+        }
+        match self.try_wait_guest_agent(timeout).await {
+            Some(booted) => booted,
+            None => panic!(
+                "the guest agent did not answer within {timeout:?} (serial log: {}); it ends:\n{}",
+                self.serial.display(),
+                serial_tail(&self.serial, 30)
+            ),
+        }
+    }
+
+    async fn try_wait_guest_agent(&mut self, timeout: Duration) -> Option<Duration> {
         let deadline = Instant::now() + timeout;
         loop {
             if self.sync(Duration::from_secs(2)).await {
-                return self.started.elapsed();
+                return Some(self.started.elapsed());
+            }
+            if Instant::now() >= deadline {
+                return None;
             }
             assert!(
-                Instant::now() < deadline,
-                "the guest agent did not answer within {timeout:?} (serial log: {})",
-                self.serial.display()
-            );
-            assert!(
                 self.exited().is_none(),
-                "the VM stopped while booting: {}",
-                self.serial.display()
+                "the VM stopped while booting: {}; it ends:\n{}",
+                self.serial.display(),
+                serial_tail(&self.serial, 30)
             );
         }
     }

@@ -134,8 +134,18 @@ struct ReportMetrics {
     api_write_errors: Family<ResourceLabels, Counter>,
 }
 
+/// Every `resource` of `nodeguard_api_write_errors_total`.
+const WRITTEN_RESOURCES: [&str; 2] = ["nodes/status", "events"];
+
 impl ReportMetrics {
     fn register(&self, registry: &mut Registry) {
+        // At 0 from the start: the first failure is then an increase that
+        // Prometheus sees, and the series an alert reads always exists.
+        for resource in WRITTEN_RESOURCES {
+            let _ = self.api_write_errors.get_or_create(&ResourceLabels {
+                resource: resource.to_string(),
+            });
+        }
         registry.register(
             "nodeguard_condition",
             "1 for each condition nodeguard owns, labelled with its current status and reason",

@@ -156,6 +156,7 @@ pub struct ShutdownMetrics {
     pods: Family<PodLabels, Counter>,
     inhibitor_held: Gauge,
     inhibit_delay_max: FloatGauge,
+    inhibit_delay_needed: FloatGauge,
 }
 
 impl ShutdownMetrics {
@@ -190,6 +191,11 @@ impl ShutdownMetrics {
             "nodeguard_shutdown_inhibit_delay_max_seconds",
             "logind's InhibitDelayMaxUSec as last read",
             m.inhibit_delay_max.clone(),
+        );
+        registry.register(
+            "nodeguard_shutdown_inhibit_delay_needed_seconds",
+            "The inhibit delay the shutdown policy in force needs from logind (0: graceful shutdown off)",
+            m.inhibit_delay_needed.clone(),
         );
         m
     }
@@ -295,9 +301,13 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         let cfg = loop {
             if let Some(c) = config.borrow_and_update().clone() {
                 policy_known = true;
+                ctx.metrics
+                    .inhibit_delay_needed
+                    .set(c.needed_delay().as_secs_f64());
                 break c;
             }
             if policy_known {
+                ctx.metrics.inhibit_delay_needed.set(0.0);
                 ctx.reporter.remove(UNAVAILABLE);
                 last = None;
                 report_condition(&ctx, &core::Phase::Off, None);
@@ -665,8 +675,9 @@ async fn ensure_delay<P: LogindPort, C: ClusterPort>(
     port: &P,
     cfg: &ShutdownConfig,
 ) -> Result<Duration, ShutdownError> {
-    let mut current = port.inhibit_delay_max().await?;
     let needed = cfg.needed_delay();
+    ctx.metrics.inhibit_delay_needed.set(needed.as_secs_f64());
+    let mut current = port.inhibit_delay_max().await?;
     if current < needed
         && let Some(dir) = &cfg.drop_in_dir
     {

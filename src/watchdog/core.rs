@@ -64,6 +64,9 @@ pub enum Skip {
 }
 
 impl Skip {
+    /// Every value [`Skip::label`] returns.
+    pub const LABELS: [&'static str; 2] = ["stuck_loop", "api_server_unreachable"];
+
     pub fn label(&self) -> &'static str {
         match self {
             Skip::StuckLoops(_) => "stuck_loop",
@@ -187,6 +190,9 @@ mod tests {
         let skip = gate(&h.report(), Some(true)).unwrap_err();
         assert_eq!(skip, Skip::StuckLoops(vec!["probe-manager".into()]));
         assert_eq!(skip.label(), "stuck_loop");
+        for s in [Skip::StuckLoops(vec![]), Skip::ApiServerUnreachable] {
+            assert!(Skip::LABELS.contains(&s.label()), "{s:?}");
+        }
         assert!(skip.describe().contains("probe-manager"));
         l.updated();
         assert_eq!(gate(&h.report(), None), Ok(()));

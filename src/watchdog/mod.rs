@@ -196,6 +196,21 @@ impl WatchdogMetrics {
             .set(clock.now().as_millisecond() as f64 / 1000.0);
     }
 
+    /// Creates a target's counters at 0 when it starts being served, so the
+    /// first skipped pet is an increase Prometheus can see (a series that
+    /// appears at 1 shows none) and alerts can rely on the series existing.
+    fn serve(&self, target: &str) {
+        let _ = self.pets.get_or_create(&TargetLabels {
+            target: target.into(),
+        });
+        for reason in core::Skip::LABELS {
+            let _ = self.skipped.get_or_create(&SkipLabels {
+                target: target.into(),
+                reason: reason.into(),
+            });
+        }
+    }
+
     fn skip(&self, target: &str, reason: &str) {
         self.skipped
             .get_or_create(&SkipLabels {
@@ -239,6 +254,7 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
     let systemd_interval = host.systemd_timeout.map(core::systemd_pet_interval);
     match (&host.notifier, host.systemd_timeout) {
         (Some(_), Some(t)) => {
+            metrics.serve("systemd");
             tracing::info!(timeout = ?t, interval = ?systemd_interval, "serving the systemd watchdog")
         }
         (None, Some(t)) => {
@@ -331,6 +347,7 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
                             tracing::info!(device = %s.device, timeout_seconds = timeout, magic_close = s.magic_close, "watchdog device armed");
                             reporter.event(EventKind::Normal, "WatchdogArmed", "ArmWatchdog", format!(
                                 "nodeguard armed the watchdog device {} with a {timeout}s timeout; it pets it while healthy.", s.device));
+                            metrics.serve("device");
                             armed = Some(Armed { device, spec: s.clone(), next_pet: Instant::now() });
                             report_systemd_requirement(&reporter, spec.as_ref(), &host, true);
                         }

@@ -3,6 +3,7 @@
 //! message saying how to start it.
 #![allow(dead_code)] // each test binary uses a different part of this module
 
+pub mod alerts;
 pub mod dbus;
 pub mod pods;
 pub mod proxy;
@@ -220,6 +221,19 @@ impl Drop for TestNode {
 }
 
 /// A plain HTTP/1.0 GET against the agent: (status, body).
+/// The value of one sample (`name{labels}` exactly as exposed) in a
+/// /metrics text; None when the series is absent.
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await

@@ -305,13 +305,14 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
 }
 
 /// The real node's scenarios, in the order they run on its boots.
-pub const STEPS: [&str; 8] = [
+pub const STEPS: [&str; 9] = [
     "daemonset",
     "kube-probe",
     "kube-journald",
     "kube-node-restriction",
     "kube-readiness-gate",
     "kube-trust",
+    "kube-alerts",
     "kube-reboot",
     "kube-device-watchdog",
 ];
@@ -361,6 +362,9 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
         }
         if wants("kube-trust") {
             kubework::trust(&admin, &node.0, rows).await;
+        }
+        if wants("kube-alerts") {
+            kubework::alerts(&mut vm, &admin, &node.0, agent_ns, rows).await;
         }
         if wants("kube-reboot") {
             let kernel = vm

@@ -1490,3 +1490,101 @@ pub async fn trust(admin: &Client, node: &str, rows: &Rows) {
         ),
     );
 }
+
+/// The agent pod's /metrics, read in the guest on the node's network (the
+/// pod uses the host network; the API server cannot reach the VM's address
+/// for a pod proxy). bash's /dev/tcp: the image has no curl.
+async fn pod_metrics(vm: &mut Vm) -> String {
+    let raw = vm
+        .sh("exec 3<>/dev/tcp/127.0.0.1/9909 && printf 'GET /metrics HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && cat <&3")
+        .await;
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("an HTTP answer from :9909: {raw:?}"));
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    body.to_string()
+}
+
+/// kube-alerts: the chart's alerts against the chart's pod on this node
+/// (graceful shutdown, the device watchdog and the default policy's
+/// monitors in force). More OOM kills than the Event burst make the
+/// rate-limited drops appear; then every series and label the alerts read
+/// must be in the pod's /metrics, and promtool, fed those series for 30
+/// minutes, must find no alert firing on this healthy node.
+pub async fn alerts(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, rows: &Rows) {
+    use crate::support::alerts::{missing_from, quiet_test, rule_groups, test_rules};
+    let pod = agent_pod(admin, agent_ns).await;
+    let pod_name = pod.metadata.name.clone().unwrap();
+    vm.sh("for i in $(seq 1 15); do echo \"Killed process $((4000 + i)) (stress-ng) total-vm:10240kB, anon-rss:8192kB, file-rss:0kB, shmem-rss:0kB\" > /dev/kmsg; done")
+        .await;
+    let dropped = "nodeguard_events_dropped_total{reason=\"OOMKilling\",cause=\"rate_limited\"}";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let text = loop {
+        let text = pod_metrics(vm).await;
+        if text.contains(dropped) {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {dropped} 30 s after 15 OOM kills:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let dir = crate::node_dir(node).join("alerts");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("metrics.txt"), &text).unwrap();
+    let groups = rule_groups(&[]);
+    crate::support::alerts::check_rules(&dir, &groups);
+    let problems = missing_from(&groups, &text);
+    assert!(
+        problems.is_empty(),
+        "the alerts read what the chart's pod does not expose:\n{}\n(its /metrics: {})",
+        problems.join("\n"),
+        dir.join("metrics.txt").display()
+    );
+    let target = [
+        ("job", "nodeguard/nodeguard"),
+        ("instance", "10.0.2.15:9909"),
+        ("namespace", agent_ns),
+        ("pod", pod_name.as_str()),
+        ("node", node),
+    ];
+    let quiet = quiet_test(&groups, &text, &target, 30);
+    std::fs::write(
+        dir.join("quiet_test.yaml"),
+        serde_json::to_vec_pretty(&quiet).unwrap(),
+    )
+    .unwrap();
+    let (ok, out) = test_rules(&dir, "quiet_test.yaml");
+    assert!(ok, "an alert fires on the healthy node's series:\n{out}");
+    let value = |series: &str| {
+        sample(&text, series).unwrap_or_else(|| panic!("{series} in the pod's /metrics"))
+    };
+    let held = value("nodeguard_shutdown_inhibitor_held");
+    let needed = value("nodeguard_shutdown_inhibit_delay_needed_seconds");
+    let delay_max = value("nodeguard_shutdown_inhibit_delay_max_seconds");
+    assert_eq!(held, 1.0, "the pod holds logind's delay inhibitor");
+    assert_eq!(
+        needed,
+        crate::NEEDED_DELAY_SECS as f64,
+        "the policy's groups and margin"
+    );
+    assert!(
+        delay_max >= needed,
+        "logind allows {delay_max} s of {needed} s"
+    );
+    let skipped =
+        value("nodeguard_watchdog_skipped_pets_total{target=\"device\",reason=\"stuck_loop\"}");
+    let alerts = crate::support::alerts::alerts(&groups).len();
+    let series = crate::support::alerts::samples(&text).len();
+    rows.pass(
+        "kube-alerts",
+        format!(
+            "the pod's /metrics ({series} series) has every series and label the {alerts} alerts read; promtool: none fires over 30 min of them; inhibitor held, logind {delay_max} s ≥ {needed} s needed, device pets skipped {skipped}; 15 OOM kills → {} rate-limited Events",
+            value(dropped)
+        ),
+    );
+}

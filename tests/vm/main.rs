@@ -27,7 +27,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 15] = [
+const SCENARIOS: [&str; 16] = [
     "inhibit-delay",
     "kernel-problem",
     "systemd-watchdog",
@@ -40,6 +40,7 @@ const SCENARIOS: [&str; 15] = [
     "kube-node-restriction",
     "kube-readiness-gate",
     "kube-trust",
+    "kube-alerts",
     "kube-reboot",
     "kube-device-watchdog",
     "kube-gns",

@@ -1,0 +1,262 @@
+//! The chart's alerts (templates/prometheusrule.yaml) with the real `helm`
+//! and the real `promtool`: `promtool check rules`, the unit tests in
+//! tests/fixtures/alerts/ (series shaped like the agent's /metrics), every
+//! alert with a test that fires it and a runbook in the README, when the
+//! chart renders the rule, and a real agent against the real control plane
+//! exposing every series and label the alerts read. The VM scenario
+//! kube-alerts does the last on the chart's pod on a real node.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::os::unix::net::UnixDatagram;
+use std::time::Duration;
+
+use support::alerts::*;
+use support::*;
+
+/// A directory with the rendered rules and the unit tests beside them.
+fn rules_dir(sets: &[&str]) -> (TempDir, serde_json::Value) {
+    let dir = TempDir::new("alerts");
+    let groups = rule_groups(sets);
+    let out = check_rules(&dir.path, &groups);
+    let count = alerts(&groups).len();
+    assert!(
+        out.contains(&format!("SUCCESS: {count} rules found")),
+        "promtool check rules:\n{out}"
+    );
+    std::fs::copy(
+        repo_root().join("tests/fixtures/alerts/nodeguard_test.yaml"),
+        dir.path.join("nodeguard_test.yaml"),
+    )
+    .unwrap();
+    (dir, groups)
+}
+
+#[test]
+fn the_alerts_pass_promtool_check_and_their_unit_tests() {
+    let (dir, _) = rules_dir(&[]);
+    let (ok, out) = test_rules(&dir.path, "nodeguard_test.yaml");
+    assert!(ok, "promtool test rules:\n{out}");
+    assert!(out.contains("SUCCESS"), "{out}");
+}
+
+#[test]
+fn the_unit_tests_fail_when_an_alert_changes() {
+    // The tests can fail: a threshold that no longer fires, or a changed
+    // description, breaks them.
+    let (dir, mut groups) = rules_dir(&[]);
+    for rule in groups["groups"][0]["rules"].as_array_mut().unwrap() {
+        if rule["alert"] == "NodeguardLoopStuck" {
+            rule["for"] = "30m".into();
+        }
+    }
+    check_rules(&dir.path, &groups);
+    let (ok, out) = test_rules(&dir.path, "nodeguard_test.yaml");
+    assert!(
+        !ok,
+        "a 30 m `for:` must break NodeguardLoopStuck's test:\n{out}"
+    );
+    assert!(out.contains("NodeguardLoopStuck"), "{out}");
+}
+
+#[test]
+fn every_alert_has_a_firing_test_and_a_runbook() {
+    let groups = rule_groups(&[]);
+    let tests: serde_json::Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(repo_root().join("tests/fixtures/alerts/nodeguard_test.yaml"))
+            .unwrap(),
+    )
+    .unwrap();
+    let fired: BTreeSet<String> = tests["tests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|t| t["alert_rule_test"].as_array().unwrap())
+        .filter(|a| a["exp_alerts"].as_array().is_some_and(|e| !e.is_empty()))
+        .map(|a| a["alertname"].as_str().unwrap().to_string())
+        .collect();
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let rules: Vec<serde_json::Value> = groups["groups"][0]["rules"].as_array().unwrap().clone();
+    assert!(rules.len() >= 12, "{rules:?}");
+    for rule in &rules {
+        let name = rule["alert"].as_str().unwrap();
+        assert!(fired.contains(name), "no unit test makes {name} fire");
+        assert!(
+            readme.contains(&format!("#### {name}\n")),
+            "README has no runbook heading for {name}"
+        );
+        let url = rule["annotations"]["runbook_url"].as_str().unwrap();
+        assert!(
+            url.ends_with(&format!("README.md#{}", name.to_lowercase())),
+            "{name}: {url}"
+        );
+        assert!(
+            ["critical", "warning", "info"].contains(&rule["labels"]["severity"].as_str().unwrap()),
+            "{name}: {rule}"
+        );
+        assert!(rule["for"].as_str().is_some(), "{name} has no `for:`");
+    }
+}
+
+#[test]
+fn the_rule_renders_only_when_enabled_and_served_and_follows_its_values() {
+    assert!(
+        render_rule(false, &["metrics.prometheusRule.enabled=true"]).is_none(),
+        "no PrometheusRule without the Prometheus Operator's API"
+    );
+    assert!(render_rule(true, &[]).is_none(), "off by default");
+    let groups = rule_groups(&[
+        "metrics.prometheusRule.jobSelector=job=\"node-agents\"",
+        "metrics.prometheusRule.kubeStateMetrics=false",
+        "metrics.prometheusRule.additionalLabels.team=infra",
+        "metrics.prometheusRule.runbookURL=https://runbooks.example/nodeguard/",
+    ]);
+    let names: Vec<String> = alerts(&groups).into_iter().map(|(n, _)| n).collect();
+    assert!(!names.contains(&"NodeguardAgentMissing".to_string()));
+    for (name, expr) in alerts(&groups) {
+        assert!(
+            expr.contains("job=\"node-agents\"") && !expr.contains("nodeguard/nodeguard"),
+            "{name}: {expr}"
+        );
+    }
+    for rule in groups["groups"][0]["rules"].as_array().unwrap() {
+        assert_eq!(rule["labels"]["team"], "infra", "{rule}");
+        assert!(
+            rule["annotations"]["runbook_url"]
+                .as_str()
+                .unwrap()
+                .starts_with("https://runbooks.example/nodeguard#"),
+            "{rule}"
+        );
+    }
+    // The PodMonitor gives every series the node the agent guards.
+    let chart = repo_root().join("charts/nodeguard");
+    let out = std::process::Command::new(helm_binary())
+        .args(["template", "x"])
+        .arg(&chart)
+        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
+        .args(["--set", "metrics.podMonitor.enabled=true"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("sourceLabels: [__meta_kubernetes_pod_node_name]")
+            && text.contains("targetLabel: node"),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_reads_of_an_expression_are_its_metrics_and_labels() {
+    let (names, labels) = reads(
+        "sum by (namespace, pod, node, target, reason) (increase(nodeguard_watchdog_skipped_pets_total{job=\"a/b\"}[5m])) > 0",
+    );
+    assert_eq!(
+        names.into_iter().collect::<Vec<_>>(),
+        ["nodeguard_watchdog_skipped_pets_total"]
+    );
+    assert_eq!(labels.into_iter().collect::<Vec<_>>(), ["reason", "target"]);
+    let (_, labels) = reads("nodeguard_condition{job=\"x\", type=\"T\", status!=\"False\"} == 1");
+    assert_eq!(labels.into_iter().collect::<Vec<_>>(), ["status", "type"]);
+    let problems = missing_from(
+        &serde_json::json!({"groups": [{"name": "g", "rules": [
+            {"alert": "A", "expr": "nodeguard_condition{type=\"T\"} == 1"},
+            {"alert": "B", "expr": "nodeguard_gone == 1"}]}]}),
+        "# TYPE nodeguard_condition gauge\nnodeguard_condition{status=\"True\"} 1\n",
+    );
+    assert_eq!(
+        problems,
+        [
+            "A: nodeguard_condition has no label \"type\"",
+            "B: no series nodeguard_gone in /metrics"
+        ]
+    );
+}
+
+/// A real agent on the real control plane, serving the systemd watchdog,
+/// with a file monitor whose Events a burst of lines rate-limits: every
+/// series and label the alerts read is in its /metrics, and promtool finds
+/// no alert in those series held for 30 minutes.
+#[tokio::test]
+async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "alerts").await;
+    let logs = TempDir::new("alert-logs");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let policy = unique_name("alerts");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [{
+                "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+                "rules": [{"type": "temporary", "reason": "AppCrashed", "pattern": "app crashed (\\d+)"}],
+            }],
+        }),
+    )
+    .await;
+    // A notify socket nobody but this thread reads, as systemd's would be.
+    let notify_dir = TempDir::new("notify");
+    let notify = notify_dir.path.join("notify.sock");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while sock.recv(&mut buf).is_ok() {}
+    });
+    let path = notify.display().to_string();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.notify_socket = Some(path);
+        c.systemd_watchdog = Some(Duration::from_secs(10));
+    })
+    .await;
+    eventually(Duration::from_secs(20), "agent ready", || async {
+        http_get(agent.addr, "/readyz").await.0 == 200
+    })
+    .await;
+    // More Events of one reason than the burst (10): the rest are dropped
+    // as rate_limited, which makes nodeguard_events_dropped_total appear.
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&app_log)
+            .unwrap();
+        for i in 0..15 {
+            writeln!(f, "app crashed {i}").unwrap();
+        }
+    }
+    eventually(Duration::from_secs(10), "rate-limited Events", || async {
+        http_get(agent.addr, "/metrics").await.1.contains(
+            "nodeguard_events_dropped_total{reason=\"AppCrashed\",cause=\"rate_limited\"}",
+        )
+    })
+    .await;
+    let (_, text) = http_get(agent.addr, "/metrics").await;
+    let (dir, groups) = rules_dir(&[]);
+    let problems = missing_from(&groups, &text);
+    assert!(
+        problems.is_empty(),
+        "the alerts read what the agent does not expose:\n{}\n\n/metrics:\n{text}",
+        problems.join("\n")
+    );
+    let target = [
+        ("job", "nodeguard/nodeguard"),
+        ("instance", "127.0.0.1:9909"),
+        ("namespace", "nodeguard"),
+        ("pod", "nodeguard-test"),
+        ("node", node.name.as_str()),
+    ];
+    let quiet = quiet_test(&groups, &text, &target, 30);
+    std::fs::write(
+        dir.path.join("quiet_test.yaml"),
+        serde_json::to_vec_pretty(&quiet).unwrap(),
+    )
+    .unwrap();
+    let (ok, out) = test_rules(&dir.path, "quiet_test.yaml");
+    assert!(ok, "an alert fires on a healthy agent's series:\n{out}");
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}

@@ -1,0 +1,267 @@
+//! The chart's alerts as the tests read them: rendered by the real `helm`,
+//! judged by the real `promtool` (e2e/promtool builds it), and compared with
+//! what a real agent's /metrics exposes.
+#![allow(dead_code)] // each test binary uses a part
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{Value, json};
+
+use super::repo_root;
+
+/// Release and namespace the rules are rendered for; the unit tests in
+/// tests/fixtures/alerts/ expect job="nodeguard/nodeguard".
+pub const RELEASE: &str = "nodeguard";
+
+/// Labels Prometheus adds to every series of a PodMonitor target (the
+/// chart's PodMonitor relabels the pod's node into `node`).
+pub const TARGET_LABELS: [&str; 5] = ["job", "instance", "namespace", "pod", "node"];
+
+fn cache() -> PathBuf {
+    std::env::var("NODEGUARD_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"))
+}
+
+pub fn helm_binary() -> PathBuf {
+    let helm = std::env::var("NODEGUARD_HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| cache().join("bin/current/helm"));
+    assert!(
+        helm.exists(),
+        "helm is not built at {}: run e2e/setup (make test does)",
+        helm.display()
+    );
+    helm
+}
+
+/// The promtool e2e/promtool built; fails (never skips) when it is missing.
+pub fn promtool() -> PathBuf {
+    let out = Command::new(repo_root().join("e2e/promtool"))
+        .arg("--path")
+        .output()
+        .expect("run e2e/promtool --path");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// `helm template` of the chart's PrometheusRule with `sets`; None when the
+/// chart renders none. `api` says whether the Prometheus Operator's API is
+/// served.
+pub fn render_rule(api: bool, sets: &[&str]) -> Option<Value> {
+    let chart = repo_root().join("charts/nodeguard");
+    let mut cmd = Command::new(helm_binary());
+    cmd.args(["template", RELEASE])
+        .arg(&chart)
+        .args(["-n", RELEASE]);
+    if api {
+        cmd.args(["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]);
+    }
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().expect("run helm");
+    assert!(
+        out.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.split("\n---")
+        .filter(|d| d.contains("kind: PrometheusRule"))
+        .map(|d| serde_saphyr::from_str::<Value>(d).expect("the PrometheusRule is YAML"))
+        .next()
+}
+
+/// The rendered rule with the alerts on, as a promtool rule file's content.
+pub fn rule_groups(sets: &[&str]) -> Value {
+    let mut all = vec!["metrics.prometheusRule.enabled=true"];
+    all.extend_from_slice(sets);
+    let rule = render_rule(true, &all).expect("the chart renders a PrometheusRule");
+    rule["spec"].clone()
+}
+
+/// (alert name, expression) of every alert in `groups`.
+pub fn alerts(groups: &Value) -> Vec<(String, String)> {
+    groups["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap())
+        .filter_map(|r| {
+            Some((
+                r["alert"].as_str()?.to_string(),
+                r["expr"].as_str()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// What one alert expression reads of nodeguard's own metrics: the series
+/// names, and the labels it matches on or keeps (`by (...)`), without the
+/// target's labels. Our expressions keep one metric per aggregation, so
+/// every label applies to every nodeguard metric of the expression.
+pub fn reads(expr: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let metric = regex::Regex::new(r"\b(nodeguard_[a-z_]+)(\{([^}]*)\})?").unwrap();
+    let matcher = regex::Regex::new(r"([a-z_]+)\s*(=~|!~|!=|=)").unwrap();
+    let by = regex::Regex::new(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)").unwrap();
+    let mut names = BTreeSet::new();
+    let mut labels = BTreeSet::new();
+    for c in metric.captures_iter(expr) {
+        names.insert(c[1].to_string());
+        if let Some(m) = c.get(3) {
+            for l in matcher.captures_iter(m.as_str()) {
+                labels.insert(l[1].to_string());
+            }
+        }
+    }
+    for c in by.captures_iter(expr) {
+        for l in c[1].split(',') {
+            labels.insert(l.trim().to_string());
+        }
+    }
+    labels.retain(|l| !TARGET_LABELS.contains(&l.as_str()));
+    (names, labels)
+}
+
+/// One sample of an exposition: series name, labels, value.
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// The samples of an OpenMetrics / Prometheus text exposition (the subset
+/// the agent writes: no timestamps, no exemplars).
+pub fn samples(text: &str) -> Vec<Sample> {
+    let line = regex::Regex::new(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$").unwrap();
+    let label = regex::Regex::new(r#"([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)""#).unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let c = line.captures(l)?;
+            let labels = c
+                .get(3)
+                .map(|m| {
+                    label
+                        .captures_iter(m.as_str())
+                        .map(|l| (l[1].to_string(), l[2].to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            Some(Sample {
+                name: c[1].to_string(),
+                labels,
+                value: c[4].parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// What is wrong between the alerts in `groups` and an agent's /metrics
+/// `text`: every nodeguard metric an alert reads must be exposed with at
+/// least one series, and every label the alert matches on or keeps must be
+/// on those series. Empty when all is well.
+pub fn missing_from(groups: &Value, text: &str) -> Vec<String> {
+    let samples = samples(text);
+    let mut problems = Vec::new();
+    for (alert, expr) in alerts(groups) {
+        let (names, labels) = reads(&expr);
+        for name in names {
+            let series: Vec<&Sample> = samples.iter().filter(|s| s.name == name).collect();
+            if series.is_empty() {
+                problems.push(format!("{alert}: no series {name} in /metrics"));
+                continue;
+            }
+            for l in &labels {
+                if !series.iter().all(|s| s.labels.iter().any(|(k, _)| k == l)) {
+                    problems.push(format!("{alert}: {name} has no label {l:?}"));
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// Writes `groups` as rules.yaml into `dir` (JSON is YAML) and runs
+/// `promtool check rules` on it; promtool's output.
+pub fn check_rules(dir: &Path, groups: &Value) -> String {
+    std::fs::write(
+        dir.join("rules.yaml"),
+        serde_json::to_vec_pretty(groups).unwrap(),
+    )
+    .unwrap();
+    let out = Command::new(promtool())
+        .args(["check", "rules", "rules.yaml"])
+        .current_dir(dir)
+        .output()
+        .expect("run promtool");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "promtool check rules:\n{text}");
+    text
+}
+
+/// `promtool test rules FILE` in `dir` (where rules.yaml is); (passed, output).
+pub fn test_rules(dir: &Path, file: &str) -> (bool, String) {
+    let out = Command::new(promtool())
+        .args(["test", "rules", file])
+        .current_dir(dir)
+        .output()
+        .expect("run promtool");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// A promtool unit test that feeds a scraped exposition, as one target with
+/// `target` labels, for `minutes` (each sample held at its value: counters
+/// that do not grow) and expects no alert at all at the end: what a healthy
+/// agent's series must give.
+pub fn quiet_test(groups: &Value, text: &str, target: &[(&str, &str)], minutes: u32) -> Value {
+    let mut series = Vec::new();
+    let mut up = target.to_vec();
+    up.sort();
+    series.push(json!({
+        "series": format!("up{{{}}}", render_labels(&up)),
+        "values": format!("1x{minutes}"),
+    }));
+    for s in samples(text) {
+        if !s.value.is_finite() {
+            continue;
+        }
+        let mut labels: Vec<(&str, &str)> = s
+            .labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        labels.extend_from_slice(target);
+        series.push(json!({
+            "series": format!("{}{{{}}}", s.name, render_labels(&labels)),
+            "values": format!("{}x{minutes}", s.value),
+        }));
+    }
+    let tests: Vec<Value> = alerts(groups)
+        .into_iter()
+        .map(|(name, _)| json!({"eval_time": format!("{minutes}m"), "alertname": name, "exp_alerts": []}))
+        .collect();
+    json!({
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": tests}],
+    })
+}
+
+fn render_labels(labels: &[(&str, &str)]) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={}", serde_json::to_string(v).unwrap()))
+        .collect::<Vec<_>>()
+        .join(",")
+}

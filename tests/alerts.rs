@@ -79,7 +79,7 @@ fn every_alert_has_a_firing_test_and_a_runbook() {
         .collect();
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
     let rules: Vec<serde_json::Value> = groups["groups"][0]["rules"].as_array().unwrap().clone();
-    assert!(rules.len() >= 12, "{rules:?}");
+    assert!(rules.len() >= 13, "{rules:?}");
     for rule in &rules {
         let name = rule["alert"].as_str().unwrap();
         assert!(fired.contains(name), "no unit test makes {name} fire");
@@ -107,6 +107,33 @@ fn the_rule_renders_only_when_enabled_and_served_and_follows_its_values() {
         "no PrometheusRule without the Prometheus Operator's API"
     );
     assert!(render_rule(true, &[]).is_none(), "off by default");
+    // Without the PodMonitor nothing has the job the alerts select: every
+    // alert would be silent, so the chart refuses it unless told the job.
+    let err = render_rule_for(
+        RELEASE,
+        RELEASE,
+        true,
+        &["metrics.prometheusRule.enabled=true"],
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("metrics.podMonitor.enabled=true") && err.contains("jobSelector"),
+        "{err}"
+    );
+    let own_scrape = render_rule_for(
+        RELEASE,
+        RELEASE,
+        true,
+        &[
+            "metrics.prometheusRule.enabled=true",
+            "metrics.prometheusRule.jobSelector=job=\"node-agents\"",
+        ],
+    )
+    .unwrap();
+    assert!(
+        own_scrape.is_some(),
+        "a jobSelector stands for the PodMonitor"
+    );
     let groups = rule_groups(&[
         "metrics.prometheusRule.jobSelector=job=\"node-agents\"",
         "metrics.prometheusRule.kubeStateMetrics=false",
@@ -150,16 +177,41 @@ fn the_rule_renders_only_when_enabled_and_served_and_follows_its_values() {
 
 #[test]
 fn the_reads_of_an_expression_are_its_metrics_and_labels() {
-    let (names, labels) = reads(
-        "sum by (namespace, pod, node, target, reason) (increase(nodeguard_watchdog_skipped_pets_total{job=\"a/b\"}[5m])) > 0",
+    let reads_of = |expr: &str| -> Vec<(String, Vec<String>)> {
+        reads(expr)
+            .into_iter()
+            .map(|(m, l)| (m, l.into_iter().collect()))
+            .collect()
+    };
+    assert_eq!(
+        reads_of(
+            "sum by (namespace, pod, node, target, reason) (increase(nodeguard_watchdog_skipped_pets_total{job=\"a/b\"}[5m])) > 0"
+        ),
+        [(
+            "nodeguard_watchdog_skipped_pets_total".to_string(),
+            vec!["reason".to_string(), "target".to_string()]
+        )]
     );
     assert_eq!(
-        names.into_iter().collect::<Vec<_>>(),
-        ["nodeguard_watchdog_skipped_pets_total"]
+        reads_of("nodeguard_condition{job=\"x\", type=\"T\", status!=\"False\"} == 1"),
+        [(
+            "nodeguard_condition".to_string(),
+            vec!["status".to_string(), "type".to_string()]
+        )]
     );
-    assert_eq!(labels.into_iter().collect::<Vec<_>>(), ["reason", "target"]);
-    let (_, labels) = reads("nodeguard_condition{job=\"x\", type=\"T\", status!=\"False\"} == 1");
-    assert_eq!(labels.into_iter().collect::<Vec<_>>(), ["status", "type"]);
+    // Each aggregation's labels go to the series inside it; `on` to all.
+    assert_eq!(
+        reads_of(
+            "sum by (job, resource) (increase(nodeguard_a_total{resource=\"x\"}[5m])) > 0 unless on (job, loop) sum by (job) (nodeguard_b_total)"
+        ),
+        [
+            (
+                "nodeguard_a_total".to_string(),
+                vec!["loop".to_string(), "resource".to_string()]
+            ),
+            ("nodeguard_b_total".to_string(), vec!["loop".to_string()]),
+        ]
+    );
     let problems = missing_from(
         &serde_json::json!({"groups": [{"name": "g", "rules": [
             {"alert": "A", "expr": "nodeguard_condition{type=\"T\"} == 1"},
@@ -178,7 +230,8 @@ fn the_reads_of_an_expression_are_its_metrics_and_labels() {
 /// A real agent on the real control plane, serving the systemd watchdog,
 /// with a file monitor whose Events a burst of lines rate-limits: every
 /// series and label the alerts read is in its /metrics, and promtool finds
-/// no alert in those series held for 30 minutes.
+/// no alert in two of its scrapes (taken as a minute apart) with the second
+/// held for 30 minutes.
 #[tokio::test]
 async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
     let admin = admin_client().await;
@@ -234,6 +287,8 @@ async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
         )
     })
     .await;
+    let (_, first) = http_get(agent.addr, "/metrics").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let (_, text) = http_get(agent.addr, "/metrics").await;
     let (dir, groups) = rules_dir(&[]);
     let problems = missing_from(&groups, &text);
@@ -249,7 +304,7 @@ async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
         ("pod", "nodeguard-test"),
         ("node", node.name.as_str()),
     ];
-    let quiet = quiet_test(&groups, &text, &target, 30);
+    let quiet = quiet_test(&groups, &[&first, &text], &target, 30);
     std::fs::write(
         dir.path.join("quiet_test.yaml"),
         serde_json::to_vec_pretty(&quiet).unwrap(),

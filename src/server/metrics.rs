@@ -83,6 +83,15 @@ impl Collector for HealthCollector {
         for (name, l) in &report.loops {
             gauge(l.stuck).encode(e.encode_family(&[("loop", name.as_str())])?)?;
         }
+        let mut e = encoder.encode_descriptor(
+            "nodeguard_loop_failed",
+            "1 when the loop ended or panicked while the agent runs (/livez fails until it is registered again)",
+            None,
+            gauge(true).metric_type(),
+        )?;
+        for (name, l) in &report.loops {
+            gauge(l.failed.is_some()).encode(e.encode_family(&[("loop", name.as_str())])?)?;
+        }
         let e = encoder.encode_descriptor(
             "nodeguard_node_eligible",
             "1 when the node is eligible (not being deleted, not tainted for removal)",
@@ -251,6 +260,7 @@ mod tests {
         let health = Health::new();
         let l = health.register("node-watcher", Duration::from_secs(5));
         l.queued();
+        health.fail("monitors", "the task panicked");
         tokio::time::advance(Duration::from_secs(6)).await;
         let (registry, server) = new_registry(&health);
         server
@@ -269,6 +279,9 @@ mod tests {
             "nodeguard_build_info{version=\"",
             "nodeguard_loop_synced{loop=\"node-watcher\"} 0",
             "nodeguard_loop_stuck{loop=\"node-watcher\"} 1",
+            "nodeguard_loop_failed{loop=\"node-watcher\"} 0",
+            "nodeguard_loop_failed{loop=\"monitors\"} 1",
+            "nodeguard_loop_stuck{loop=\"monitors\"} 0",
             "nodeguard_node_eligible 1",
             "nodeguard_health_requests_total{endpoint=\"livez\",code=\"503\"} 1",
             "# EOF",

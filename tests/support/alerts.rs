@@ -55,11 +55,21 @@ pub fn promtool() -> PathBuf {
 /// chart renders none. `api` says whether the Prometheus Operator's API is
 /// served.
 pub fn render_rule(api: bool, sets: &[&str]) -> Option<Value> {
+    render_rule_for(RELEASE, RELEASE, api, sets).expect("helm template")
+}
+
+/// [`render_rule`] for a release in a namespace; Err(helm's error).
+pub fn render_rule_for(
+    release: &str,
+    namespace: &str,
+    api: bool,
+    sets: &[&str],
+) -> Result<Option<Value>, String> {
     let chart = repo_root().join("charts/nodeguard");
     let mut cmd = Command::new(helm_binary());
-    cmd.args(["template", RELEASE])
+    cmd.args(["template", release])
         .arg(&chart)
-        .args(["-n", RELEASE]);
+        .args(["-n", namespace]);
     if api {
         cmd.args(["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]);
     }
@@ -67,23 +77,33 @@ pub fn render_rule(api: bool, sets: &[&str]) -> Option<Value> {
         cmd.args(["--set", s]);
     }
     let out = cmd.output().expect("run helm");
-    assert!(
-        out.status.success(),
-        "helm template: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
     let text = String::from_utf8(out.stdout).unwrap();
-    text.split("\n---")
+    Ok(text
+        .split("\n---")
         .filter(|d| d.contains("kind: PrometheusRule"))
         .map(|d| serde_saphyr::from_str::<Value>(d).expect("the PrometheusRule is YAML"))
-        .next()
+        .next())
 }
 
-/// The rendered rule with the alerts on, as a promtool rule file's content.
+/// The rendered rule with the alerts (and the PodMonitor they read) on, as
+/// a promtool rule file's content.
 pub fn rule_groups(sets: &[&str]) -> Value {
-    let mut all = vec!["metrics.prometheusRule.enabled=true"];
+    rule_groups_for(RELEASE, RELEASE, sets)
+}
+
+/// [`rule_groups`] for a release in a namespace.
+pub fn rule_groups_for(release: &str, namespace: &str, sets: &[&str]) -> Value {
+    let mut all = vec![
+        "metrics.prometheusRule.enabled=true",
+        "metrics.podMonitor.enabled=true",
+    ];
     all.extend_from_slice(sets);
-    let rule = render_rule(true, &all).expect("the chart renders a PrometheusRule");
+    let rule = render_rule_for(release, namespace, true, &all)
+        .expect("helm template")
+        .expect("the chart renders a PrometheusRule");
     rule["spec"].clone()
 }
 
@@ -103,31 +123,66 @@ pub fn alerts(groups: &Value) -> Vec<(String, String)> {
         .collect()
 }
 
-/// What one alert expression reads of nodeguard's own metrics: the series
-/// names, and the labels it matches on or keeps (`by (...)`), without the
-/// target's labels. Our expressions keep one metric per aggregation, so
-/// every label applies to every nodeguard metric of the expression.
-pub fn reads(expr: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+/// What one alert expression reads of nodeguard's own metrics: each series
+/// name with the labels the expression needs on it (its own matchers, the
+/// `by (...)` of an aggregation around it, and any `on (...)`), without the
+/// target's labels.
+pub fn reads(expr: &str) -> std::collections::BTreeMap<String, BTreeSet<String>> {
     let metric = regex::Regex::new(r"\b(nodeguard_[a-z_]+)(\{([^}]*)\})?").unwrap();
     let matcher = regex::Regex::new(r"([a-z_]+)\s*(=~|!~|!=|=)").unwrap();
-    let by = regex::Regex::new(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)").unwrap();
-    let mut names = BTreeSet::new();
-    let mut labels = BTreeSet::new();
+    let grouping = regex::Regex::new(r"\b(by|on)\s*\(([^)]*)\)").unwrap();
+    let labels_of = |list: &str| -> Vec<String> {
+        list.split(',')
+            .map(|l| l.trim().to_string())
+            .filter(|l| !l.is_empty())
+            .collect()
+    };
+    // (span of the aggregated expression, labels) for every `by (...)`;
+    // `on (...)` applies to the whole expression.
+    let mut scoped: Vec<(std::ops::Range<usize>, Vec<String>)> = Vec::new();
+    for c in grouping.captures_iter(expr) {
+        let labels = labels_of(&c[2]);
+        if &c[1] == "on" {
+            scoped.push((0..expr.len(), labels));
+            continue;
+        }
+        let after = c.get(0).unwrap().end();
+        let rest = &expr[after..];
+        let Some(open) = rest.find('(') else { continue };
+        let mut depth = 0;
+        let mut close = rest.len();
+        for (i, ch) in rest[open..].char_indices() {
+            match ch {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = open + i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        scoped.push((after + open..after + close, labels));
+    }
+    let mut out: std::collections::BTreeMap<String, BTreeSet<String>> = Default::default();
     for c in metric.captures_iter(expr) {
-        names.insert(c[1].to_string());
+        let at = c.get(1).unwrap().start();
+        let labels = out.entry(c[1].to_string()).or_default();
         if let Some(m) = c.get(3) {
             for l in matcher.captures_iter(m.as_str()) {
                 labels.insert(l[1].to_string());
             }
         }
-    }
-    for c in by.captures_iter(expr) {
-        for l in c[1].split(',') {
-            labels.insert(l.trim().to_string());
+        for (span, ls) in &scoped {
+            if span.contains(&at) {
+                labels.extend(ls.iter().cloned());
+            }
         }
+        labels.retain(|l| !TARGET_LABELS.contains(&l.as_str()));
     }
-    labels.retain(|l| !TARGET_LABELS.contains(&l.as_str()));
-    (names, labels)
+    out
 }
 
 /// One sample of an exposition: series name, labels, value.
@@ -172,8 +227,7 @@ pub fn missing_from(groups: &Value, text: &str) -> Vec<String> {
     let samples = samples(text);
     let mut problems = Vec::new();
     for (alert, expr) in alerts(groups) {
-        let (names, labels) = reads(&expr);
-        for name in names {
+        for (name, labels) in reads(&expr) {
             let series: Vec<&Sample> = samples.iter().filter(|s| s.name == name).collect();
             if series.is_empty() {
                 problems.push(format!("{alert}: no series {name} in /metrics"));
@@ -220,33 +274,53 @@ pub fn test_rules(dir: &Path, file: &str) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// A promtool unit test that feeds a scraped exposition, as one target with
-/// `target` labels, for `minutes` (each sample held at its value: counters
-/// that do not grow) and expects no alert at all at the end: what a healthy
-/// agent's series must give.
-pub fn quiet_test(groups: &Value, text: &str, target: &[(&str, &str)], minutes: u32) -> Value {
-    let mut series = Vec::new();
+/// A promtool unit test that feeds scraped expositions, one minute apart, as
+/// one target with `target` labels, the last one held until `minutes`, and
+/// expects no alert at all at the end: what a healthy agent's series must
+/// give. A series missing from a scrape is a gap there.
+pub fn quiet_test(
+    groups: &Value,
+    scrapes: &[&str],
+    target: &[(&str, &str)],
+    minutes: u32,
+) -> Value {
+    let mut by_series: std::collections::BTreeMap<String, Vec<Option<f64>>> = Default::default();
     let mut up = target.to_vec();
     up.sort();
-    series.push(json!({
-        "series": format!("up{{{}}}", render_labels(&up)),
-        "values": format!("1x{minutes}"),
-    }));
-    for s in samples(text) {
-        if !s.value.is_finite() {
-            continue;
+    by_series.insert(
+        format!("up{{{}}}", render_labels(&up)),
+        vec![Some(1.0); scrapes.len()],
+    );
+    for (i, text) in scrapes.iter().enumerate() {
+        for s in samples(text) {
+            if !s.value.is_finite() {
+                continue;
+            }
+            let mut labels: Vec<(&str, &str)> = s
+                .labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            labels.extend_from_slice(target);
+            let key = format!("{}{{{}}}", s.name, render_labels(&labels));
+            by_series
+                .entry(key)
+                .or_insert_with(|| vec![None; scrapes.len()])[i] = Some(s.value);
         }
-        let mut labels: Vec<(&str, &str)> = s
-            .labels
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        labels.extend_from_slice(target);
-        series.push(json!({
-            "series": format!("{}{{{}}}", s.name, render_labels(&labels)),
-            "values": format!("{}x{minutes}", s.value),
-        }));
     }
+    let hold = minutes.saturating_sub(scrapes.len() as u32 - 1);
+    let series: Vec<Value> = by_series
+        .into_iter()
+        .map(|(series, values)| {
+            let last = values.iter().rev().flatten().next().copied().unwrap_or(0.0);
+            let mut v: Vec<String> = values[..values.len() - 1]
+                .iter()
+                .map(|x| x.map_or("_".to_string(), |x| x.to_string()))
+                .collect();
+            v.push(format!("{last}x{hold}"));
+            json!({"series": series, "values": v.join(" ")})
+        })
+        .collect();
     let tests: Vec<Value> = alerts(groups)
         .into_iter()
         .map(|(name, _)| json!({"eval_time": format!("{minutes}m"), "alertname": name, "exp_alerts": []}))

@@ -1512,10 +1512,12 @@ async fn pod_metrics(vm: &mut Vm) -> String {
 /// (graceful shutdown, the device watchdog and the default policy's
 /// monitors in force). More OOM kills than the Event burst make the
 /// rate-limited drops appear; then every series and label the alerts read
-/// must be in the pod's /metrics, and promtool, fed those series for 30
-/// minutes, must find no alert firing on this healthy node.
+/// must be in the pod's /metrics, and promtool, fed two of its scrapes 10 s
+/// apart (as a minute apart), the second held for 30 minutes, with the job
+/// the chart's PodMonitor gives this install, must find no alert firing on
+/// this healthy node.
 pub async fn alerts(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, rows: &Rows) {
-    use crate::support::alerts::{missing_from, quiet_test, rule_groups, test_rules};
+    use crate::support::alerts::{missing_from, quiet_test, rule_groups_for, test_rules};
     let pod = agent_pod(admin, agent_ns).await;
     let pod_name = pod.metadata.name.clone().unwrap();
     vm.sh("for i in $(seq 1 15); do echo \"Killed process $((4000 + i)) (stress-ng) total-vm:10240kB, anon-rss:8192kB, file-rss:0kB, shmem-rss:0kB\" > /dev/kmsg; done")
@@ -1536,7 +1538,16 @@ pub async fn alerts(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, row
     let dir = crate::node_dir(node).join("alerts");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("metrics.txt"), &text).unwrap();
-    let groups = rule_groups(&[]);
+    // The rules of this install (its release and namespace: its job).
+    let release = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("app.kubernetes.io/instance"))
+        .cloned()
+        .expect("the pod's app.kubernetes.io/instance label");
+    let groups = rule_groups_for(&release, agent_ns, &[]);
+    let job = format!("{agent_ns}/{release}");
     crate::support::alerts::check_rules(&dir, &groups);
     let problems = missing_from(&groups, &text);
     assert!(
@@ -1546,13 +1557,16 @@ pub async fn alerts(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, row
         dir.join("metrics.txt").display()
     );
     let target = [
-        ("job", "nodeguard/nodeguard"),
+        ("job", job.as_str()),
         ("instance", "10.0.2.15:9909"),
         ("namespace", agent_ns),
         ("pod", pod_name.as_str()),
         ("node", node),
     ];
-    let quiet = quiet_test(&groups, &text, &target, 30);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let later = pod_metrics(vm).await;
+    std::fs::write(dir.join("metrics-later.txt"), &later).unwrap();
+    let quiet = quiet_test(&groups, &[&text, &later], &target, 30);
     std::fs::write(
         dir.join("quiet_test.yaml"),
         serde_json::to_vec_pretty(&quiet).unwrap(),

@@ -143,7 +143,7 @@ fn status(
 }
 
 fn import_npd(files: &[std::path::PathBuf], name: &str) -> anyhow::Result<ExitCode> {
-    let mut monitors = Vec::new();
+    let mut imported_all = Vec::new();
     for file in files {
         let origin = file.display().to_string();
         let text =
@@ -154,7 +154,11 @@ fn import_npd(files: &[std::path::PathBuf], name: &str) -> anyhow::Result<ExitCo
         for note in &imported.notes {
             eprintln!("note: {note}");
         }
-        monitors.extend(imported.monitors);
+        imported_all.push((origin, imported.monitors));
+    }
+    let (monitors, notes) = policy::npd::combine(imported_all);
+    for note in &notes {
+        eprintln!("note: {note}");
     }
     if monitors.is_empty() {
         eprintln!("error: nothing could be imported");

@@ -89,8 +89,9 @@ fn version_and_help() {
 }
 
 #[test]
-fn import_npd_converts_the_published_shapes_into_a_valid_policy() {
-    let fixtures = support::repo_root().join("tests/fixtures/npd");
+fn import_npd_converts_npds_own_configs_into_a_valid_policy() {
+    // node-problem-detector's own files, from its Go module (e2e/npd-configs).
+    let fixtures = support::npd_configs();
     let files: Vec<String> = [
         "kernel-monitor.json",
         "docker-monitor.json",
@@ -140,8 +141,14 @@ fn import_npd_converts_the_published_shapes_into_a_valid_policy() {
         .iter()
         .find(|m| m.name == "kernel-monitor")
         .unwrap();
-    assert_eq!(kernel.rules.len(), 12);
+    assert_eq!(
+        kernel.rules.len(),
+        14,
+        "NPD v1.34.0's kernel-monitor.json has 14 rules"
+    );
     assert!(kernel.source.kmsg.is_some());
+    // Matched as NPD does: its buffer of 10 lines, anchored at the end.
+    assert_eq!(kernel.npd_matching.as_ref().unwrap().buffer_lines, 10);
     let docker = monitors
         .iter()
         .find(|m| m.name == "docker-monitor")
@@ -166,7 +173,20 @@ fn import_npd_converts_the_published_shapes_into_a_valid_policy() {
         .unwrap();
     let count = kubelet.rules[0].count.as_ref().unwrap();
     assert_eq!((count.threshold, count.window_seconds), (5, 1200));
-    assert_eq!(kubelet.rules[0].pattern, "Started Kubernetes kubelet.");
+    assert_eq!(
+        kubelet.rules[0].pattern,
+        "Started (Kubernetes kubelet|kubelet.service|kubelet.service - Kubernetes kubelet)."
+    );
+    // log-counter's own flags: --journald-source, --log-path, --revert-pattern.
+    let journal = kubelet.source.journald.as_ref().unwrap();
+    assert_eq!(journal.identifier.as_deref(), Some("systemd"));
+    assert_eq!(journal.directory.as_deref(), Some("/var/log/journal"));
+    assert_eq!(
+        count.revert_pattern.as_deref(),
+        Some(
+            "Stopping (Kubernetes kubelet|kubelet.service|kubelet.service - Kubernetes kubelet)..."
+        )
+    );
     let ntp = monitors
         .iter()
         .find(|m| m.name == "ntp-custom-plugin-monitor")

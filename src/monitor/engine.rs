@@ -97,10 +97,57 @@ pub struct Engine {
     rules: Vec<Rule>,
     conditions: Vec<Condition>,
     state: BTreeMap<String, ConditionState>,
-    counts: HashMap<usize, VecDeque<Timestamp>>,
+    /// Per counting rule: its matches (+1) and revert matches (-1) in the
+    /// window.
+    counts: HashMap<usize, VecDeque<(Timestamp, i8)>>,
+    /// node-problem-detector's matching, when the monitor asks for it.
+    npd: Option<NpdBuffer>,
     /// Conditions whose last taint update failed: retried by
     /// [`Engine::taint_retries`] until the Node matches.
     taint_failed: BTreeSet<String>,
+}
+
+/// The last lines of an NPD-matching monitor (see
+/// [`crate::policy::monitors::NpdMatching`]).
+#[derive(Debug)]
+struct NpdBuffer {
+    /// Always `bufferLines` entries, oldest first; empty until filled, as
+    /// NPD's ring starts (so `^` matches only with one line held).
+    lines: VecDeque<String>,
+    /// kmsg and journald messages are trimmed, file lines are not.
+    trim: bool,
+    /// File monitors: the message is this pattern's last capture group (its
+    /// whole match without one); a line it does not match is skipped.
+    message: Option<regex::Regex>,
+    /// File monitors: lines containing any of these are skipped.
+    skip: Vec<String>,
+}
+
+impl NpdBuffer {
+    /// Takes `line` in; the joined text to match, or None when NPD would
+    /// skip the line.
+    fn push(&mut self, line: &str) -> Option<String> {
+        if self.skip.iter().any(|s| line.contains(s.as_str())) {
+            return None;
+        }
+        let message = match &self.message {
+            Some(re) => {
+                let caps = re.captures(line)?;
+                caps.get(caps.len() - 1).map_or("", |m| m.as_str())
+            }
+            None => line,
+        };
+        let message = if self.trim { message.trim() } else { message };
+        self.lines.pop_front();
+        self.lines.push_back(message.to_string());
+        Some(
+            self.lines
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+    }
 }
 
 /// A plugin command's verdict: exit 0, exit 1, anything else.
@@ -152,6 +199,16 @@ pub fn cleanup(
 
 const MESSAGE_LIMIT: usize = 512;
 
+/// Drops the counted matches older than `window`.
+fn prune(q: &mut VecDeque<(Timestamp, i8)>, now: Timestamp, window: Duration) {
+    while q
+        .front()
+        .is_some_and(|(t, _)| now.duration_since(*t).unsigned_abs() > window)
+    {
+        q.pop_front();
+    }
+}
+
 fn truncate(s: &str) -> String {
     crate::report::clip(s.trim(), MESSAGE_LIMIT)
 }
@@ -197,6 +254,27 @@ impl Engine {
                 }),
             })
             .collect();
+        let npd = match &spec.npd_matching {
+            None => None,
+            Some(m) => {
+                let message = match &m.message_pattern {
+                    Some(p) => Some(regex::Regex::new(p).map_err(|e| {
+                        vec![BadPattern {
+                            path: format!("{path}.npdMatching.messagePattern"),
+                            message: format!("invalid regular expression: {e}"),
+                        }]
+                    })?),
+                    None => None,
+                };
+                Some(NpdBuffer {
+                    lines: std::iter::repeat_n(String::new(), m.buffer_lines.max(1) as usize)
+                        .collect(),
+                    trim: spec.source.kmsg.is_some() || spec.source.journald.is_some(),
+                    message,
+                    skip: m.skip.clone(),
+                })
+            }
+        };
         Ok(Engine {
             patterns,
             pattern_of,
@@ -204,6 +282,7 @@ impl Engine {
             conditions,
             state: BTreeMap::new(),
             counts: HashMap::new(),
+            npd,
             taint_failed: BTreeSet::new(),
         })
     }
@@ -329,20 +408,39 @@ impl Engine {
     /// One log line.
     pub fn on_line(&mut self, line: &str, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
-        for idx in self.patterns.matches(line) {
+        let joined;
+        let text = match &mut self.npd {
+            None => line,
+            Some(buffer) => match buffer.push(line) {
+                Some(j) => {
+                    joined = j;
+                    joined.as_str()
+                }
+                None => return out,
+            },
+        };
+        for idx in self.patterns.matches(text) {
             match self.pattern_of[idx] {
                 PatternOf::Clear(c) => {
                     self.clear(c, "cleared by a matching log line", now, &mut out)
                 }
+                PatternOf::Revert(r) => self.revert(r, now),
                 PatternOf::Rule(r) => {
                     let message = match &self.rules[r].message {
                         Some(template) => {
                             let mut m = String::new();
-                            match self.patterns.regex(idx).captures(line) {
+                            match self.patterns.regex(idx).captures(text) {
                                 Some(caps) => caps.expand(template, &mut m),
                                 None => m = template.clone(),
                             }
                             m
+                        }
+                        // NPD's message: the lines the match spans.
+                        None if self.npd.is_some() => {
+                            let start =
+                                self.patterns.regex(idx).find(text).map_or(0, |m| m.start());
+                            let from = text[..start].rfind('\n').map_or(0, |i| i + 1);
+                            text[from..].to_string()
                         }
                         None => line.to_string(),
                     };
@@ -351,6 +449,17 @@ impl Engine {
             }
         }
         out
+    }
+
+    /// A counting rule's revert pattern matched: one match fewer in its
+    /// window (NPD log-counter's `--revert-pattern`).
+    fn revert(&mut self, r: usize, now: Timestamp) {
+        let Some((_, window)) = self.rules[r].count else {
+            return;
+        };
+        let q = self.counts.entry(r).or_default();
+        q.push_back((now, -1));
+        prune(q, now, window);
     }
 
     /// A plugin rule's result (rule index in the monitor's `rules`).
@@ -395,14 +504,10 @@ impl Engine {
         let rule = self.rules[r].clone();
         if let Some((threshold, window)) = rule.count {
             let q = self.counts.entry(r).or_default();
-            q.push_back(now);
-            while q
-                .front()
-                .is_some_and(|t| now.duration_since(*t).unsigned_abs() > window)
-            {
-                q.pop_front();
-            }
-            if q.len() < threshold {
+            q.push_back((now, 1));
+            prune(q, now, window);
+            let net: i64 = q.iter().map(|(_, d)| i64::from(*d)).sum();
+            if net < threshold as i64 {
                 return;
             }
             q.clear();

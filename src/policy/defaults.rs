@@ -49,6 +49,7 @@ fn rule(
         command: Vec::new(),
         message: None,
         count: count.map(|(threshold, window_seconds)| CountSpec {
+            revert_pattern: None,
             threshold,
             window_seconds,
         }),
@@ -67,6 +68,7 @@ fn restart_counter() -> MonitorSpec {
         )
     };
     MonitorSpec {
+        npd_matching: None,
         name: "systemd-restarts".into(),
         source: journald("systemd"),
         conditions: vec![
@@ -117,6 +119,7 @@ fn restart_counter() -> MonitorSpec {
 /// NPD's docker-monitor.
 fn docker_monitor() -> MonitorSpec {
     MonitorSpec {
+        npd_matching: None,
         name: "docker".into(),
         source: journald("dockerd"),
         conditions: vec![condition(

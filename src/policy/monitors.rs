@@ -27,6 +27,36 @@ pub struct MonitorSpec {
     pub conditions: Vec<ConditionSpec>,
     #[serde(default)]
     pub rules: Vec<RuleSpec>,
+    /// Match lines the way node-problem-detector's log monitors do (set by
+    /// `nodeguard import-npd`); unset: each pattern is searched anywhere in
+    /// one line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub npd_matching: Option<NpdMatching>,
+}
+
+/// node-problem-detector's matching: each new line (kmsg and journald
+/// messages trimmed of surrounding whitespace, as NPD does) joins the last
+/// `bufferLines` lines, joined with newlines, and a rule, clear or revert
+/// pattern matches when it matches text that ends at the end of the newest
+/// line (NPD appends `\z`). So a pattern may span lines (`\n`), `^` is the
+/// start of the oldest line held (with more than one line: never, as in NPD),
+/// and "divide error: 0000 \[#\d+\] SMP" does not match a line that goes
+/// on with " PTI".
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NpdMatching {
+    /// NPD's `bufferSize`: lines held for matching.
+    #[schemars(range(min = 1, max = 100))]
+    pub buffer_lines: u32,
+    /// File monitors: NPD's filelog `pluginConfig.message`; its last capture
+    /// group (its whole match without one) is the message rules are matched
+    /// against, and a line it does not match is skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_pattern: Option<String>,
+    /// File monitors: NPD's filelog `skipList`; a line containing any of
+    /// these is skipped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skip: Vec<String>,
 }
 
 /// What a monitor's regular expression belongs to.
@@ -36,6 +66,8 @@ pub enum PatternOf {
     Rule(usize),
     /// `conditions[i].clearPattern`.
     Clear(usize),
+    /// `rules[i].count.revertPattern`.
+    Revert(usize),
 }
 
 impl MonitorSpec {
@@ -63,7 +95,15 @@ impl MonitorSpec {
                 p,
             ))
         });
-        rules.chain(clears).collect()
+        let reverts = self.rules.iter().enumerate().filter_map(|(i, r)| {
+            let p = r.count.as_ref()?.revert_pattern.as_deref()?;
+            Some((
+                PatternOf::Revert(i),
+                format!("{path}.rules[{i}].count.revertPattern"),
+                p,
+            ))
+        });
+        rules.chain(clears).chain(reverts).collect()
     }
 
     /// Whether a new boot resets `condition` (one of this monitor's):
@@ -92,7 +132,33 @@ impl MonitorSpec {
     ) -> Result<(Patterns, Vec<PatternOf>), Vec<BadPattern>> {
         let all = self.patterns(path);
         let of = all.iter().map(|(o, _, _)| *o).collect();
-        let compiled = Patterns::compile(path, all.into_iter().map(|(_, at, p)| (at, p)))?;
+        let compiled = match &self.npd_matching {
+            None => Patterns::compile(path, all.into_iter().map(|(_, at, p)| (at, p)))?,
+            Some(_) => {
+                // NPD appends `\z`: the match must end where the newest line
+                // does. A bad pattern is reported as written.
+                let mut bad = Vec::new();
+                for (_, at, p) in &all {
+                    if let Err(e) = regex::Regex::new(p) {
+                        bad.push(BadPattern {
+                            path: at.clone(),
+                            message: format!("invalid regular expression: {e}"),
+                        });
+                    }
+                }
+                if !bad.is_empty() {
+                    return Err(bad);
+                }
+                let anchored: Vec<(String, String)> = all
+                    .into_iter()
+                    .map(|(_, at, p)| (at, format!("(?:{p})\\z")))
+                    .collect();
+                Patterns::compile(
+                    path,
+                    anchored.iter().map(|(at, p)| (at.clone(), p.as_str())),
+                )?
+            }
+        };
         Ok((compiled, of))
     }
 }
@@ -309,6 +375,11 @@ pub struct CountSpec {
     pub threshold: u32,
     #[schemars(range(min = 1))]
     pub window_seconds: u32,
+    /// A line matching this cancels one match in the window (NPD
+    /// log-counter's `--revert-pattern`: a clean "Stopping" before a
+    /// "Started" is a restart, not a crash).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revert_pattern: Option<String>,
 }
 
 fn camel(s: &str) -> bool {
@@ -441,6 +512,36 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
         if let Err(bad) = m.compile_patterns(&at) {
             problems.extend(bad.into_iter().map(|b| Problem::new(b.path, b.message)));
         }
+        if let Some(n) = &m.npd_matching {
+            let log =
+                m.source.kmsg.is_some() || m.source.file.is_some() || m.source.journald.is_some();
+            if !log {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching"),
+                    "only kmsg, file and journald monitors match lines",
+                ));
+            }
+            if n.buffer_lines == 0 || n.buffer_lines > 100 {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching.bufferLines"),
+                    "from 1 to 100 lines",
+                ));
+            }
+            if (n.message_pattern.is_some() || !n.skip.is_empty()) && m.source.file.is_none() {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching"),
+                    "messagePattern and skip are for file monitors (NPD's filelog)",
+                ));
+            }
+            if let Some(p) = &n.message_pattern
+                && let Err(e) = regex::Regex::new(p)
+            {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching.messagePattern"),
+                    format!("invalid regular expression: {e}"),
+                ));
+            }
+        }
     }
     problems
 }
@@ -467,6 +568,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         count: None,
     };
     MonitorSpec {
+        npd_matching: None,
         name: "kernel".into(),
         source: LogSource {
             kmsg: Some(KmsgSource {

@@ -2,7 +2,9 @@
 //! `spec.monitors`, with a list of what could not be expressed.
 //!
 //! system-log-monitor configs (`kmsg`, `journald`, `filelog`) become log
-//! monitors with the same conditions and rules; custom-plugin-monitor
+//! monitors with the same conditions and rules, matched as NPD matches them
+//! (`npdMatching`: its buffer of lines, its `\z`, its trimming, filelog's
+//! message pattern and skip list); custom-plugin-monitor
 //! configs become plugin monitors; rules that run NPD's `log-counter`
 //! become native counting rules on a journald monitor.
 //!
@@ -20,8 +22,13 @@ use serde_json::Value;
 
 use super::monitors::{
     ConditionSpec, CountSpec, FileSource, JournaldSource, KmsgSource, LogSource, MonitorSpec,
-    PluginSource, ProblemKind, RuleSpec,
+    NpdMatching, PluginSource, ProblemKind, RuleSpec,
 };
+
+/// NPD's `bufferSize` when a config sets none.
+const NPD_BUFFER_SIZE: u32 = 10;
+/// The most lines nodeguard holds for NPD matching.
+const MAX_BUFFER_LINES: u32 = 100;
 
 /// The result of converting one NPD config.
 #[derive(Debug, Default)]
@@ -159,9 +166,9 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             systemd: None,
         },
         "filelog" => {
-            if config.pointer("/pluginConfig/message").is_some() {
+            if config.pointer("/pluginConfig/timestamp").is_some() {
                 out.notes.push(format!(
-                    "{origin}: pluginConfig.message/timestamp extraction is not supported: rules match the whole line"
+                    "{origin}: pluginConfig.timestamp: nodeguard times a line when it reads it; NPD skips a line whose time it cannot parse, nodeguard matches it"
                 ));
             }
             LogSource {
@@ -175,6 +182,15 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             }
         }
         "custom" => return import_custom(origin, &name, config, out),
+        "" if ["cpu", "disk", "memory", "host", "net", "osFeature"]
+            .iter()
+            .any(|k| config.get(k).is_some()) =>
+        {
+            out.notes.push(format!(
+                "{origin}: a system-stats-monitor config (node metrics for NPD's exporters, no conditions or Events): nodeguard does not export NPD's node metrics; nothing imported"
+            ));
+            return out;
+        }
         other => {
             out.notes.push(format!(
                 "{origin}: plugin {other:?} is not supported; nothing imported"
@@ -219,13 +235,107 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             lasting.join(", ")
         ));
     }
+    let buffer = config
+        .get("bufferSize")
+        .and_then(Value::as_u64)
+        .filter(|n| *n > 0)
+        .map_or(NPD_BUFFER_SIZE, |n| n.min(u64::from(u32::MAX)) as u32);
+    if buffer > MAX_BUFFER_LINES {
+        out.notes.push(format!(
+            "{origin}: bufferSize {buffer} is more than nodeguard holds; it matches the last {MAX_BUFFER_LINES} lines"
+        ));
+    }
+    let mut message_pattern = config
+        .pointer("/pluginConfig/message")
+        .and_then(Value::as_str)
+        .filter(|_| plugin == "filelog")
+        .map(str::to_string);
+    if let Some(p) = &message_pattern
+        && regex::Regex::new(p).is_err()
+    {
+        out.notes.push(format!(
+            "{origin}: pluginConfig.message {p:?} is not a valid Rust regular expression; rules match the whole line"
+        ));
+        message_pattern = None;
+    }
+    let skip: Vec<String> = config
+        .get("skipList")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .filter(|_| plugin == "filelog")
+        .collect();
     out.monitors.push(MonitorSpec {
+        // NPD's matching: its buffer, its `\z`, its trimming and message.
+        npd_matching: Some(NpdMatching {
+            buffer_lines: buffer.min(MAX_BUFFER_LINES),
+            message_pattern,
+            skip,
+        }),
         name,
         source,
         conditions,
         rules,
     });
     out
+}
+
+/// Joins the monitors imported from several configs (`(origin, monitors)`
+/// in order) into one policy's list. NPD runs each config on its own and
+/// lets several write one condition; a policy needs unique monitor names
+/// and one owner per condition. So plugin monitors of the same `source`
+/// and the same plugin settings (NPD's health checkers: kubelet, docker,
+/// containerd, all "health-checker") become one monitor, whose shared
+/// condition is True while any of its checks fails; any other repeated
+/// name gets its config file's name. The notes say what was joined.
+pub fn combine(imported: Vec<(String, Vec<MonitorSpec>)>) -> (Vec<MonitorSpec>, Vec<String>) {
+    let mut out: Vec<MonitorSpec> = Vec::new();
+    let mut notes = Vec::new();
+    for (origin, monitors) in imported {
+        for mut m in monitors {
+            if let Some(into) = out
+                .iter_mut()
+                .find(|o| o.name == m.name && o.source.plugin.is_some() && o.source == m.source)
+            {
+                for c in m.conditions {
+                    if into.conditions.iter().any(|x| x.type_ == c.type_) {
+                        notes.push(format!(
+                            "{origin}: condition {} is also set by another {} check: nodeguard keeps it True while any of them fails (NPD lets the last one to report win)",
+                            c.type_, into.name
+                        ));
+                    } else {
+                        into.conditions.push(c);
+                    }
+                }
+                into.rules.extend(m.rules);
+                notes.push(format!(
+                    "{origin}: its checks join the monitor {:?} of the same source",
+                    into.name
+                ));
+                continue;
+            }
+            if out.iter().any(|o| o.name == m.name) {
+                let stem = std::path::Path::new(&origin)
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let mut name = label(&format!("{}-{stem}", m.name));
+                let mut n = 2;
+                while out.iter().any(|o| o.name == name) {
+                    name = label(&format!("{}-{stem}-{n}", m.name));
+                    n += 1;
+                }
+                notes.push(format!(
+                    "{origin}: monitor {:?} exists already; this one is {name:?}",
+                    m.name
+                ));
+                m.name = name;
+            }
+            out.push(m);
+        }
+    }
+    (out, notes)
 }
 
 /// `--flag=value` from a log-counter argument list.
@@ -290,20 +400,62 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     "{origin}: rules[{i}] log-counter --delay has no equivalent (nodeguard counts from when it starts reading)"
                 ));
             }
+            let revert = flag(&args, "revert-pattern").map(str::to_string);
+            for (p, which) in [
+                (Some(pattern), "--pattern"),
+                (revert.as_deref(), "--revert-pattern"),
+            ] {
+                if let Some(p) = p
+                    && (p.starts_with('^') || p.contains("\\n"))
+                {
+                    out.notes.push(format!(
+                        "{origin}: rules[{i}] log-counter {which} {p:?} is anchored or spans lines: log-counter matches it against its last 1000 journal lines, nodeguard against the newest one"
+                    ));
+                }
+            }
+            for a in &args {
+                let name = a.trim_start_matches('-').split('=').next().unwrap_or("");
+                if ![
+                    "journald-source",
+                    "log-path",
+                    "lookback",
+                    "delay",
+                    "count",
+                    "pattern",
+                    "revert-pattern",
+                    "v",
+                    "logtostderr",
+                ]
+                .contains(&name)
+                {
+                    out.notes.push(format!(
+                        "{origin}: rules[{i}] log-counter argument {a:?} is not one of log-counter's flags; ignored"
+                    ));
+                }
+            }
             let condition = r
                 .get("condition")
                 .and_then(Value::as_str)
                 .map(str::to_string);
             let mon_name = label(&format!("{name}-{}", reason));
             counters.push(MonitorSpec {
+                // log-counter matches like NPD's log monitors (`\z`, trimmed
+                // journal messages); its last line decides for these patterns.
+                npd_matching: Some(NpdMatching {
+                    buffer_lines: 1,
+                    message_pattern: None,
+                    skip: Vec::new(),
+                }),
                 name: mon_name,
                 source: LogSource {
                     kmsg: None,
                     file: None,
+                    // log-counter's own flags: the journal's SYSLOG_IDENTIFIER
+                    // and directory.
                     journald: Some(JournaldSource {
-                        directory: flag(&args, "journal-path").map(str::to_string),
+                        directory: flag(&args, "log-path").map(str::to_string),
                         unit: None,
-                        identifier: flag(&args, "log-source").map(str::to_string),
+                        identifier: flag(&args, "journald-source").map(str::to_string),
                     }),
                     plugin: None,
                     systemd: None,
@@ -327,6 +479,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     command: Vec::new(),
                     message: None,
                     count: Some(CountSpec {
+                        revert_pattern: revert,
                         threshold: count.parse().unwrap_or(1),
                         window_seconds: window,
                     }),
@@ -371,6 +524,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
         .collect();
     if !plugin_rules.is_empty() {
         out.monitors.push(MonitorSpec {
+            npd_matching: None,
             name: name.to_string(),
             source: LogSource {
                 kmsg: None,
@@ -415,47 +569,69 @@ mod tests {
         assert_eq!(go_duration_seconds(""), None);
     }
 
-    fn fixture(name: &str) -> Value {
-        let path = format!("{}/tests/fixtures/npd/{name}", env!("CARGO_MANIFEST_DIR"));
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-    }
-
-    /// Imported permanent conditions clear: log-counter ones after their
-    /// window without a match; log monitors' ones (which NPD keeps until it
-    /// restarts) at the next boot, which the notes say.
+    /// NPD's health checkers share a source and a condition: one monitor;
+    /// another repeated name takes its file's name.
     #[test]
-    fn imported_permanent_conditions_have_a_way_to_clear() {
-        let counter = import("counter", &fixture("systemd-monitor-counter.json"));
-        let kubelet = counter
-            .monitors
-            .iter()
-            .find(|m| {
-                m.conditions
-                    .iter()
-                    .any(|c| c.type_ == "FrequentKubeletRestart")
+    fn configs_of_one_source_join_and_other_repeated_names_are_renamed() {
+        let checker = |component: &str, condition: &str| {
+            serde_json::json!({
+                "plugin": "custom",
+                "pluginConfig": {"invoke_interval": "10s", "timeout": "3m", "max_output_length": 80, "concurrency": 1},
+                "source": "health-checker",
+                "conditions": [{"type": condition, "reason": format!("{condition}IsHealthy"), "message": "ok"}],
+                "rules": [{"type": "permanent", "condition": condition, "reason": format!("{}Unhealthy", component.to_uppercase()),
+                           "path": "/home/kubernetes/bin/health-checker", "args": [format!("--component={component}")]}],
             })
-            .unwrap();
-        assert_eq!(kubelet.conditions[0].clear_after_seconds, Some(1200));
-        let docker = import("docker", &fixture("docker-monitor.json"));
-        let c = &docker.monitors[0].conditions[0];
-        assert_eq!(c.type_, "CorruptDockerOverlay2");
-        assert!(docker.monitors[0].resets_at_boot(c));
+        };
+        let parts = vec![
+            (
+                "kubelet.json".to_string(),
+                import("kubelet.json", &checker("kubelet", "KubeletUnhealthy")).monitors,
+            ),
+            (
+                "docker.json".to_string(),
+                import(
+                    "docker.json",
+                    &checker("docker", "ContainerRuntimeUnhealthy"),
+                )
+                .monitors,
+            ),
+            (
+                "cri.json".to_string(),
+                import("cri.json", &checker("cri", "ContainerRuntimeUnhealthy")).monitors,
+            ),
+            (
+                "/etc/npd/other-kernel.json".to_string(),
+                import(
+                    "k",
+                    &serde_json::json!({"plugin": "kmsg", "source": "health-checker", "rules": []}),
+                )
+                .monitors,
+            ),
+        ];
+        let (monitors, notes) = combine(parts);
+        let names: Vec<&str> = monitors.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["health-checker", "health-checker-other-kernel"]);
+        let types: Vec<&str> = monitors[0]
+            .conditions
+            .iter()
+            .map(|c| c.type_.as_str())
+            .collect();
+        assert_eq!(types, ["KubeletUnhealthy", "ContainerRuntimeUnhealthy"]);
+        assert_eq!(monitors[0].rules.len(), 3);
         assert!(
-            docker.notes.iter().any(|n| n
-                .contains("CorruptDockerOverlay2 stay True until NPD restarts")
-                && n.contains("resets them at the next boot")),
-            "{:?}",
-            docker.notes
+            notes.iter().any(|n| n.starts_with("cri.json: condition ContainerRuntimeUnhealthy is also set")),
+            "{notes:?}"
         );
-        let kernel = import("kernel", &fixture("kernel-monitor.json"));
-        assert!(
-            kernel
-                .notes
-                .iter()
-                .any(|n| n.contains("KernelDeadlock, ReadonlyFilesystem stay True")),
-            "{:?}",
-            kernel.notes
+        let policy = crate::policy::NodeGuardPolicy::new(
+            "p",
+            crate::policy::NodeGuardPolicySpec {
+                monitors,
+                ..Default::default()
+            },
         );
+        let problems = crate::policy::validate(&policy);
+        assert!(problems.is_empty(), "{problems:?}");
     }
 
     #[test]

@@ -221,6 +221,21 @@ impl Drop for TestNode {
 }
 
 /// A plain HTTP/1.0 GET against the agent: (status, body).
+/// node-problem-detector's own configs (`config/*.json` of the release
+/// bench/npd/go.mod pins), fetched by e2e/npd-configs; fails when missing.
+pub fn npd_configs() -> PathBuf {
+    let out = std::process::Command::new(repo_root().join("e2e/npd-configs"))
+        .arg("--path")
+        .output()
+        .expect("run e2e/npd-configs --path");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
 /// The value of one sample (`name{labels}` exactly as exposed) in a
 /// /metrics text; None when the series is absent.
 pub fn sample(metrics: &str, series: &str) -> Option<f64> {

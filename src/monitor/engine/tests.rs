@@ -147,6 +147,7 @@ fn the_default_rules_over_a_real_world_corpus() {
 
 fn monitor() -> MonitorSpec {
     MonitorSpec {
+        npd_matching: None,
         name: "m".into(),
         source: crate::policy::monitors::LogSource {
             kmsg: None,
@@ -185,6 +186,7 @@ fn monitor() -> MonitorSpec {
                 command: Vec::new(),
                 message: None,
                 count: Some(CountSpec {
+                    revert_pattern: None,
                     threshold: 3,
                     window_seconds: 60,
                 }),
@@ -641,4 +643,166 @@ fn a_failed_taint_update_is_retried_until_its_outcome_is_known() {
     ));
     e.taint_result("AppBroken", TaintOutcome::Removed);
     assert!(e.taint_retries().is_empty());
+}
+
+/// A monitor matching as node-problem-detector does, from JSON.
+fn npd_monitor(source: serde_json::Value, buffer: u32, rules: serde_json::Value) -> MonitorSpec {
+    serde_json::from_value(serde_json::json!({
+        "name": "npd",
+        "source": source,
+        "conditions": [{"type": "KernelDeadlock", "reason": "KernelHasNoDeadlock", "message": "fine"}],
+        "rules": rules,
+        "npdMatching": {"bufferLines": buffer},
+    }))
+    .unwrap()
+}
+
+fn kmsg() -> serde_json::Value {
+    serde_json::json!({"kmsg": {"path": "/dev/kmsg"}})
+}
+
+fn fired(e: &mut Engine, line: &str, at: i64) -> Vec<String> {
+    e.on_line(line, t(at))
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::Event { reason, message } => Some(format!("{reason}: {message}")),
+            Action::Condition {
+                active: true,
+                reason,
+                ..
+            } => Some(format!("{reason}!")),
+            _ => None,
+        })
+        .collect()
+}
+
+/// NPD matches `pattern + \z` against its buffer: the match must end where
+/// the newest line ends, may start in an earlier line, and `^` is the start
+/// of the buffer. Cases from NPD's own rules and the kernel's lines.
+#[test]
+fn npd_matching_ends_at_the_newest_line() {
+    let rules = serde_json::json!([
+        {"type": "temporary", "reason": "KernelOops", "pattern": r"divide error: 0000 \[#\d+\] SMP"},
+        {"type": "temporary", "reason": "Anchored", "pattern": r"^anchored"},
+        {"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
+         "pattern": r"task docker:\w+ blocked for more than \w+ seconds\."},
+        {"type": "temporary", "reason": "OOMKilling",
+         "pattern": "Kill process \\d+ (.+) score \\d+ or sacrifice child\\nKilled process \\d+ (.+) total-vm:\\d+kB.*"},
+    ]);
+    let mut e = Engine::new(&npd_monitor(kmsg(), 10, rules.clone()), "m").unwrap();
+    let cases: &[(&str, &[&str])] = &[
+        ("divide error: 0000 [#1] SMP PTI", &[]),
+        (
+            "divide error: 0000 [#1] SMP",
+            &["KernelOops: divide error: 0000 [#1] SMP"],
+        ),
+        // Trimmed like NPD's kmsg messages.
+        (
+            "  divide error: 0000 [#2] SMP \t",
+            &["KernelOops: divide error: 0000 [#2] SMP"],
+        ),
+        // `^` is the start of the 10-line buffer: never with more than one line.
+        ("anchored", &[]),
+        (
+            "INFO: task docker:42 blocked for more than 120 seconds.",
+            &[
+                "DockerHung!",
+                "DockerHung: INFO: task docker:42 blocked for more than 120 seconds.",
+            ],
+        ),
+        ("Killed process 9 (x) total-vm:1kB", &[]),
+        ("Kill process 77 (java) score 900 or sacrifice child", &[]),
+        (
+            "Killed process 77 (java) total-vm:123kB, anon-rss:1kB",
+            &[
+                "OOMKilling: Kill process 77 (java) score 900 or sacrifice child\nKilled process 77 (java) total-vm:123kB, anon-rss:1kB",
+            ],
+        ),
+    ];
+    for (i, (line, want)) in cases.iter().enumerate() {
+        assert_eq!(&fired(&mut e, line, i as i64), want, "{line:?}");
+    }
+    // With one line held, `^` is the start of that (trimmed) line.
+    let mut one = Engine::new(&npd_monitor(kmsg(), 1, rules), "m").unwrap();
+    assert_eq!(fired(&mut one, "  anchored", 0), ["Anchored: anchored"]);
+    assert!(fired(&mut one, "not anchored", 1).is_empty());
+}
+
+/// Without npdMatching, nodeguard's own matching: anywhere in one line.
+#[test]
+fn nodeguards_own_matching_searches_the_line() {
+    let mut m = npd_monitor(
+        kmsg(),
+        1,
+        serde_json::json!([{"type": "temporary", "reason": "KernelOops", "pattern": r"divide error: 0000 \[#\d+\] SMP"}]),
+    );
+    m.npd_matching = None;
+    let mut e = Engine::new(&m, "m").unwrap();
+    assert_eq!(fired(&mut e, "divide error: 0000 [#1] SMP PTI", 0).len(), 1);
+}
+
+/// NPD's filelog: the message is the message pattern's last capture group,
+/// lines it does not match and lines with a skip-list entry are skipped,
+/// and file lines are not trimmed.
+#[test]
+fn npd_file_monitors_match_the_extracted_message() {
+    let mut m = npd_monitor(
+        serde_json::json!({"file": {"path": "/var/log/kern.log"}}),
+        10,
+        serde_json::json!([{"type": "temporary", "reason": "Oops", "pattern": r"^oops \d+"}]),
+    );
+    let n = m.npd_matching.as_mut().unwrap();
+    n.buffer_lines = 1;
+    n.message_pattern = Some(r"kernel: \[.*\] (.*)".into());
+    n.skip = vec![" audit:".into()];
+    let mut e = Engine::new(&m, "m").unwrap();
+    assert_eq!(
+        fired(&mut e, "Nov 23 10:00:00 node kernel: [ 12.5] oops 7", 0),
+        ["Oops: oops 7"]
+    );
+    // No message (the pattern does not match): skipped, the buffer unchanged.
+    assert!(fired(&mut e, "Nov 23 10:00:01 node sshd: oops 8", 1).is_empty());
+    assert!(fired(&mut e, "Nov 23 10:00:02 node kernel: audit: [ 1] oops 9", 2).is_empty());
+    // Not trimmed: a leading space keeps `^` from matching.
+    assert!(fired(&mut e, "Nov 23 10:00:03 node kernel: [ 13.0]  oops 10", 3).is_empty());
+}
+
+/// log-counter's `--revert-pattern`: each match takes one off the count in
+/// the window, so start/stop pairs never add up and crashes do.
+#[test]
+fn a_revert_pattern_takes_one_off_the_count() {
+    let mut m = npd_monitor(
+        serde_json::json!({"journald": {"identifier": "systemd"}}),
+        1,
+        serde_json::json!([{
+            "type": "permanent", "condition": "KernelDeadlock", "reason": "FrequentRestart",
+            "pattern": "Started kubelet.",
+            "count": {"threshold": 3, "windowSeconds": 600, "revertPattern": "Stopping kubelet..."}
+        }]),
+    );
+    m.conditions[0].clear_after_seconds = Some(600);
+    let mut e = Engine::new(&m, "m").unwrap();
+    let mut at = 0;
+    for _ in 0..5 {
+        assert!(fired(&mut e, "Stopping kubelet...", at).is_empty());
+        assert!(fired(&mut e, "Started kubelet.", at + 1).is_empty());
+        at += 10;
+    }
+    // Three starts with no stop: the third fires.
+    assert!(fired(&mut e, "Started kubelet.", at).is_empty());
+    assert!(fired(&mut e, "Started kubelet.", at + 1).is_empty());
+    assert_eq!(
+        fired(&mut e, "Started kubelet.", at + 2),
+        ["FrequentRestart!", "FrequentRestart: Started kubelet."]
+    );
+    // A revert outside the window no longer counts.
+    let mut e = Engine::new(&m, "m").unwrap();
+    assert!(fired(&mut e, "Stopping kubelet...", 0).is_empty());
+    for s in 0..2 {
+        assert!(fired(&mut e, "Started kubelet.", 700 + s).is_empty());
+    }
+    assert_eq!(
+        fired(&mut e, "Started kubelet.", 702),
+        ["FrequentRestart!", "FrequentRestart: Started kubelet."]
+    );
 }

@@ -1,0 +1,340 @@
+//! nodeguard as a drop-in for node-problem-detector, judged by NPD's own
+//! material: every monitor config of the NPD release bench/npd pins (from
+//! its Go module, e2e/npd-configs) is imported with `nodeguard import-npd`,
+//! alone and in the sets NPD's deployments use, and the imported rules are
+//! replayed over kernel and journal lines with the outcome NPD's matching
+//! gives them (its pattern + `\z` over the last `bufferSize` trimmed lines,
+//! log-counter's `--revert-pattern`); then the agent runs an imported config
+//! against the real control plane.
+
+mod support;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use support::*;
+
+fn nodeguard(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `import-npd` of NPD config files (names under the release's config/).
+fn import(files: &[&str]) -> (i32, String, String) {
+    let dir = npd_configs();
+    let paths: Vec<String> = files
+        .iter()
+        .map(|f| dir.join(f).display().to_string())
+        .collect();
+    let mut args = vec!["import-npd"];
+    args.extend(paths.iter().map(String::as_str));
+    nodeguard(&args)
+}
+
+/// Writes `yaml` and runs `nodeguard check -f` on it (with `--replay log`).
+fn check(dir: &Path, yaml: &str, replay: Option<&str>) -> (i32, String, String) {
+    let policy = dir.join("imported.yaml");
+    std::fs::write(&policy, yaml).unwrap();
+    let mut args = vec!["check", "-f", policy.to_str().unwrap()];
+    let log = dir.join("replay.log");
+    if let Some(lines) = replay {
+        std::fs::write(&log, lines).unwrap();
+        args.extend(["--replay", log.to_str().unwrap(), "--year", "2026"]);
+    }
+    nodeguard(&args)
+}
+
+#[test]
+fn every_npd_config_of_the_release_imports_alone_and_in_npds_sets() {
+    let dir = npd_configs();
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 20, "{names:?}");
+    let tmp = TempDir::new("npd-import");
+    let mut table = String::from(
+        "| NPD config | import-npd | monitors | nodeguard check |\n|---|---|---|---|\n",
+    );
+    for name in &names {
+        let (code, yaml, notes) = import(&[name]);
+        let text = std::fs::read_to_string(dir.join(name)).unwrap();
+        let valid_json = serde_json::from_str::<serde_json::Value>(&text).is_ok();
+        if !valid_json {
+            // NPD's own loader (Go's encoding/json) refuses it too.
+            assert_ne!(code, 0, "{name} is not JSON, yet imported");
+            assert!(
+                notes.contains(name.as_str()),
+                "the error names the file: {notes}"
+            );
+            table.push_str(&format!(
+                "| {name} | refused: not JSON (NPD refuses it too) | | |\n"
+            ));
+            continue;
+        }
+        let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if config.get("plugin").is_none() {
+            // system-stats-monitor: metrics for NPD's exporters, no problems.
+            assert_ne!(code, 0, "{name}: {yaml}");
+            assert!(
+                notes.contains("a system-stats-monitor config"),
+                "{name}: {notes}"
+            );
+            table.push_str(&format!(
+                "| {name} | refused: system-stats (NPD's node metrics) | | |\n"
+            ));
+            continue;
+        }
+        assert_eq!(code, 0, "{name}: {notes}");
+        let monitors =
+            yaml.matches("\n  - name: ").count() + yaml.matches("\n    - name: ").count();
+        let (ccode, out, err) = check(&tmp.path, &yaml, None);
+        assert_eq!(
+            ccode, 0,
+            "{name}: the imported policy is invalid:\n{out}{err}\n{yaml}"
+        );
+        table.push_str(&format!(
+            "| {name} | ok ({} note(s)) | {monitors} | valid |\n",
+            notes.lines().filter(|l| !l.trim().is_empty()).count()
+        ));
+    }
+    println!("{table}");
+    // The sets NPD's own deployments load together: the GCE e2e set and
+    // the health checkers.
+    for set in [
+        &[
+            "kernel-monitor.json",
+            "readonly-monitor.json",
+            "docker-monitor.json",
+            "systemd-monitor.json",
+            "kernel-monitor-counter.json",
+            "systemd-monitor-counter.json",
+        ][..],
+        &[
+            "health-checker-kubelet.json",
+            "health-checker-docker.json",
+            "health-checker-containerd.json",
+        ][..],
+    ] {
+        let (code, yaml, notes) = import(set);
+        assert_eq!(code, 0, "{set:?}: {notes}");
+        let (ccode, out, err) = check(&tmp.path, &yaml, None);
+        assert_eq!(ccode, 0, "{set:?}: {out}{err}\n{yaml}");
+    }
+}
+
+/// NPD's kernel rules over kernel lines, with the outcome NPD's matching
+/// gives each (pattern + `\z` on the trimmed message).
+#[test]
+fn npds_kernel_rules_fire_where_npd_fires_them() {
+    let (code, yaml, notes) = import(&["kernel-monitor.json"]);
+    assert_eq!(code, 0, "{notes}");
+    let tmp = TempDir::new("npd-kernel");
+    let lines = [
+        // NPD: the pattern ends at "SMP"; this line goes on, so no match.
+        "4,100,1000000,-;divide error: 0000 [#1] SMP PTI",
+        "4,101,1000001,-;divide error: 0000 [#1] SMP",
+        "4,102,1000002,-;BUG: unable to handle kernel NULL pointer dereference at 0000000000000010",
+        "3,103,1000003,-;XFS (dm-0): Log I/O Error Detected. Shutting down filesystem",
+        "3,104,1000004,-;{1}[Hardware Error]: event severity: fatal",
+        // Trailing spaces are trimmed, as NPD trims kmsg messages.
+        "3,105,1000005,-;INFO: task docker:1234 blocked for more than 120 seconds.   ",
+        "6,106,1000006,-;unregister_netdevice: waiting for lo to become free. Usage count = 1",
+        "6,107,1000007,-;Killed process 4242 (java) total-vm:123456kB, anon-rss:65432kB, file-rss:123kB, shmem-rss:0kB",
+    ];
+    let (code, out, err) = check(&tmp.path, &yaml, Some(&(lines.join("\n") + "\n")));
+    println!("{out}");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        !out.contains("line 1 "),
+        "NPD does not fire on line 1:\n{out}"
+    );
+    for want in [
+        "line 2  ",
+        "kernel-monitor: Event KernelOops: divide error: 0000 [#1] SMP",
+        "kernel-monitor: Event KernelOops: BUG: unable to handle kernel NULL pointer dereference",
+        "kernel-monitor: XfsShutdown=True (XfsHasShutdown)",
+        "kernel-monitor: CperHardwareErrorFatal=True (CperHardwareErrorFatal)",
+        "kernel-monitor: Event TaskHung: INFO: task docker:1234 blocked for more than 120 seconds.",
+        "kernel-monitor: KernelDeadlock=True (DockerHung)",
+        "kernel-monitor: Event UnregisterNetDevice",
+        "kernel-monitor: Event OOMKilling: Killed process 4242 (java)",
+    ] {
+        assert!(out.contains(want), "{want:?} missing:\n{out}");
+    }
+}
+
+/// A rule that spans two lines, as NPD's kernel monitor had for the OOM
+/// killer's "Kill process … or sacrifice child" followed by "Killed
+/// process …": it fires on the pair, in order, and on neither line alone.
+#[test]
+fn a_two_line_npd_rule_fires_on_the_pair_only() {
+    let config = serde_json::json!({
+        "plugin": "kmsg",
+        "logPath": "/dev/kmsg",
+        "lookback": "5m",
+        "bufferSize": 10,
+        "source": "kernel-monitor",
+        "conditions": [],
+        "rules": [{
+            "type": "temporary",
+            "reason": "OOMKilling",
+            "pattern": "Kill process \\d+ (.+) score \\d+ or sacrifice child\\nKilled process \\d+ (.+) total-vm:\\d+kB, anon-rss:\\d+kB, file-rss:\\d+kB.*"
+        }]
+    });
+    let tmp = TempDir::new("npd-two-lines");
+    let file = tmp.path.join("kernel-monitor.json");
+    std::fs::write(&file, config.to_string()).unwrap();
+    let (code, yaml, notes) = nodeguard(&["import-npd", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{notes}");
+    let lines = [
+        "6,1,1000000,-;Killed process 11 (a) total-vm:1kB, anon-rss:1kB, file-rss:0kB",
+        "3,2,1000001,-;Kill process 4242 (java) score 900 or sacrifice child",
+        "6,3,1000002,-;Killed process 4242 (java) total-vm:123456kB, anon-rss:65432kB, file-rss:123kB, shmem-rss:0kB",
+        "3,4,1000003,-;Kill process 77 (b) score 1 or sacrifice child",
+    ];
+    let (code, out, err) = check(&tmp.path, &yaml, Some(&(lines.join("\n") + "\n")));
+    println!("{out}");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("line 3  ")
+            && out.contains(
+                "Event OOMKilling: Kill process 4242 (java) score 900 or sacrifice child"
+            ),
+        "the pair fires, with both lines as the message:\n{out}"
+    );
+    for quiet in ["line 1  ", "line 2  ", "line 4  "] {
+        assert!(!out.contains(quiet), "{quiet} alone must not fire:\n{out}");
+    }
+}
+
+fn journal(at_secs: u64, message: &str) -> String {
+    serde_json::json!({
+        "__REALTIME_TIMESTAMP": (at_secs * 1_000_000).to_string(),
+        "_TRANSPORT": "journal",
+        "SYSLOG_IDENTIFIER": "systemd",
+        "_SYSTEMD_UNIT": "init.scope",
+        "MESSAGE": message,
+    })
+    .to_string()
+}
+
+/// NPD's systemd-monitor-counter.json: log-counter counts "Started" lines
+/// and `--revert-pattern` takes one off for each clean "Stopping", so five
+/// clean restarts are not frequent restarts, and five crashes (starts with
+/// no stop) are.
+#[test]
+fn npds_restart_counter_counts_crashes_not_clean_restarts() {
+    let (code, yaml, notes) = import(&["systemd-monitor-counter.json"]);
+    assert_eq!(code, 0, "{notes}");
+    let tmp = TempDir::new("npd-counter");
+    let t0 = 1_795_428_000u64;
+    let mut clean = Vec::new();
+    for i in 0..6 {
+        clean.push(journal(
+            t0 + i * 60,
+            "Stopping kubelet.service - Kubernetes kubelet...",
+        ));
+        clean.push(journal(
+            t0 + i * 60 + 5,
+            "Started kubelet.service - Kubernetes kubelet.",
+        ));
+    }
+    let (code, out, err) = check(&tmp.path, &yaml, Some(&(clean.join("\n") + "\n")));
+    println!("{out}");
+    assert_eq!(code, 1, "clean restarts fire nothing:\n{out}{err}");
+    let crashes: Vec<String> = (0..5)
+        .map(|i| journal(t0 + i * 60, "Started kubelet.service - Kubernetes kubelet."))
+        .collect();
+    let (code, out, err) = check(&tmp.path, &yaml, Some(&(crashes.join("\n") + "\n")));
+    println!("{out}");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("line 5  ") && out.contains("FrequentKubeletRestart=True"),
+        "the fifth start in 20 minutes:\n{out}"
+    );
+}
+
+/// The imported kernel-monitor.json in the agent against the real control
+/// plane: a line NPD would not fire on (it goes on past the pattern's end)
+/// makes no Event, the one it fires on does, and XFS's shutdown line sets
+/// the condition on the Node.
+#[tokio::test]
+async fn the_agent_runs_npds_kernel_monitor_as_npd_matches_it() {
+    let (code, yaml, notes) = import(&["kernel-monitor.json"]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let mut monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let logs = TempDir::new("npd-kmsg");
+    let kmsg = logs.path.join("kmsg");
+    std::fs::write(&kmsg, "6,1,1,-;boot\n").unwrap();
+    monitors[0].source.kmsg.as_mut().unwrap().path = kmsg.display().to_string();
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "npd").await;
+    let policy = unique_name("npd");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&node.name), "monitors": monitors}),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "XfsShutdown",
+        "False",
+        Duration::from_secs(20),
+        "XfsShutdown=False at start",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&kmsg)
+            .unwrap();
+        writeln!(f, "4,100,1000000,-;divide error: 0000 [#1] SMP PTI").unwrap();
+        writeln!(f, "4,101,1000001,-;divide error: 0000 [#2] SMP").unwrap();
+        writeln!(
+            f,
+            "3,102,1000002,-;XFS (dm-0): Log I/O Error Detected. Shutting down filesystem"
+        )
+        .unwrap();
+    }
+    wait_condition(
+        &admin,
+        &node.name,
+        "XfsShutdown",
+        "True",
+        Duration::from_secs(10),
+        "XfsShutdown=True from the XFS line",
+    )
+    .await;
+    let events = kubectl(&[
+        "get",
+        "events",
+        "-A",
+        "--field-selector",
+        &format!("involvedObject.name={},reason=KernelOops", node.name),
+        "-o",
+        "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
+    ]);
+    assert!(
+        events.contains("divide error: 0000 [#2] SMP") && !events.contains("PTI"),
+        "one KernelOops Event, for the line NPD fires on:\n{events}"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}

@@ -129,9 +129,29 @@ fn every_npd_config_of_the_release_imports_alone_and_in_npds_sets() {
     ] {
         let (code, yaml, notes) = import(set);
         assert_eq!(code, 0, "{set:?}: {notes}");
+        if set[0].starts_with("health-checker") {
+            // NPD runs each checker with its own concurrency: so does the
+            // joined monitor.
+            assert!(yaml.contains("concurrency: 3"), "{yaml}");
+        }
         let (ccode, out, err) = check(&tmp.path, &yaml, None);
         assert_eq!(ccode, 0, "{set:?}: {out}{err}\n{yaml}");
     }
+}
+
+/// Configs NPD loads side by side that write one condition (the journald
+/// and the counter flavour of the docker monitor) cannot share one policy:
+/// the import says which monitor owns it already and what to do.
+#[test]
+fn configs_owning_one_condition_are_named_with_what_to_do() {
+    let (code, _, notes) = import(&["docker-monitor.json", "docker-monitor-counter.json"]);
+    assert_eq!(code, 1, "{notes}");
+    assert!(
+        notes.contains(
+            "condition CorruptDockerOverlay2 is also owned by monitor \"docker-monitor\""
+        ) && notes.contains("separate policies"),
+        "{notes}"
+    );
 }
 
 /// NPD's kernel rules over kernel lines, with the outcome NPD's matching

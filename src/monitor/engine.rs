@@ -98,8 +98,12 @@ pub struct Engine {
     conditions: Vec<Condition>,
     state: BTreeMap<String, ConditionState>,
     /// Per counting rule: its matches (+1) and revert matches (-1) in the
-    /// window.
-    counts: HashMap<usize, VecDeque<(Timestamp, i8)>>,
+    /// window, summed per second (at most one entry per second of the
+    /// window, however fast the lines come).
+    counts: HashMap<usize, VecDeque<(Timestamp, i64)>>,
+    /// Plugin rules whose last run found a problem, with its message: a
+    /// condition several checks set stays True while any of them fails.
+    failing: BTreeMap<usize, String>,
     /// node-problem-detector's matching, when the monitor asks for it.
     npd: Option<NpdBuffer>,
     /// Conditions whose last taint update failed: retried by
@@ -121,13 +125,17 @@ struct NpdBuffer {
     message: Option<regex::Regex>,
     /// File monitors: lines containing any of these are skipped.
     skip: Vec<String>,
+    /// Kernel records with an empty message are skipped, as NPD does.
+    kmsg: bool,
+    /// NPD's `patternGeneratedMessageSuffix`.
+    suffix: Option<String>,
 }
 
 impl NpdBuffer {
     /// Takes `line` in; the joined text to match, or None when NPD would
     /// skip the line.
     fn push(&mut self, line: &str) -> Option<String> {
-        if self.skip.iter().any(|s| line.contains(s.as_str())) {
+        if self.skip.iter().any(|s| line.contains(s.as_str())) || (self.kmsg && line.is_empty()) {
             return None;
         }
         let message = match &self.message {
@@ -199,14 +207,20 @@ pub fn cleanup(
 
 const MESSAGE_LIMIT: usize = 512;
 
-/// Drops the counted matches older than `window`.
-fn prune(q: &mut VecDeque<(Timestamp, i8)>, now: Timestamp, window: Duration) {
+/// Adds `delta` at `now` (to the same second's entry when there is one)
+/// and drops what is older than `window`; the net count in the window.
+fn count(q: &mut VecDeque<(Timestamp, i64)>, now: Timestamp, delta: i64, window: Duration) -> i64 {
+    match q.back_mut() {
+        Some((t, d)) if t.as_second() == now.as_second() => *d += delta,
+        _ => q.push_back((now, delta)),
+    }
     while q
         .front()
         .is_some_and(|(t, _)| now.duration_since(*t).unsigned_abs() > window)
     {
         q.pop_front();
     }
+    q.iter().map(|(_, d)| d).sum()
 }
 
 fn truncate(s: &str) -> String {
@@ -272,6 +286,8 @@ impl Engine {
                     trim: spec.source.kmsg.is_some() || spec.source.journald.is_some(),
                     message,
                     skip: m.skip.clone(),
+                    kmsg: spec.source.kmsg.is_some(),
+                    suffix: m.message_suffix.clone(),
                 })
             }
         };
@@ -282,6 +298,7 @@ impl Engine {
             conditions,
             state: BTreeMap::new(),
             counts: HashMap::new(),
+            failing: BTreeMap::new(),
             npd,
             taint_failed: BTreeSet::new(),
         })
@@ -419,7 +436,11 @@ impl Engine {
                 None => return out,
             },
         };
-        for idx in self.patterns.matches(text) {
+        // A line's revert matches count before its matches (log-counter
+        // applies both before it compares with the threshold).
+        let mut matched = self.patterns.matches(text);
+        matched.sort_by_key(|i| !matches!(self.pattern_of[*i], PatternOf::Revert(_)));
+        for idx in matched {
             match self.pattern_of[idx] {
                 PatternOf::Clear(c) => {
                     self.clear(c, "cleared by a matching log line", now, &mut out)
@@ -439,8 +460,17 @@ impl Engine {
                         None if self.npd.is_some() => {
                             let start =
                                 self.patterns.regex(idx).find(text).map_or(0, |m| m.start());
-                            let from = text[..start].rfind('\n').map_or(0, |i| i + 1);
-                            text[from..].to_string()
+                            // A match starting at a newline starts on the next line.
+                            let from = if text.as_bytes().get(start) == Some(&b'\n') {
+                                start + 1
+                            } else {
+                                text[..start].rfind('\n').map_or(0, |i| i + 1)
+                            };
+                            let lines = &text[from..];
+                            match self.npd.as_ref().and_then(|b| b.suffix.as_deref()) {
+                                Some(suffix) => format!("{lines}; {suffix}"),
+                                None => lines.to_string(),
+                            }
                         }
                         None => line.to_string(),
                     };
@@ -457,9 +487,7 @@ impl Engine {
         let Some((_, window)) = self.rules[r].count else {
             return;
         };
-        let q = self.counts.entry(r).or_default();
-        q.push_back((now, -1));
-        prune(q, now, window);
+        count(self.counts.entry(r).or_default(), now, -1, window);
     }
 
     /// A plugin rule's result (rule index in the monitor's `rules`).
@@ -483,16 +511,34 @@ impl Engine {
                     }
                     None => output.to_string(),
                 };
+                self.failing.insert(rule, message.clone());
+                // Another failing check of the same condition holds it:
+                // it keeps its reason (no flip-flop between two failures).
+                if let Some(c) = r.condition
+                    && let Some(holder) = self.holder(c)
+                    && holder != rule
+                    && self.failing.contains_key(&holder)
+                {
+                    return out;
+                }
                 self.fire(rule, message, now, &mut out);
             }
             PluginStatus::Ok => {
+                self.failing.remove(&rule);
                 if let Some(c) = r.condition
-                    && self
-                        .state
-                        .get(&self.conditions[c].type_)
-                        .is_some_and(|s| s.active && s.reason == r.reason)
+                    && self.holder(c) == Some(rule)
                 {
-                    self.clear(c, "its check passes again", now, &mut out);
+                    // Another check of the condition still fails: it takes
+                    // the condition over; otherwise the condition clears.
+                    let other = self
+                        .failing
+                        .iter()
+                        .find(|(i, _)| self.rules[**i].condition == Some(c))
+                        .map(|(i, m)| (*i, m.clone()));
+                    match other {
+                        Some((i, message)) => self.fire(i, message, now, &mut out),
+                        None => self.clear(c, "its check passes again", now, &mut out),
+                    }
                 }
             }
             PluginStatus::Unknown => {}
@@ -500,14 +546,22 @@ impl Engine {
         out
     }
 
+    /// The rule whose reason an active condition `c` shows.
+    fn holder(&self, c: usize) -> Option<usize> {
+        let s = self.state.get(&self.conditions[c].type_)?;
+        if !s.active {
+            return None;
+        }
+        self.rules
+            .iter()
+            .position(|x| x.condition == Some(c) && x.reason == s.reason)
+    }
+
     fn fire(&mut self, r: usize, message: String, now: Timestamp, out: &mut Vec<Action>) {
         let rule = self.rules[r].clone();
         if let Some((threshold, window)) = rule.count {
             let q = self.counts.entry(r).or_default();
-            q.push_back((now, 1));
-            prune(q, now, window);
-            let net: i64 = q.iter().map(|(_, d)| i64::from(*d)).sum();
-            if net < threshold as i64 {
+            if count(q, now, 1, window) < threshold as i64 {
                 return;
             }
             q.clear();

@@ -57,6 +57,10 @@ pub struct NpdMatching {
     /// these is skipped.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skip: Vec<String>,
+    /// NPD's `patternGeneratedMessageSuffix`: appended to the matched lines
+    /// as "<lines>; <suffix>" (often a runbook link).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_suffix: Option<String>,
 }
 
 /// What a monitor's regular expression belongs to.
@@ -149,9 +153,11 @@ impl MonitorSpec {
                 if !bad.is_empty() {
                     return Err(bad);
                 }
+                // Appended as NPD appends it, without a group: in `A|B` only
+                // B is anchored, in NPD and here.
                 let anchored: Vec<(String, String)> = all
                     .into_iter()
-                    .map(|(_, at, p)| (at, format!("(?:{p})\\z")))
+                    .map(|(_, at, p)| (at, format!("{p}\\z")))
                     .collect();
                 Patterns::compile(
                     path,

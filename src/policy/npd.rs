@@ -218,6 +218,15 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             })
         })
         .collect();
+    for (i, r) in rules.iter().enumerate() {
+        if top_level_alternation(&r.pattern) {
+            out.notes.push(format!(
+                "{origin}: rules[{i}] pattern {:?} has a top-level `|`: NPD appends `\\z` to the last alternative only, so the others match anywhere in its last {} lines; nodeguard matches it the same way",
+                r.pattern,
+                config.get("bufferSize").and_then(Value::as_u64).unwrap_or(u64::from(NPD_BUFFER_SIZE))
+            ));
+        }
+    }
     let set: Vec<&str> = rules
         .iter()
         .filter(|r| r.kind == ProblemKind::Permanent)
@@ -272,6 +281,11 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             buffer_lines: buffer.min(MAX_BUFFER_LINES),
             message_pattern,
             skip,
+            message_suffix: config
+                .get("patternGeneratedMessageSuffix")
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string),
         }),
         name,
         source,
@@ -296,7 +310,7 @@ pub fn combine(imported: Vec<(String, Vec<MonitorSpec>)>) -> (Vec<MonitorSpec>, 
         for mut m in monitors {
             if let Some(into) = out
                 .iter_mut()
-                .find(|o| o.name == m.name && o.source.plugin.is_some() && o.source == m.source)
+                .find(|o| o.name == m.name && same_plugin(&o.source, &m.source))
             {
                 for c in m.conditions {
                     if into.conditions.iter().any(|x| x.type_ == c.type_) {
@@ -309,11 +323,27 @@ pub fn combine(imported: Vec<(String, Vec<MonitorSpec>)>) -> (Vec<MonitorSpec>, 
                     }
                 }
                 into.rules.extend(m.rules);
+                // NPD runs each config's checks with its own concurrency.
+                if let (Some(a), Some(b)) = (into.source.plugin.as_mut(), m.source.plugin.as_ref())
+                {
+                    a.concurrency = (a.concurrency + b.concurrency).min(64);
+                }
                 notes.push(format!(
                     "{origin}: its checks join the monitor {:?} of the same source",
                     into.name
                 ));
                 continue;
+            }
+            for c in &m.conditions {
+                if let Some(owner) = out
+                    .iter()
+                    .find(|o| o.conditions.iter().any(|x| x.type_ == c.type_))
+                {
+                    notes.push(format!(
+                        "{origin}: condition {} is also owned by monitor {:?}: NPD lets both write it, a policy needs one owner; import these configs into separate policies for separate nodes, or leave one out",
+                        c.type_, owner.name
+                    ));
+                }
             }
             if out.iter().any(|o| o.name == m.name) {
                 let stem = std::path::Path::new(&origin)
@@ -336,6 +366,53 @@ pub fn combine(imported: Vec<(String, Vec<MonitorSpec>)>) -> (Vec<MonitorSpec>, 
         }
     }
     (out, notes)
+}
+
+/// Whether a pattern may match beyond the newest line of a buffer: an
+/// anchor (`^`, `(?m)`), a newline or what matches one (`\\n`, `\\s`, a
+/// negated class), or a top-level `|` (NPD anchors only its last
+/// alternative).
+fn may_reach_back(p: &str) -> bool {
+    p.starts_with('^')
+        || p.contains("(?m")
+        || p.contains("(?s")
+        || p.contains("\\n")
+        || p.contains("\\s")
+        || p.contains("[^")
+        || top_level_alternation(p)
+}
+
+/// Whether `p` has a `|` outside every group and class.
+fn top_level_alternation(p: &str) -> bool {
+    let mut depth = 0i32;
+    let mut class = false;
+    let mut chars = p.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                chars.next();
+            }
+            '[' if !class => class = true,
+            ']' if class => class = false,
+            '(' if !class => depth += 1,
+            ')' if !class => depth -= 1,
+            '|' if !class && depth == 0 => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
+/// Plugin sources that differ at most in their concurrency (which joining
+/// adds up).
+fn same_plugin(a: &LogSource, b: &LogSource) -> bool {
+    match (&a.plugin, &b.plugin) {
+        (Some(x), Some(y)) => {
+            (x.interval_seconds, x.timeout_seconds, x.max_output_length)
+                == (y.interval_seconds, y.timeout_seconds, y.max_output_length)
+        }
+        _ => false,
+    }
 }
 
 /// `--flag=value` from a log-counter argument list.
@@ -406,7 +483,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                 (revert.as_deref(), "--revert-pattern"),
             ] {
                 if let Some(p) = p
-                    && (p.starts_with('^') || p.contains("\\n"))
+                    && may_reach_back(p)
                 {
                     out.notes.push(format!(
                         "{origin}: rules[{i}] log-counter {which} {p:?} is anchored or spans lines: log-counter matches it against its last 1000 journal lines, nodeguard against the newest one"
@@ -445,6 +522,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     buffer_lines: 1,
                     message_pattern: None,
                     skip: Vec::new(),
+                    message_suffix: None,
                 }),
                 name: mon_name,
                 source: LogSource {
@@ -619,6 +697,8 @@ mod tests {
             .collect();
         assert_eq!(types, ["KubeletUnhealthy", "ContainerRuntimeUnhealthy"]);
         assert_eq!(monitors[0].rules.len(), 3);
+        // Each NPD config ran its checks with its own concurrency of 1.
+        assert_eq!(monitors[0].source.plugin.as_ref().unwrap().concurrency, 3);
         assert!(
             notes.iter().any(|n| n.starts_with("cri.json: condition ContainerRuntimeUnhealthy is also set")),
             "{notes:?}"

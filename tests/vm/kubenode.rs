@@ -364,7 +364,7 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
             kubework::trust(&admin, &node.0, rows).await;
         }
         if wants("kube-alerts") {
-            kubework::alerts(&mut vm, &admin, &node.0, agent_ns, rows).await;
+            kubework::alerts(&mut vm, &admin, &node.0, &dir, agent_ns, rows).await;
         }
         if wants("kube-reboot") {
             let kernel = vm

@@ -1516,7 +1516,14 @@ async fn pod_metrics(vm: &mut Vm) -> String {
 /// apart (as a minute apart), the second held for 30 minutes, with the job
 /// the chart's PodMonitor gives this install, must find no alert firing on
 /// this healthy node.
-pub async fn alerts(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, rows: &Rows) {
+pub async fn alerts(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    node_dir: &std::path::Path,
+    agent_ns: &str,
+    rows: &Rows,
+) {
     use crate::support::alerts::{missing_from, quiet_test, rule_groups_for, test_rules};
     let pod = agent_pod(admin, agent_ns).await;
     let pod_name = pod.metadata.name.clone().unwrap();
@@ -1535,7 +1542,8 @@ pub async fn alerts(vm: &mut Vm, admin: &Client, node: &str, agent_ns: &str, row
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    let dir = crate::node_dir(node).join("alerts");
+    // Beside the node's disk and logs (`crate::node_dir` would wipe them).
+    let dir = node_dir.join("alerts");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("metrics.txt"), &text).unwrap();
     // The rules of this install (its release and namespace: its job).

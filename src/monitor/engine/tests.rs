@@ -806,3 +806,120 @@ fn a_revert_pattern_takes_one_off_the_count() {
         ["FrequentRestart!", "FrequentRestart: Started kubelet."]
     );
 }
+
+/// Review cases of NPD matching: a top-level `|` anchors only its last
+/// alternative (as in NPD), a match starting at a newline does not take the
+/// line before, an empty kernel record takes no place in the buffer, and
+/// NPD's message suffix is appended.
+#[test]
+fn npd_matching_edge_cases() {
+    let mut m = npd_monitor(
+        kmsg(),
+        3,
+        serde_json::json!([
+            {"type": "temporary", "reason": "FsError", "pattern": r"EXT4-fs error|XFS .* shutdown"},
+            {"type": "temporary", "reason": "Pair", "pattern": "\\nsecond half"},
+        ]),
+    );
+    m.npd_matching.as_mut().unwrap().message_suffix =
+        Some("see https://runbooks.example/fs".into());
+    let mut e = Engine::new(&m, "m").unwrap();
+    // "EXT4-fs error" is not anchored: it matches while it is in the buffer.
+    assert_eq!(
+        fired(&mut e, "EXT4-fs error (device sda1): bad block", 0),
+        ["FsError: EXT4-fs error (device sda1): bad block; see https://runbooks.example/fs"]
+    );
+    assert_eq!(fired(&mut e, "other", 1).len(), 1);
+    assert_eq!(fired(&mut e, "other", 2).len(), 1);
+    assert!(fired(&mut e, "other", 3).is_empty());
+    // Empty kernel records are skipped; the pair still meets.
+    assert!(fired(&mut e, "first half", 4).is_empty());
+    assert!(fired(&mut e, "", 5).is_empty());
+    assert_eq!(
+        fired(&mut e, "second half", 6),
+        ["Pair: second half; see https://runbooks.example/fs"]
+    );
+}
+
+/// A line that matches a counting rule and its revert pattern nets zero
+/// (log-counter applies both before comparing), and a flood of matches in
+/// one second holds one entry.
+#[test]
+fn a_count_and_its_revert_on_one_line_net_zero_and_floods_stay_small() {
+    let m = npd_monitor(
+        serde_json::json!({"journald": {}}),
+        1,
+        serde_json::json!([{
+            "type": "temporary", "reason": "Flapping", "pattern": "restart",
+            "count": {"threshold": 1, "windowSeconds": 600, "revertPattern": "restart clean"}
+        }]),
+    );
+    let mut e = Engine::new(&m, "m").unwrap();
+    for i in 0..5 {
+        assert!(fired(&mut e, "restart clean", i).is_empty());
+    }
+    let m = npd_monitor(
+        serde_json::json!({"journald": {}}),
+        1,
+        serde_json::json!([{
+            "type": "temporary", "reason": "Flapping", "pattern": "up",
+            "count": {"threshold": 1_000_000, "windowSeconds": 600, "revertPattern": "down"}
+        }]),
+    );
+    let mut e = Engine::new(&m, "m").unwrap();
+    for _ in 0..10_000 {
+        e.on_line("up", t(0));
+        e.on_line("down", t(0));
+    }
+    e.on_line("up", t(1));
+    assert_eq!(e.counts[&0].len(), 2, "one entry per second");
+}
+
+/// Two checks that set one condition (NPD's docker and containerd health
+/// checkers): it stays True, with the first failing check's reason, while
+/// either fails, hands over when that one recovers, and clears when both
+/// pass; no flip-flop while both fail.
+#[test]
+fn a_condition_two_checks_set_stays_while_either_fails() {
+    let m: MonitorSpec = serde_json::from_value(serde_json::json!({
+        "name": "health-checker",
+        "source": {"plugin": {}},
+        "conditions": [{"type": "ContainerRuntimeUnhealthy", "reason": "ContainerRuntimeIsHealthy", "message": "ok"}],
+        "rules": [
+            {"type": "permanent", "condition": "ContainerRuntimeUnhealthy", "reason": "DockerUnhealthy", "command": ["/bin/docker-check"]},
+            {"type": "permanent", "condition": "ContainerRuntimeUnhealthy", "reason": "ContainerdUnhealthy", "command": ["/bin/cri-check"]},
+        ],
+    }))
+    .unwrap();
+    let mut e = Engine::new(&m, "m").unwrap();
+    let conds = |a: &[Action]| -> Vec<String> {
+        a.iter()
+            .filter_map(|a| match a {
+                Action::Condition { active, reason, .. } => Some(format!("{active} {reason}")),
+                _ => None,
+            })
+            .collect()
+    };
+    let docker_fails = e.on_plugin(0, PluginStatus::Problem, "docker down", t(0));
+    assert_eq!(conds(&docker_fails), ["true DockerUnhealthy"]);
+    for i in 1..4 {
+        assert!(
+            e.on_plugin(1, PluginStatus::Problem, "cri down", t(i * 10))
+                .is_empty()
+        );
+        assert!(
+            e.on_plugin(0, PluginStatus::Problem, "docker down", t(i * 10 + 1))
+                .is_empty()
+        );
+    }
+    // Docker recovers, containerd still fails: it takes the condition over.
+    assert_eq!(
+        conds(&e.on_plugin(0, PluginStatus::Ok, "", t(50))),
+        ["true ContainerdUnhealthy"]
+    );
+    assert!(e.on_plugin(0, PluginStatus::Ok, "", t(60)).is_empty());
+    assert_eq!(
+        conds(&e.on_plugin(1, PluginStatus::Ok, "", t(70))),
+        ["false ContainerRuntimeIsHealthy"]
+    );
+}

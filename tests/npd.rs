@@ -358,3 +358,244 @@ async fn the_agent_runs_npds_kernel_monitor_as_npd_matches_it() {
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// One kernel log line as syslog writes it, timed now (NPD parses the time
+/// with its `timestamp` pattern and skips lines it cannot).
+fn kern_line(uptime: f64, msg: &str) -> String {
+    let ts = jiff::Zoned::now()
+        .with_time_zone(jiff::tz::TimeZone::system())
+        .strftime("%b %e %H:%M:%S")
+        .to_string();
+    format!("{ts} oracle kernel: [{uptime:>12.6}] {msg}\n")
+}
+
+/// What a Node shows of a monitor: its Events of `reasons` (reason:
+/// message) and the conditions of `types` (type=status reason: message),
+/// sorted.
+async fn shown(
+    admin: &kube::Client,
+    node: &str,
+    types: &[String],
+    reasons: &[String],
+) -> (Vec<String>, Vec<String>) {
+    use k8s_openapi::api::core::v1::{Event, Node};
+    let events: kube::Api<Event> = kube::Api::all(admin.clone());
+    let list = events
+        .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={node}")))
+        .await
+        .unwrap();
+    let mut ev: Vec<String> = list
+        .items
+        .iter()
+        .filter(|e| e.reason.as_ref().is_some_and(|r| reasons.contains(r)))
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.reason.clone().unwrap_or_default(),
+                e.message.clone().unwrap_or_default()
+            )
+        })
+        .collect();
+    ev.sort();
+    ev.dedup();
+    let n = kube::Api::<Node>::all(admin.clone())
+        .get(node)
+        .await
+        .unwrap();
+    let mut conds: Vec<String> = n
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|c| types.contains(&c.type_))
+        .map(|c| {
+            format!(
+                "{}={} {}: {}",
+                c.type_,
+                c.status,
+                c.reason.unwrap_or_default(),
+                c.message.unwrap_or_default()
+            )
+        })
+        .collect();
+    conds.sort();
+    (ev, conds)
+}
+
+/// The oracle: node-problem-detector itself (its binary, built from its Go
+/// module by bench/npd-build) and nodeguard with `import-npd` of the same
+/// config (NPD's kernel-monitor-filelog.json) read the same kern.log, each
+/// for its own Node on the real control plane; the Events and conditions
+/// they write must be the same. The table is printed.
+#[tokio::test]
+async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log() {
+    let out = Command::new(repo_root().join("bench/npd-build"))
+        .output()
+        .expect("run bench/npd-build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let npd_dir = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let admin = admin_client().await;
+    let npd_node = TestNode::create(&admin, "oracle-npd", &[]).await;
+    let ng_node = TestNode::selectable(&admin, "oracle-ng").await;
+    let tmp = TempDir::new("npd-oracle");
+    let log = tmp.path.join("kern.log");
+    std::fs::write(&log, "").unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(npd_configs().join("kernel-monitor-filelog.json")).unwrap(),
+    )
+    .unwrap();
+    config["logPath"] = log.display().to_string().into();
+    let config_path = tmp.path.join("kernel-monitor-filelog.json");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let types: Vec<String> = config["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap().to_string())
+        .collect();
+    let reasons: Vec<String> = config["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap().to_string())
+        .collect();
+
+    // NPD, as bench/npd.rs runs it.
+    let kubeconfig = kubeconfig_path();
+    let apiserver = std::fs::read_to_string(&kubeconfig)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_string))
+        .unwrap();
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let npd_log = std::fs::File::create(tmp.path.join("npd.log")).unwrap();
+    let mut npd = Command::new(npd_dir.join("nodeproblemdetector"))
+        .arg(format!("--hostname-override={}", npd_node.name))
+        .arg(format!(
+            "--apiserver-override={apiserver}?inClusterConfig=false&auth={}",
+            kubeconfig.display()
+        ))
+        .arg(format!(
+            "--config.system-log-monitor={}",
+            config_path.display()
+        ))
+        .args(["--address=127.0.0.1", &format!("--port={}", free())])
+        .args([
+            "--prometheus-address=127.0.0.1",
+            &format!("--prometheus-port={}", free()),
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(npd_log.try_clone().unwrap())
+        .stderr(npd_log)
+        .spawn()
+        .expect("start node-problem-detector");
+
+    // nodeguard with the imported config.
+    let (code, yaml, notes) = nodeguard(&["import-npd", config_path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let policy = unique_name("oracle");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&ng_node.name), "monitors": monitors}),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &ng_node.name).await;
+
+    // Both have written their conditions' no-problem state.
+    for node in [&npd_node.name, &ng_node.name] {
+        wait_condition(
+            &admin,
+            node,
+            "KernelDeadlock",
+            "False",
+            Duration::from_secs(60),
+            "KernelDeadlock=False at start",
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Lines NPD's own rules are about, with what the kernel really prints
+    // around them, and noise.
+    let corpus = [
+        "divide error: 0000 [#1] SMP PTI",
+        "divide error: 0000 [#2] SMP",
+        "BUG: unable to handle kernel NULL pointer dereference at 0000000000000010",
+        "IPv6: ADDRCONF(NETDEV_CHANGE): veth1a2b3c: link becomes ready",
+        "INFO: task kworker/u8:2:1234 blocked for more than 120 seconds.",
+        "unregister_netdevice: waiting for lo to become free. Usage count = 1",
+        "Out of memory: Killed process 4242 (java) total-vm:123456kB, anon-rss:65432kB, file-rss:123kB, shmem-rss:0kB",
+        "Memory cgroup out of memory: Killed process 77 (python3) total-vm:1048576kB, anon-rss:524288kB, file-rss:2048kB, shmem-rss:0kB, UID:0 pgtables:1024kB oom_score_adj:0",
+        "INFO: task docker:20744 blocked for more than 120 seconds.",
+        "INFO: task docker:20745 blocked for more than 121 seconds.",
+        "EXT4-fs error (device sda1): ext4_lookup:1855: inode #2: comm ls: deleted inode referenced: 12",
+    ];
+    {
+        let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        for (i, line) in corpus.iter().enumerate() {
+            f.write_all(kern_line(1000.0 + i as f64, line).as_bytes())
+                .unwrap();
+        }
+    }
+    // Until both show the same, or 40 s (NPD writes conditions on its
+    // resync period).
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    let (npd_seen, ng_seen) = loop {
+        let a = shown(&admin, &npd_node.name, &types, &reasons).await;
+        let b = shown(&admin, &ng_node.name, &types, &reasons).await;
+        let settled = !a.0.is_empty() && a.1.iter().any(|c| c.contains("=True"));
+        if (settled && a == b) || std::time::Instant::now() > deadline {
+            break (a, b);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let _ = npd.kill();
+    let _ = npd.wait();
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+    let mut table = String::from(
+        "| what | node-problem-detector | nodeguard (import-npd) | verdict |\n|---|---|---|---|\n",
+    );
+    let mut all: Vec<&String> = npd_seen
+        .0
+        .iter()
+        .chain(&ng_seen.0)
+        .chain(&npd_seen.1)
+        .chain(&ng_seen.1)
+        .collect();
+    all.sort();
+    all.dedup();
+    for row in &all {
+        let in_npd = npd_seen.0.contains(row) || npd_seen.1.contains(row);
+        let in_ng = ng_seen.0.contains(row) || ng_seen.1.contains(row);
+        table.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            row.replace('|', "\\|"),
+            if in_npd { "yes" } else { "no" },
+            if in_ng { "yes" } else { "no" },
+            if in_npd == in_ng { "same" } else { "DIFFERENT" }
+        ));
+    }
+    println!("{table}");
+    let npd_log = std::fs::read_to_string(tmp.path.join("npd.log")).unwrap_or_default();
+    assert!(
+        npd_seen.1.iter().any(|c| c.contains("KernelDeadlock=True")),
+        "NPD did not act on the log (its log follows):\n{table}\n{npd_log}"
+    );
+    assert_eq!(
+        npd_seen, ng_seen,
+        "nodeguard differs from node-problem-detector on the same lines:\n{table}"
+    );
+}

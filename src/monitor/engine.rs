@@ -602,6 +602,16 @@ impl Engine {
                         reason: rule.reason.clone(),
                         message: message.clone(),
                     });
+                    // An NPD-matching monitor words the change as NPD does,
+                    // for alerts and tooling keyed on NPD's Events.
+                    let message = if self.npd.is_some() {
+                        format!(
+                            "Node condition {} is now: True, reason: {}, message: {:?}",
+                            cond.type_, rule.reason, message
+                        )
+                    } else {
+                        message
+                    };
                     out.push(Action::Event {
                         reason: rule.reason.clone(),
                         message,

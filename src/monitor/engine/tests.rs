@@ -707,7 +707,7 @@ fn npd_matching_ends_at_the_newest_line() {
             "INFO: task docker:42 blocked for more than 120 seconds.",
             &[
                 "DockerHung!",
-                "DockerHung: INFO: task docker:42 blocked for more than 120 seconds.",
+                "DockerHung: Node condition KernelDeadlock is now: True, reason: DockerHung, message: \"INFO: task docker:42 blocked for more than 120 seconds.\"",
             ],
         ),
         ("Killed process 9 (x) total-vm:1kB", &[]),
@@ -793,7 +793,10 @@ fn a_revert_pattern_takes_one_off_the_count() {
     assert!(fired(&mut e, "Started kubelet.", at + 1).is_empty());
     assert_eq!(
         fired(&mut e, "Started kubelet.", at + 2),
-        ["FrequentRestart!", "FrequentRestart: Started kubelet."]
+        [
+            "FrequentRestart!",
+            "FrequentRestart: Node condition KernelDeadlock is now: True, reason: FrequentRestart, message: \"Started kubelet.\""
+        ]
     );
     // A revert outside the window no longer counts.
     let mut e = Engine::new(&m, "m").unwrap();
@@ -803,7 +806,10 @@ fn a_revert_pattern_takes_one_off_the_count() {
     }
     assert_eq!(
         fired(&mut e, "Started kubelet.", 702),
-        ["FrequentRestart!", "FrequentRestart: Started kubelet."]
+        [
+            "FrequentRestart!",
+            "FrequentRestart: Node condition KernelDeadlock is now: True, reason: FrequentRestart, message: \"Started kubelet.\""
+        ]
     );
 }
 

@@ -479,7 +479,15 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
             .port()
     };
     let npd_log = std::fs::File::create(tmp.path.join("npd.log")).unwrap();
-    let mut npd = Command::new(npd_dir.join("nodeproblemdetector"))
+    /// Kills node-problem-detector however the test ends.
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let npd = Command::new(npd_dir.join("nodeproblemdetector"))
         .arg(format!("--hostname-override={}", npd_node.name))
         .arg(format!(
             "--apiserver-override={apiserver}?inClusterConfig=false&auth={}",
@@ -499,6 +507,7 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         .stderr(npd_log)
         .spawn()
         .expect("start node-problem-detector");
+    let npd = Kill(npd);
 
     // nodeguard with the imported config.
     let (code, yaml, notes) = nodeguard(&["import-npd", config_path.to_str().unwrap()]);
@@ -561,8 +570,7 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    let _ = npd.kill();
-    let _ = npd.wait();
+    drop(npd);
     agent.stop().await;
     delete_policy(&admin, &policy).await;
     let mut table = String::from(

@@ -935,3 +935,30 @@ async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_t
     s.cleanup().await;
     eprintln!("stop deferred {stopped:?} until the 6 s group was done");
 }
+
+/// Ready means protected: the first time `/readyz` answers 200 (what the
+/// host unit's READY=1 and the pod's readiness follow), the agent already
+/// holds logind's delay inhibitor, after raising logind's too-short delay.
+/// Before, the shutdown loop counted as synced before it armed, and CI once
+/// read the node's drop-in 0.7 s before it was written.
+#[tokio::test]
+async fn ready_means_the_delay_inhibitor_is_held() {
+    let s = setup(
+        "readyarmed",
+        Duration::from_secs(5),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 10}]),
+    )
+    .await;
+    let (agent, _state) = s.start_agent().await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http_get(agent.addr, "/readyz").await.0 != 200 {
+        assert!(Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let held = s.peer.held();
+    let drop_in = std::fs::read_dir(&s.drop_in.path).unwrap().count();
+    agent.stop().await;
+    s.cleanup().await;
+    assert_eq!(held, 1, "ready before the delay inhibitor was held");
+    assert_eq!(drop_in, 1, "ready before logind's delay was raised");
+}

@@ -207,6 +207,41 @@ pub fn cleanup(
 
 const MESSAGE_LIMIT: usize = 512;
 
+/// `s` quoted as Go's `%q` quotes it (node-problem-detector's Event
+/// wording): `\"`, `\\`, the C escapes, `\xNN` for other ASCII control
+/// characters and `\uNNNN` for other control and non-ASCII space characters;
+/// everything else as it is.
+pub fn go_quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\u{07}' => out.push_str("\\a"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{0b}' => out.push_str("\\v"),
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
+            c if c.is_control() || (c.is_whitespace() && c != ' ') => {
+                if (c as u32) < 0x10000 {
+                    out.push_str(&format!("\\u{:04x}", c as u32))
+                } else {
+                    out.push_str(&format!("\\U{:08x}", c as u32))
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
 /// Adds `delta` at `now` (to the same second's entry when there is one)
 /// and drops what is older than `window`; the net count in the window.
 fn count(q: &mut VecDeque<(Timestamp, i64)>, now: Timestamp, delta: i64, window: Duration) -> i64 {
@@ -605,9 +640,15 @@ impl Engine {
                     // An NPD-matching monitor words the change as NPD does,
                     // for alerts and tooling keyed on NPD's Events.
                     let message = if self.npd.is_some() {
-                        format!(
-                            "Node condition {} is now: True, reason: {}, message: {:?}",
-                            cond.type_, rule.reason, message
+                        // Within an Event note's 1024 bytes, quotes and all.
+                        crate::report::clip(
+                            &format!(
+                                "Node condition {} is now: True, reason: {}, message: {}",
+                                cond.type_,
+                                rule.reason,
+                                go_quote(&message)
+                            ),
+                            1024,
                         )
                     } else {
                         message

@@ -271,7 +271,10 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         in_progress: host.in_progress,
     });
     let logind = host.logind;
-    handle.updated();
+    // The loop counts as synced (so /readyz and systemd's READY=1) only once
+    // it has decided for the policy in force: armed (the delay inhibitor
+    // held), off, or unavailable and reported. A restarted agent that says
+    // it is ready therefore protects the next shutdown.
     tracing::debug!("shutdown manager started");
     let (mut resume, mut last, going_down) = start_up(&ctx, &logind).await;
     if let Some(taint_added) = going_down {
@@ -280,6 +283,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         // the next boot reports the shutdown. Should logind's shutdown end
         // without the machine going down (a failed or cancelled job), undo
         // it then, as after a cancel.
+        handle.updated();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -307,6 +311,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 break c;
             }
             if policy_known {
+                handle.updated();
                 ctx.metrics.inhibit_delay_needed.set(0.0);
                 ctx.reporter.remove(UNAVAILABLE);
                 last = None;
@@ -329,6 +334,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 Ok(parts) => parts,
                 Err((reason, message)) => {
                     report_unavailable(&ctx, &mut failing_since, reason, &message);
+                    handle.updated();
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         _ = sleep(backoff) => {}
@@ -338,6 +344,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 }
             };
         backoff = RECONNECT_MIN;
+        handle.updated();
         if failing_since.take().is_some() {
             tracing::info!("logind reachable again; delay inhibitor taken");
         }

@@ -518,6 +518,13 @@ pub struct Observed {
 }
 
 impl Observed {
+    /// Whether pod `i`'s (low, mid, critical) exit code reached the API.
+    pub fn exit_reported(&self, i: usize) -> bool {
+        self.pods[i].exit.is_some()
+    }
+}
+
+impl Observed {
     fn at(&self, t: Option<Instant>) -> Option<Duration> {
         t.map(|t| t - self.t0)
     }

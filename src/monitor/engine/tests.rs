@@ -929,3 +929,14 @@ fn a_condition_two_checks_set_stays_while_either_fails() {
         ["false ContainerRuntimeIsHealthy"]
     );
 }
+
+/// Go's `%q`, as node-problem-detector quotes a message in its Events.
+#[test]
+fn go_quote_quotes_as_go_does() {
+    assert_eq!(go_quote("plain text"), "\"plain text\"");
+    assert_eq!(
+        go_quote("a\"b\\c\td\ne\u{01}f\u{7f}g\u{a0}h é"),
+        "\"a\\\"b\\\\c\\td\\ne\\x01f\\x7fg\\u00a0h é\""
+    );
+    assert_eq!(go_quote("\u{85}"), "\"\\u0085\"");
+}

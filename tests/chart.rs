@@ -6,7 +6,6 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -35,28 +34,12 @@ impl Drop for Uninstall {
     }
 }
 
-fn helm_path() -> PathBuf {
-    if let Ok(h) = std::env::var("NODEGUARD_HELM") {
-        return PathBuf::from(h);
-    }
-    let cache = std::env::var("NODEGUARD_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"));
-    let helm = cache.join("bin/current/helm");
-    assert!(
-        helm.exists(),
-        "helm is not built: run e2e/cluster/build (it installs helm into {})",
-        helm.display()
-    );
-    helm
-}
-
 fn chart() -> String {
     repo_root().join("charts/nodeguard").display().to_string()
 }
 
 fn helm(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm_path())
+    let out = Command::new(helm_binary())
         .arg("--kubeconfig")
         .arg(kubeconfig_path())
         .args(args)

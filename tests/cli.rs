@@ -2,19 +2,7 @@
 
 mod support;
 
-use std::process::Command;
-
-fn nodeguard(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::nodeguard;
 
 #[test]
 fn crd_prints_the_committed_file() {

@@ -16,18 +16,6 @@ use std::time::Duration;
 
 use support::*;
 
-fn nodeguard(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nodeguard"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// `import-npd` of NPD config files (names under the release's config/).
 fn import(files: &[&str]) -> (i32, String, String) {
     let dir = npd_configs();

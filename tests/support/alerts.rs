@@ -9,7 +9,7 @@ use std::process::Command;
 
 use serde_json::{Value, json};
 
-use super::repo_root;
+use super::{helm_binary, repo_root};
 
 /// Release and namespace the rules are rendered for; the unit tests in
 /// tests/fixtures/alerts/ expect job="nodeguard/nodeguard".
@@ -19,36 +19,9 @@ pub const RELEASE: &str = "nodeguard";
 /// chart's PodMonitor relabels the pod's node into `node`).
 pub const TARGET_LABELS: [&str; 5] = ["job", "instance", "namespace", "pod", "node"];
 
-fn cache() -> PathBuf {
-    std::env::var("NODEGUARD_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"))
-}
-
-pub fn helm_binary() -> PathBuf {
-    let helm = std::env::var("NODEGUARD_HELM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| cache().join("bin/current/helm"));
-    assert!(
-        helm.exists(),
-        "helm is not built at {}: run e2e/setup (make test does)",
-        helm.display()
-    );
-    helm
-}
-
 /// The promtool e2e/promtool built; fails (never skips) when it is missing.
 pub fn promtool() -> PathBuf {
-    let out = Command::new(repo_root().join("e2e/promtool"))
-        .arg("--path")
-        .output()
-        .expect("run e2e/promtool --path");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    super::cached_path("e2e/promtool")
 }
 
 /// `helm template` of the chart's PrometheusRule with `sets`; None when the

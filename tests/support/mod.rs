@@ -220,20 +220,56 @@ impl Drop for TestNode {
     }
 }
 
-/// A plain HTTP/1.0 GET against the agent: (status, body).
-/// node-problem-detector's own configs (`config/*.json` of the release
-/// bench/npd/go.mod pins), fetched by e2e/npd-configs; fails when missing.
-pub fn npd_configs() -> PathBuf {
-    let out = std::process::Command::new(repo_root().join("e2e/npd-configs"))
+/// The path a cached tool's script prints with `--path` (e2e/promtool,
+/// e2e/npd-configs); fails, never skips, when the script says it is
+/// missing.
+pub fn cached_path(script: &str) -> PathBuf {
+    let out = std::process::Command::new(repo_root().join(script))
         .arg("--path")
         .output()
-        .expect("run e2e/npd-configs --path");
+        .unwrap_or_else(|e| panic!("run {script} --path: {e}"));
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// node-problem-detector's own configs (`config/*.json` of the release
+/// bench/npd/go.mod pins), fetched by e2e/npd-configs.
+pub fn npd_configs() -> PathBuf {
+    cached_path("e2e/npd-configs")
+}
+
+/// The helm e2e/cluster/build installed (or `NODEGUARD_HELM`).
+pub fn helm_binary() -> PathBuf {
+    if let Ok(h) = std::env::var("NODEGUARD_HELM") {
+        return PathBuf::from(h);
+    }
+    let cache = std::env::var("NODEGUARD_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"));
+    let helm = cache.join("bin/current/helm");
+    assert!(
+        helm.exists(),
+        "helm is not built: run e2e/cluster/build (it installs helm into {})",
+        helm.display()
+    );
+    helm
+}
+
+/// Runs the `nodeguard` binary: (exit code, stdout, stderr).
+pub fn nodeguard(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// The value of one sample (`name{labels}` exactly as exposed) in a
@@ -249,6 +285,7 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// A plain HTTP/1.0 GET against the agent: (status, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await

@@ -595,3 +595,225 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         "nodeguard differs from node-problem-detector on the same lines:\n{table}"
     );
 }
+
+/// A kernel record as `/dev/kmsg` gives it.
+fn kmsg(seq: u32, msg: &str) -> String {
+    format!("4,{seq},{},-;{msg}", 1_000_000 + seq)
+}
+
+/// A journal entry of `identifier` at `at_secs`.
+fn journal_of(identifier: &str, at_secs: u64, message: &str) -> String {
+    serde_json::json!({
+        "__REALTIME_TIMESTAMP": (at_secs * 1_000_000).to_string(),
+        "_TRANSPORT": if identifier == "kernel" { "kernel" } else { "journal" },
+        "SYSLOG_IDENTIFIER": identifier,
+        "MESSAGE": message,
+    })
+    .to_string()
+}
+
+/// The problem steps of a `check --replay` output: (line, what) with the
+/// monitor's name and the message left out, as "Event R" or "C=True (R)".
+fn steps(out: &str) -> std::collections::BTreeSet<(usize, String)> {
+    out.lines()
+        .filter_map(|l| {
+            let rest = l.trim_start().strip_prefix("line ")?;
+            let (n, rest) = rest.split_once(' ')?;
+            let (_, what) = rest.split_once(": ")?;
+            let what = match what.split_once(": ") {
+                Some((w, _)) => w,
+                None => what,
+            };
+            (what.starts_with("Event ") || what.contains("=True"))
+                .then(|| (n.parse().unwrap(), what.to_string()))
+        })
+        .collect()
+}
+
+/// `nodeguard default-policy` holds NPD's standard problem monitors (the
+/// GCE set: kernel-monitor, readonly-monitor, docker-monitor and the kernel
+/// and systemd counters of the release): each NPD condition with its
+/// healthy reason and message, each rule's reason with its condition and
+/// kind; and on lines NPD's rules are about, the default policy takes every
+/// step the imported NPD configs take (it may take more: its own extra
+/// rules, and kernel patterns that do not need NPD's end anchor).
+#[test]
+fn the_default_policy_holds_npds_standard_monitors() {
+    let set = [
+        "kernel-monitor.json",
+        "readonly-monitor.json",
+        "docker-monitor.json",
+        "kernel-monitor-counter.json",
+        "systemd-monitor-counter.json",
+    ];
+    let (code, default_yaml, err) = nodeguard(&["default-policy"]);
+    assert_eq!(code, 0, "{err}");
+    let docs = nodeguard::policy::load_policies("default", &default_yaml).unwrap();
+    let spec = &docs[0].policy.as_ref().unwrap().spec;
+    let conditions: Vec<(String, String, String)> = spec
+        .monitors
+        .iter()
+        .flat_map(|m| &m.conditions)
+        .map(|c| (c.type_.clone(), c.reason.clone(), c.message.clone()))
+        .collect();
+    let rules: Vec<(String, Option<String>, bool)> = spec
+        .monitors
+        .iter()
+        .flat_map(|m| &m.rules)
+        .map(|r| {
+            (
+                r.reason.clone(),
+                r.condition.clone(),
+                r.kind == nodeguard::policy::monitors::ProblemKind::Permanent,
+            )
+        })
+        .collect();
+    let mut missing = Vec::new();
+    for name in set {
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(npd_configs().join(name)).unwrap())
+                .unwrap();
+        for c in config["conditions"].as_array().unwrap() {
+            let want = (
+                c["type"].as_str().unwrap().to_string(),
+                c["reason"].as_str().unwrap().to_string(),
+                c["message"].as_str().unwrap().to_string(),
+            );
+            if !conditions.contains(&want) {
+                missing.push(format!("{name}: condition {want:?}"));
+            }
+        }
+        for r in config["rules"].as_array().unwrap() {
+            let want = (
+                r["reason"].as_str().unwrap().to_string(),
+                r["condition"].as_str().map(str::to_string),
+                r["type"] == "permanent",
+            );
+            if !rules.contains(&want) {
+                missing.push(format!("{name}: rule {want:?}"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "the default policy lacks NPD's:\n{}",
+        missing.join("\n")
+    );
+
+    // The same lines through the imported set and the default policy.
+    let t0 = 1_795_428_000u64;
+    let mut lines = vec![
+        kmsg(1, "divide error: 0000 [#1] SMP"),
+        kmsg(2, "divide error: 0000 [#2] SMP PTI"),
+        kmsg(
+            3,
+            "BUG: unable to handle kernel NULL pointer dereference at 0000000000000010",
+        ),
+        kmsg(
+            4,
+            "Out of memory: Killed process 4242 (java) total-vm:123456kB, anon-rss:65432kB, file-rss:123kB, shmem-rss:0kB",
+        ),
+        kmsg(5, "INFO: task docker:20744 blocked for more than 120 seconds."),
+        kmsg(
+            6,
+            "INFO: task kworker/u8:2:1234 blocked for more than 120 seconds.",
+        ),
+        kmsg(
+            7,
+            "EXT4-fs error (device sda1): ext4_lookup:1855: inode #2: comm ls: deleted inode referenced: 12",
+        ),
+        kmsg(8, "EXT4-fs warning (device sda1): ext4_dx_add_entry:2461: Directory index full!"),
+        kmsg(9, "Buffer I/O error on dev sdb1, logical block 0, async page read"),
+        kmsg(10, "XFS (dm-0): Log I/O Error Detected. Shutting down filesystem"),
+        kmsg(11, "EXT4-fs (sda1): Remounting filesystem read-only"),
+        kmsg(12, "CE memory read error on CPU_SrcID#0_Ha#0_Chan#1_DIMM#0"),
+        kmsg(13, "{1}[Hardware Error]: event severity: corrected"),
+        kmsg(14, "{2}[Hardware Error]: event severity: recoverable"),
+        kmsg(15, "{3}[Hardware Error]: event severity: fatal"),
+        kmsg(16, "task umount.aufs:123 blocked for more than 120 seconds."),
+        journal_of(
+            "dockerd",
+            t0,
+            "Handler for POST /containers/abc/start returned error: readlink /var/lib/docker/overlay2/l: invalid argument",
+        ),
+        journal_of(
+            "dockerd",
+            t0 + 1,
+            "Error trying v2 registry: failed to register layer: rename /var/lib/docker/image/overlay2/layerdb/tmp/write-set-1 /var/lib/docker/image/overlay2/layerdb/sha256/abc: directory not empty",
+        ),
+        journal_of(
+            "dockerd",
+            t0 + 2,
+            "starting container failed: OCI runtime start failed: container process is already dead: unknown",
+        ),
+    ];
+    for i in 0..3 {
+        lines.push(journal_of(
+            "kernel",
+            t0 + 10 + i * 60,
+            "unregister_netdevice: waiting for eth0 to become free. Usage count = 2",
+        ));
+    }
+    // Clean restarts (a stop before each start) and then crashes.
+    for (i, unit) in ["kubelet", "docker", "containerd"].iter().enumerate() {
+        let (start, stop) = match *unit {
+            "kubelet" => (
+                "Started kubelet.service - Kubernetes kubelet.",
+                "Stopping kubelet.service - Kubernetes kubelet...",
+            ),
+            "docker" => (
+                "Starting docker.service - Docker Application Container Engine...",
+                "Stopping docker.service - Docker Application Container Engine...",
+            ),
+            _ => (
+                "Starting containerd.service - containerd container runtime...",
+                "Stopping containerd.service - containerd container runtime...",
+            ),
+        };
+        let base = t0 + 300 + i as u64 * 1000;
+        for k in 0..3 {
+            lines.push(journal_of("systemd", base + k * 20, stop));
+            lines.push(journal_of("systemd", base + k * 20 + 5, start));
+        }
+        for k in 0..5 {
+            lines.push(journal_of("systemd", base + 100 + k * 20, start));
+        }
+    }
+    let log = lines.join("\n") + "\n";
+    let tmp = TempDir::new("npd-defaults");
+    let (code, imported, notes) = import(&set);
+    assert_eq!(code, 0, "{notes}");
+    let (_, npd_out, err) = check(&tmp.path, &imported, Some(&log));
+    println!("imported NPD set:\n{npd_out}{err}");
+    let (_, ng_out, err) = check(&tmp.path, &default_yaml, Some(&log));
+    println!("default policy:\n{ng_out}{err}");
+    let npd = steps(&npd_out);
+    let ng = steps(&ng_out);
+    let mut table = String::from(
+        "| line | step | NPD's configs (imported) | default policy | verdict |\n|---|---|---|---|---|\n",
+    );
+    let mut all: Vec<&(usize, String)> = npd.iter().chain(&ng).collect();
+    all.sort();
+    all.dedup();
+    for step in &all {
+        let (a, b) = (npd.contains(step), ng.contains(step));
+        table.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            step.0,
+            step.1,
+            if a { "yes" } else { "no" },
+            if b { "yes" } else { "no" },
+            match (a, b) {
+                (true, true) => "same",
+                (false, true) => "nodeguard's own",
+                _ => "MISSING",
+            }
+        ));
+    }
+    println!("{table}");
+    assert!(npd.len() >= 20, "the corpus exercises NPD's rules:\n{table}");
+    assert!(
+        npd.is_subset(&ng),
+        "the default policy misses steps NPD's configs take:\n{table}"
+    );
+}

@@ -39,7 +39,6 @@ fn rule(
     condition: Option<&str>,
     reason: &str,
     pattern: &str,
-    count: Option<(u32, u32)>,
 ) -> RuleSpec {
     RuleSpec {
         kind,
@@ -48,24 +47,21 @@ fn rule(
         pattern: pattern.into(),
         command: Vec::new(),
         message: None,
-        count: count.map(|(threshold, window_seconds)| CountSpec {
-            revert_pattern: None,
-            threshold,
-            window_seconds,
-        }),
+        count: None,
     }
 }
 
-/// NPD's systemd-monitor-counter, natively: 5 restarts in 20 minutes.
+/// NPD's systemd-monitor-counter, natively: 5 starts in 20 minutes, each
+/// clean stop taking one off (log-counter's `--revert-pattern`), so an
+/// operator's restarts are not counted as crashes.
 fn restart_counter() -> MonitorSpec {
-    let counted = |c: &str, reason: &str, pattern: &str| {
-        rule(
-            ProblemKind::Permanent,
-            Some(c),
-            reason,
-            pattern,
-            Some((5, 1200)),
-        )
+    let counted = |c: &str, start: &str, stop: &str| RuleSpec {
+        count: Some(CountSpec {
+            revert_pattern: Some(stop.into()),
+            threshold: 5,
+            window_seconds: 1200,
+        }),
+        ..rule(ProblemKind::Permanent, Some(c), c, start)
     };
     MonitorSpec {
         npd_matching: None,
@@ -91,26 +87,26 @@ fn restart_counter() -> MonitorSpec {
                 Some(1200),
             ),
         ],
+        // systemd before v247 writes the unit's description ("Starting
+        // Docker Application Container Engine..."); since, the unit's name
+        // first ("Starting containerd.service - containerd container
+        // runtime...", Debian 12 on the real node); a unit without a
+        // description, only its name. Each pattern takes all three.
         rules: vec![
             counted(
                 "FrequentKubeletRestart",
-                "FrequentKubeletRestart",
                 r"Started (Kubernetes kubelet|kubelet\.service)",
+                r"Stopping (Kubernetes kubelet|kubelet\.service)",
             ),
-            // NPD's patterns match systemd before v247 ("Starting Docker
-            // Application Container Engine..."); newer systemd names the
-            // unit first ("Starting containerd.service - containerd
-            // container runtime...", Debian 12, seen on the real node),
-            // which NPD's own configs never match. Both forms count.
             counted(
                 "FrequentDockerRestart",
-                "FrequentDockerRestart",
-                r"Starting (docker\.service - )?Docker Application Container Engine",
+                r"Starting (Docker Application Container Engine|docker\.service)",
+                r"Stopping (Docker Application Container Engine|docker\.service)",
             ),
             counted(
                 "FrequentContainerdRestart",
-                "FrequentContainerdRestart",
-                r"Starting (containerd\.service - )?containerd container runtime",
+                r"Starting (containerd container runtime|containerd\.service)",
+                r"Stopping (containerd container runtime|containerd\.service)",
             ),
         ],
     }
@@ -134,14 +130,18 @@ fn docker_monitor() -> MonitorSpec {
                 None,
                 "CorruptDockerImage",
                 r"Error trying v2 registry: failed to register layer: rename /var/lib/docker/image/(.+) /var/lib/docker/image/(.+): directory not empty.*",
-                None,
             ),
             rule(
                 ProblemKind::Permanent,
                 Some("CorruptDockerOverlay2"),
                 "CorruptDockerOverlay2",
                 r"returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*",
+            ),
+            rule(
+                ProblemKind::Temporary,
                 None,
+                "DockerContainerStartupFailure",
+                r"OCI runtime start failed: container process is already dead: unknown",
             ),
         ],
     }
@@ -210,6 +210,9 @@ mod tests {
             "FrequentDockerRestart",
             "FrequentContainerdRestart",
             "CorruptDockerOverlay2",
+            "XfsShutdown",
+            "CperHardwareErrorFatal",
+            "FrequentUnregisterNetDevice",
         ] {
             assert!(types.contains(&want), "{want} missing from {types:?}");
         }

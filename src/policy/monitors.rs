@@ -602,6 +602,34 @@ pub fn default_kernel_monitor() -> MonitorSpec {
                 clear_pattern: None,
                 taint: None,
             },
+            // A shut-down XFS stays down until it is unmounted and repaired
+            // (or the node reboots, which resets the condition).
+            ConditionSpec {
+                type_: "XfsShutdown".into(),
+                reason: "XfsHasNotShutDown".into(),
+                message: "XFS has not shutdown".into(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            },
+            ConditionSpec {
+                type_: "CperHardwareErrorFatal".into(),
+                reason: "CperHardwareHasNoFatalError".into(),
+                message: "UEFI CPER has no fatal error".into(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            },
+            // NPD's kernel-monitor-counter: unregister_netdevice hangs three
+            // times in 20 minutes; clears after 20 minutes without one.
+            ConditionSpec {
+                type_: "FrequentUnregisterNetDevice".into(),
+                reason: "NoFrequentUnregisterNetDevice".into(),
+                message: "node is functioning properly".into(),
+                clear_after_seconds: Some(1200),
+                clear_pattern: None,
+                taint: None,
+            },
         ],
         rules: vec![
             temp(
@@ -616,6 +644,18 @@ pub fn default_kernel_monitor() -> MonitorSpec {
                 "UnregisterNetDevice",
                 r"unregister_netdevice: waiting for \w+ to become free. Usage count = \d+",
             ),
+            RuleSpec {
+                count: Some(CountSpec {
+                    revert_pattern: None,
+                    threshold: 3,
+                    window_seconds: 1200,
+                }),
+                ..perm(
+                    "FrequentUnregisterNetDevice",
+                    "UnregisterNetDevice",
+                    r"unregister_netdevice: waiting for \w+ to become free. Usage count = \d+",
+                )
+            },
             temp(
                 "KernelOops",
                 r"BUG: unable to handle kernel NULL pointer dereference at .*",
@@ -625,6 +665,26 @@ pub fn default_kernel_monitor() -> MonitorSpec {
             temp("Ext4Warning", r"EXT4-fs warning .*"),
             temp("IOError", r"Buffer I/O error .*"),
             temp("MemoryReadError", r"CE memory read error .*"),
+            perm(
+                "XfsShutdown",
+                "XfsHasShutdown",
+                r"XFS .* Shutting down filesystem",
+            ),
+            // UEFI CPER records end with their severity (NPD trims and
+            // anchors; kmsg may carry trailing blanks).
+            temp(
+                "CperHardwareErrorCorrected",
+                r"\[Hardware Error\]: event severity: corrected\s*$",
+            ),
+            temp(
+                "CperHardwareErrorRecoverable",
+                r"\[Hardware Error\]: event severity: recoverable\s*$",
+            ),
+            perm(
+                "CperHardwareErrorFatal",
+                "CperHardwareErrorFatal",
+                r"\[Hardware Error\]: event severity: fatal\s*$",
+            ),
             temp(
                 "XfsError",
                 r"XFS \(\S+\): (Corruption|metadata I/O error|Filesystem has been shut down).*",

@@ -644,6 +644,12 @@ async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_coo
     })
     .await;
     assert_eq!(kills(), 1, "a healthy unit is not repaired again");
+    // As NPD's health checker (`systemctl kill --kill-who=main`): SIGTERM
+    // to the main process unless the policy names another signal.
+    assert_eq!(
+        peer.state.lock().unwrap().units["kubelet.service"].signals,
+        [("main".to_string(), libc::SIGTERM)]
+    );
     eventually(Duration::from_secs(10), "ServiceRepaired event", || async {
         kubectl(&["events", "-A", "--for", &format!("node/{}", node.name)])
             .contains("ServiceRepaired")

@@ -84,6 +84,16 @@ fn every_npd_config_of_the_release_imports_alone_and_in_npds_sets() {
             ));
             continue;
         }
+        if name.starts_with("windows-") {
+            // NPD's Windows configs (C:\ paths, .exe and .ps1 plugins).
+            assert_ne!(code, 0, "{name}: {yaml}");
+            assert!(
+                notes.contains("a Windows config") && notes.contains("nothing imported"),
+                "{name}: {notes}"
+            );
+            table.push_str(&format!("| {name} | refused: Windows | | |\n"));
+            continue;
+        }
         assert_eq!(code, 0, "{name}: {notes}");
         let monitors =
             yaml.matches("\n  - name: ").count() + yaml.matches("\n    - name: ").count();
@@ -97,7 +107,9 @@ fn every_npd_config_of_the_release_imports_alone_and_in_npds_sets() {
             notes.lines().filter(|l| !l.trim().is_empty()).count()
         ));
     }
-    println!("{table}");
+    println!(
+        "conformance: every config of the NPD release, imported alone by `nodeguard import-npd` and checked by `nodeguard check`\n\n{table}"
+    );
     // The sets NPD's own deployments load together: the GCE e2e set and
     // the health checkers.
     for set in [
@@ -109,18 +121,69 @@ fn every_npd_config_of_the_release_imports_alone_and_in_npds_sets() {
             "kernel-monitor-counter.json",
             "systemd-monitor-counter.json",
         ][..],
+        // A node runs one container runtime: NPD's deployments pair the
+        // kubelet's checker with docker's or containerd's (both write
+        // ContainerRuntimeUnhealthy).
         &[
             "health-checker-kubelet.json",
-            "health-checker-docker.json",
             "health-checker-containerd.json",
         ][..],
+        &["health-checker-kubelet.json", "health-checker-docker.json"][..],
     ] {
         let (code, yaml, notes) = import(set);
         assert_eq!(code, 0, "{set:?}: {notes}");
         if set[0].starts_with("health-checker") {
-            // NPD runs each checker with its own concurrency: so does the
-            // joined monitor.
-            assert!(yaml.contains("concurrency: 3"), "{yaml}");
+            // NPD's health checker becomes a systemd monitor of its unit,
+            // with the component's health URL and NPD's repair: SIGTERM to
+            // the main process after the cooldown.
+            let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+            let monitors = &docs[0].policy.as_ref().unwrap().spec.monitors;
+            /// (unit, health URL, cooldown, signal, condition)
+            type Unit<'a> = (String, Option<String>, u32, &'a str, Option<String>);
+            let units: Vec<Unit> = monitors
+                .iter()
+                .map(|m| {
+                    let s = m.source.systemd.as_ref().expect("a systemd monitor");
+                    let r = s.repair.as_ref().expect("NPD's --enable-repair=true");
+                    (
+                        s.unit.clone(),
+                        s.health_url.clone(),
+                        r.cooldown_seconds,
+                        r.signal.name(),
+                        m.rules[0].condition.clone(),
+                    )
+                })
+                .collect();
+            let runtime = if set[1].contains("docker") {
+                ("docker", "docker ps")
+            } else {
+                ("containerd", "crictl pods")
+            };
+            assert_eq!(
+                units,
+                [
+                    (
+                        "kubelet.service".to_string(),
+                        Some("http://127.0.0.1:10248/healthz".to_string()),
+                        60,
+                        "SIGTERM",
+                        Some("KubeletUnhealthy".to_string())
+                    ),
+                    (
+                        format!("{}.service", runtime.0),
+                        None,
+                        120,
+                        "SIGTERM",
+                        Some("ContainerRuntimeUnhealthy".to_string())
+                    ),
+                ]
+            );
+            assert!(
+                notes.contains(runtime.1)
+                    && notes.contains(&format!("{}.service's state", runtime.0)),
+                "{notes}"
+            );
+            assert!(notes.contains("--allow-repair-unit"), "{notes}");
         }
         let (ccode, out, err) = check(&tmp.path, &yaml, None);
         assert_eq!(ccode, 0, "{set:?}: {out}{err}\n{yaml}");
@@ -288,6 +351,14 @@ async fn the_agent_runs_npds_kernel_monitor_as_npd_matches_it() {
     let kmsg = logs.path.join("kmsg");
     std::fs::write(&kmsg, "6,1,1,-;boot\n").unwrap();
     monitors[0].source.kmsg.as_mut().unwrap().path = kmsg.display().to_string();
+    // An NPD rule in Go's syntax: `\<`, `\>` are the characters, `\w` and
+    // `\d` ASCII (Rust's regex alone reads word boundaries and Unicode).
+    monitors[0].rules.push(
+        serde_json::from_value(serde_json::json!({
+            "type": "temporary", "reason": "GoSyntax", "pattern": r"\<\w+\> stuck for \d+s",
+        }))
+        .unwrap(),
+    );
     let admin = admin_client().await;
     let node = TestNode::selectable(&admin, "npd").await;
     let policy = unique_name("npd");
@@ -315,9 +386,12 @@ async fn the_agent_runs_npds_kernel_monitor_as_npd_matches_it() {
             .unwrap();
         writeln!(f, "4,100,1000000,-;divide error: 0000 [#1] SMP PTI").unwrap();
         writeln!(f, "4,101,1000001,-;divide error: 0000 [#2] SMP").unwrap();
+        writeln!(f, "4,103,1000003,-;<kwörker> stuck for 5s").unwrap();
+        writeln!(f, "4,104,1000004,-;<kworker> stuck for ٥s").unwrap();
+        writeln!(f, "4,105,1000005,-;<kworker> stuck for 5s").unwrap();
         writeln!(
             f,
-            "3,102,1000002,-;XFS (dm-0): Log I/O Error Detected. Shutting down filesystem"
+            "3,106,1000006,-;XFS (dm-0): Log I/O Error Detected. Shutting down filesystem"
         )
         .unwrap();
     }
@@ -342,6 +416,28 @@ async fn the_agent_runs_npds_kernel_monitor_as_npd_matches_it() {
     assert!(
         events.contains("divide error: 0000 [#2] SMP") && !events.contains("PTI"),
         "one KernelOops Event, for the line NPD fires on:\n{events}"
+    );
+    let go_events = || {
+        kubectl(&[
+            "get",
+            "events",
+            "-A",
+            "--field-selector",
+            &format!("involvedObject.name={},reason=GoSyntax", node.name),
+            "-o",
+            "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
+        ])
+    };
+    eventually(Duration::from_secs(10), "the GoSyntax Event", || {
+        std::future::ready(!go_events().trim().is_empty())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let go = go_events();
+    assert_eq!(
+        go.trim(),
+        "<kworker> stuck for 5s",
+        "the Go pattern fires as in Go: on the ASCII line only"
     );
     agent.stop().await;
     delete_policy(&admin, &policy).await;
@@ -584,7 +680,9 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
             if in_npd == in_ng { "same" } else { "DIFFERENT" }
         ));
     }
-    println!("{table}");
+    println!(
+        "conformance: node-problem-detector's binary and the agent side by side on one kern.log (NPD's kernel-monitor-filelog.json and its import), each for its own Node on the real control plane: what each wrote\n\n{table}"
+    );
     let npd_log = std::fs::read_to_string(tmp.path.join("npd.log")).unwrap_or_default();
     assert!(
         npd_seen.1.iter().any(|c| c.contains("KernelDeadlock=True")),
@@ -713,7 +811,10 @@ fn the_default_policy_holds_npds_standard_monitors() {
             4,
             "Out of memory: Killed process 4242 (java) total-vm:123456kB, anon-rss:65432kB, file-rss:123kB, shmem-rss:0kB",
         ),
-        kmsg(5, "INFO: task docker:20744 blocked for more than 120 seconds."),
+        kmsg(
+            5,
+            "INFO: task docker:20744 blocked for more than 120 seconds.",
+        ),
         kmsg(
             6,
             "INFO: task kworker/u8:2:1234 blocked for more than 120 seconds.",
@@ -722,15 +823,27 @@ fn the_default_policy_holds_npds_standard_monitors() {
             7,
             "EXT4-fs error (device sda1): ext4_lookup:1855: inode #2: comm ls: deleted inode referenced: 12",
         ),
-        kmsg(8, "EXT4-fs warning (device sda1): ext4_dx_add_entry:2461: Directory index full!"),
-        kmsg(9, "Buffer I/O error on dev sdb1, logical block 0, async page read"),
-        kmsg(10, "XFS (dm-0): Log I/O Error Detected. Shutting down filesystem"),
+        kmsg(
+            8,
+            "EXT4-fs warning (device sda1): ext4_dx_add_entry:2461: Directory index full!",
+        ),
+        kmsg(
+            9,
+            "Buffer I/O error on dev sdb1, logical block 0, async page read",
+        ),
+        kmsg(
+            10,
+            "XFS (dm-0): Log I/O Error Detected. Shutting down filesystem",
+        ),
         kmsg(11, "EXT4-fs (sda1): Remounting filesystem read-only"),
         kmsg(12, "CE memory read error on CPU_SrcID#0_Ha#0_Chan#1_DIMM#0"),
         kmsg(13, "{1}[Hardware Error]: event severity: corrected"),
         kmsg(14, "{2}[Hardware Error]: event severity: recoverable"),
         kmsg(15, "{3}[Hardware Error]: event severity: fatal"),
-        kmsg(16, "task umount.aufs:123 blocked for more than 120 seconds."),
+        kmsg(
+            16,
+            "task umount.aufs:123 blocked for more than 120 seconds.",
+        ),
         journal_of(
             "dockerd",
             t0,
@@ -810,10 +923,266 @@ fn the_default_policy_holds_npds_standard_monitors() {
             }
         ));
     }
-    println!("{table}");
-    assert!(npd.len() >= 20, "the corpus exercises NPD's rules:\n{table}");
+    println!(
+        "conformance: `nodeguard default-policy` beside NPD's standard set (kernel-monitor, readonly-monitor, docker-monitor, kernel-monitor-counter, systemd-monitor-counter, imported) on the same kernel and journal lines: the steps each takes\n\n{table}"
+    );
+    assert!(
+        npd.len() >= 20,
+        "the corpus exercises NPD's rules:\n{table}"
+    );
     assert!(
         npd.is_subset(&ng),
         "the default policy misses steps NPD's configs take:\n{table}"
+    );
+}
+
+/// Every pattern of NPD's configs in the release, NPD's (Go) patterns that
+/// Rust reads differently, and inputs around them.
+fn go_patterns() -> Vec<String> {
+    let mut out = Vec::new();
+    let dir = npd_configs();
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    names.sort();
+    for path in names {
+        let Ok(config) =
+            serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(&path).unwrap())
+        else {
+            continue;
+        };
+        if let Some(m) = config
+            .pointer("/pluginConfig/message")
+            .and_then(|v| v.as_str())
+        {
+            out.push(m.to_string());
+        }
+        for r in config["rules"].as_array().into_iter().flatten() {
+            if let Some(p) = r["pattern"].as_str() {
+                out.push(p.to_string());
+            }
+            for a in r["args"].as_array().into_iter().flatten() {
+                let a = a.as_str().unwrap_or_default();
+                for flag in ["--pattern=", "--revert-pattern="] {
+                    if let Some(p) = a.strip_prefix(flag) {
+                        out.push(p.to_string());
+                    }
+                }
+            }
+        }
+    }
+    assert!(out.len() >= 40, "NPD's configs hold patterns: {out:?}");
+    for p in [
+        r"\d+ kB",
+        r"^\w+$",
+        r"\s+$",
+        r"error\b",
+        r"\bé",
+        r"\<html\>",
+        r"[a&&b]",
+        r"[x~~y]",
+        r"[a--b]",
+        r"[[]",
+        r"[]a]",
+        r"a{,3}",
+        r"x{foo}",
+        r"a{2}b",
+        r"\Q1+1=2\E",
+        r"\Q(unclosed",
+        r"\101\012",
+        r"\p{^Greek}",
+        r"[\d\s]",
+        r"[^\D]",
+        r"[[:alpha:][:^digit:]]+",
+        r"(?i)KILLED process",
+        r"(?U)a+",
+        r"(?s)a.b",
+        r"(?m)^b$",
+        r"\1",
+        r"\e",
+        r"(?x) a",
+        r"a{1001}",
+        r"\C",
+        r"^*",
+        r"\#\&\~\-",
+        r"\x{1F600}",
+        r"[\x00-\x1F]+",
+        r"\pL+",
+        r"[^\n]+",
+    ] {
+        out.push(p.to_string());
+    }
+    out
+}
+
+fn go_inputs() -> Vec<String> {
+    let mut out: Vec<String> = [
+        "divide error: 0000 [#1] SMP",
+        "divide error: 0000 [#1] SMP PTI",
+        "INFO: task docker:20744 blocked for more than 120 seconds.",
+        "Out of memory: Killed process 4242 (java) total-vm:123456kB, anon-rss:65432kB, file-rss:123kB, shmem-rss:0kB",
+        "XFS (dm-0): Log I/O Error Detected. Shutting down filesystem",
+        "{1}[Hardware Error]: event severity: fatal",
+        "Started kubelet.service - Kubernetes kubelet.",
+        "Stopping containerd.service - containerd container runtime...",
+        "unregister_netdevice: waiting for eth0 to become free. Usage count = 2",
+        "time=\"2026-11-24T01:00:00Z\" level=error msg=\"failed to pull and unpack image\"",
+        "42 kB",
+        "٣ kB",
+        "word",
+        "wörd",
+        "é",
+        "error.",
+        "errors",
+        "<html>",
+        "html",
+        "&",
+        "~",
+        "-",
+        "[",
+        "]",
+        "a{,3}",
+        "aaa",
+        "x{foo}",
+        "aab",
+        "1+1=2",
+        "(unclosed",
+        "A\n",
+        "a",
+        "α",
+        "1 2",
+        "ab-",
+        "a\nb",
+        "\x0B",
+        "\u{a0}",
+        "\u{1F600}",
+        "#&~-",
+        "",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    out.push("a".repeat(3));
+    out
+}
+
+/// NPD's patterns are Go regular expressions. The agent reads them as Go
+/// does (`nodeguard::policy::goregex::translate`), checked against Go's own
+/// `regexp` (e2e/goregex, built with the machine's Go toolchain): for every
+/// pattern of the release's configs and the constructs the two dialects
+/// read differently, over every input, the same refusal or the same
+/// leftmost match. Compiled untranslated, Rust differs on some of them.
+#[test]
+fn npds_go_patterns_match_what_go_matches() {
+    let oracle = std::env::temp_dir().join(format!("nodeguard-goregex-{}", std::process::id()));
+    let build = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&oracle)
+        .arg(repo_root().join("e2e/goregex/main.go"))
+        .env("GOTOOLCHAIN", "local")
+        .env("CGO_ENABLED", "0")
+        .env_remove("GOFLAGS")
+        .output()
+        .expect("run `go build` (the Go toolchain is a test dependency)");
+    assert!(
+        build.status.success(),
+        "go build e2e/goregex: {}",
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let patterns = go_patterns();
+    let inputs = go_inputs();
+    let mut queries = String::new();
+    for p in &patterns {
+        for i in &inputs {
+            queries.push_str(&serde_json::json!({"pattern": p, "input": i}).to_string());
+            queries.push('\n');
+        }
+    }
+    let mut child = Command::new(&oracle)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || stdin.write_all(queries.as_bytes()).unwrap());
+    let out = child.wait_with_output().unwrap();
+    feeder.join().unwrap();
+    let _ = std::fs::remove_file(&oracle);
+    assert!(out.status.success());
+    let answers: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(answers.len(), patterns.len() * inputs.len());
+    let rust = |p: &str, translated: bool| -> Result<regex::Regex, String> {
+        let p = if translated {
+            nodeguard::policy::goregex::translate(p)?
+        } else {
+            p.to_string()
+        };
+        regex::Regex::new(&p).map_err(|e| e.to_string())
+    };
+    let (mut differ, mut raw_differ, mut refused) = (Vec::new(), 0usize, 0usize);
+    let mut raw_patterns = std::collections::BTreeSet::new();
+    let mut k = 0;
+    for p in &patterns {
+        let (ours, raw) = (rust(p, true), rust(p, false));
+        for i in &inputs {
+            let go = &answers[k];
+            k += 1;
+            let go_match: Option<(usize, usize)> = match go.get("error") {
+                Some(_) => None,
+                None => go["match"].as_array().map(|m| {
+                    (
+                        m[0].as_u64().unwrap() as usize,
+                        m[1].as_u64().unwrap() as usize,
+                    )
+                }),
+            };
+            let go_refuses = go.get("error").is_some();
+            let find = |re: &Result<regex::Regex, String>| -> Result<Option<(usize, usize)>, ()> {
+                match re {
+                    Ok(re) => Ok(re.find(i).map(|m| (m.start(), m.end()))),
+                    Err(_) => Err(()),
+                }
+            };
+            let want = if go_refuses { Err(()) } else { Ok(go_match) };
+            if go_refuses {
+                refused += 1;
+            }
+            if find(&ours) != want {
+                differ.push(format!(
+                    "{p:?} on {i:?}: Go {}, nodeguard {:?} (as {:?})",
+                    go,
+                    find(&ours),
+                    nodeguard::policy::goregex::translate(p)
+                ));
+            }
+            if find(&raw) != want {
+                raw_differ += 1;
+                raw_patterns.insert(p.clone());
+            }
+        }
+    }
+    println!(
+        "conformance: NPD's Go patterns against Go's own regexp (e2e/goregex)\n\n{} patterns (every pattern of the release's configs and the constructs Go and Rust read differently) × {} inputs: nodeguard differs from Go on {}, Rust's regex untranslated on {} ({} patterns: {:?}); Go refuses {} pairs\n",
+        patterns.len(),
+        inputs.len(),
+        differ.len(),
+        raw_differ,
+        raw_patterns.len(),
+        raw_patterns,
+        refused
+    );
+    assert!(
+        differ.is_empty(),
+        "nodeguard reads these Go patterns differently from Go:\n{}",
+        differ.join("\n")
+    );
+    assert!(
+        raw_patterns.len() >= 15,
+        "the cases reach the constructs the dialects differ on: {raw_patterns:?}"
     );
 }

@@ -307,12 +307,16 @@ impl Engine {
             None => None,
             Some(m) => {
                 let message = match &m.message_pattern {
-                    Some(p) => Some(regex::Regex::new(p).map_err(|e| {
-                        vec![BadPattern {
-                            path: format!("{path}.npdMatching.messagePattern"),
-                            message: format!("invalid regular expression: {e}"),
-                        }]
-                    })?),
+                    Some(p) => Some(
+                        crate::policy::goregex::translate(p)
+                            .and_then(|r| regex::Regex::new(&r).map_err(|e| e.to_string()))
+                            .map_err(|e| {
+                                vec![BadPattern {
+                                    path: format!("{path}.npdMatching.messagePattern"),
+                                    message: e,
+                                }]
+                            })?,
+                    ),
                     None => None,
                 };
                 Some(NpdBuffer {

@@ -886,16 +886,17 @@ async fn run_service_checks(
             }
         };
         match manager
-            .kill_unit(src.unit.clone(), "main".into(), libc::SIGKILL)
+            .kill_unit(src.unit.clone(), "main".into(), repair.signal.number())
             .await
         {
             Ok(()) => {
                 last_repair = Some(tokio::time::Instant::now());
                 let note = format!(
-                    "nodeguard repaired {}: it was unhealthy ({}) after {}s up, so its main process was killed for systemd to restart it; no further repair for {}s.",
+                    "nodeguard repaired {}: it was unhealthy ({}) after {}s up, so its main process was sent {} for systemd to restart it; no further repair for {}s.",
                     src.unit,
                     health.message.trim_end_matches('.'),
                     up.as_secs(),
+                    repair.signal.name(),
                     cooldown.as_secs()
                 );
                 tracing::warn!("{note}");

@@ -34,12 +34,7 @@ fn condition(type_: &str, reason: &str, message: &str, clear_after: Option<u32>)
     }
 }
 
-fn rule(
-    kind: ProblemKind,
-    condition: Option<&str>,
-    reason: &str,
-    pattern: &str,
-) -> RuleSpec {
+fn rule(kind: ProblemKind, condition: Option<&str>, reason: &str, pattern: &str) -> RuleSpec {
     RuleSpec {
         kind,
         condition: condition.map(str::to_string),

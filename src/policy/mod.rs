@@ -7,6 +7,7 @@
 //! Capability issues add their own sections to [`NodeGuardPolicySpec`].
 
 pub mod defaults;
+pub mod goregex;
 mod load;
 pub mod monitors;
 pub mod npd;

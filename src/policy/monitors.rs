@@ -34,7 +34,12 @@ pub struct MonitorSpec {
     pub npd_matching: Option<NpdMatching>,
 }
 
-/// node-problem-detector's matching: each new line (kmsg and journald
+/// node-problem-detector's matching. Every pattern of the monitor (rules,
+/// `clearPattern`, `revertPattern`, `messagePattern`) is a Go regular
+/// expression (RE2 syntax, as in NPD's configs), read as Go reads it:
+/// `\d`, `\w`, `\s` and `\b` are ASCII, `\<` is the character `<`,
+/// `[a&&b]` holds `&`, `a{,3}` is text, `\Q…\E` and octal escapes work.
+/// Each new line (kmsg and journald
 /// messages trimmed of surrounding whitespace, as NPD does) joins the last
 /// `bufferLines` lines, joined with newlines, and a rule, clear or revert
 /// pattern matches when it matches text that ends at the end of the newest
@@ -139,26 +144,27 @@ impl MonitorSpec {
         let compiled = match &self.npd_matching {
             None => Patterns::compile(path, all.into_iter().map(|(_, at, p)| (at, p)))?,
             Some(_) => {
-                // NPD appends `\z`: the match must end where the newest line
-                // does. A bad pattern is reported as written.
+                // NPD's patterns are Go's (RE2): translated so they match
+                // what they matched there. A bad pattern is reported as
+                // written.
                 let mut bad = Vec::new();
-                for (_, at, p) in &all {
-                    if let Err(e) = regex::Regex::new(p) {
-                        bad.push(BadPattern {
-                            path: at.clone(),
-                            message: format!("invalid regular expression: {e}"),
-                        });
+                let mut anchored: Vec<(String, String)> = Vec::new();
+                for (_, at, p) in all {
+                    match super::goregex::translate(p) {
+                        // NPD appends `\z`: the match must end where the
+                        // newest line does. Appended as NPD appends it,
+                        // without a group: in `A|B` only B is anchored, in
+                        // NPD and here.
+                        Ok(rust) => anchored.push((at, format!("{rust}\\z"))),
+                        Err(e) => bad.push(BadPattern {
+                            path: at,
+                            message: e,
+                        }),
                     }
                 }
                 if !bad.is_empty() {
                     return Err(bad);
                 }
-                // Appended as NPD appends it, without a group: in `A|B` only
-                // B is anchored, in NPD and here.
-                let anchored: Vec<(String, String)> = all
-                    .into_iter()
-                    .map(|(_, at, p)| (at, format!("{p}\\z")))
-                    .collect();
                 Patterns::compile(
                     path,
                     anchored.iter().map(|(at, p)| (at.clone(), p.as_str())),
@@ -211,9 +217,10 @@ pub struct SystemdUnitSource {
     /// Also require this URL to answer 2xx (e.g. the kubelet's healthz).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_url: Option<String>,
-    /// Repair an unhealthy unit by killing its main process (systemd restarts
-    /// it), only once it has run for `cooldownSeconds` since its last start,
-    /// so a unit that fails at start is never killed in a loop.
+    /// Repair an unhealthy unit by signalling its main process (as
+    /// `systemctl kill --kill-who=main`; systemd restarts it), only once it
+    /// has run for `cooldownSeconds` since its last start, so a unit that
+    /// fails at start is never killed in a loop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repair: Option<RepairSpec>,
 }
@@ -228,6 +235,65 @@ pub struct RepairSpec {
     #[serde(default = "default_cooldown")]
     #[schemars(range(min = 1))]
     pub cooldown_seconds: u32,
+    /// The signal sent to the unit's main process. SIGTERM (the default,
+    /// as NPD's health checker's `systemctl kill`) lets the service stop
+    /// cleanly, but systemd counts a SIGTERM, SIGINT or SIGHUP exit as
+    /// clean: only `Restart=always` units come back from it. For
+    /// `Restart=on-failure` units use SIGKILL or SIGABRT.
+    #[serde(default)]
+    pub signal: RepairSignal,
+}
+
+/// The signals a repair may send.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RepairSignal {
+    #[default]
+    #[serde(rename = "SIGTERM")]
+    Term,
+    #[serde(rename = "SIGKILL")]
+    Kill,
+    #[serde(rename = "SIGINT")]
+    Int,
+    #[serde(rename = "SIGHUP")]
+    Hup,
+    #[serde(rename = "SIGQUIT")]
+    Quit,
+    #[serde(rename = "SIGABRT")]
+    Abrt,
+    #[serde(rename = "SIGUSR1")]
+    Usr1,
+    #[serde(rename = "SIGUSR2")]
+    Usr2,
+}
+
+impl RepairSignal {
+    /// The signal's number.
+    pub fn number(self) -> i32 {
+        match self {
+            Self::Term => libc::SIGTERM,
+            Self::Kill => libc::SIGKILL,
+            Self::Int => libc::SIGINT,
+            Self::Hup => libc::SIGHUP,
+            Self::Quit => libc::SIGQUIT,
+            Self::Abrt => libc::SIGABRT,
+            Self::Usr1 => libc::SIGUSR1,
+            Self::Usr2 => libc::SIGUSR2,
+        }
+    }
+
+    /// Its name, as systemd and `kill -l` write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Term => "SIGTERM",
+            Self::Kill => "SIGKILL",
+            Self::Int => "SIGINT",
+            Self::Hup => "SIGHUP",
+            Self::Quit => "SIGQUIT",
+            Self::Abrt => "SIGABRT",
+            Self::Usr1 => "SIGUSR1",
+            Self::Usr2 => "SIGUSR2",
+        }
+    }
 }
 
 fn default_cooldown() -> u32 {
@@ -540,12 +606,9 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                 ));
             }
             if let Some(p) = &n.message_pattern
-                && let Err(e) = regex::Regex::new(p)
+                && let Err(e) = super::goregex::translate(p)
             {
-                problems.push(Problem::new(
-                    format!("{at}.npdMatching.messagePattern"),
-                    format!("invalid regular expression: {e}"),
-                ));
+                problems.push(Problem::new(format!("{at}.npdMatching.messagePattern"), e));
             }
         }
     }

@@ -22,7 +22,7 @@ use serde_json::Value;
 
 use super::monitors::{
     ConditionSpec, CountSpec, FileSource, JournaldSource, KmsgSource, LogSource, MonitorSpec,
-    NpdMatching, PluginSource, ProblemKind, RuleSpec,
+    NpdMatching, PluginSource, ProblemKind, RepairSignal, RepairSpec, RuleSpec, SystemdUnitSource,
 };
 
 /// NPD's `bufferSize` when a config sets none.
@@ -136,6 +136,12 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             .unwrap_or(origin),
     );
     let log_path = config.get("logPath").and_then(Value::as_str);
+    if let Some(p) = log_path.filter(|p| windows_path(p)) {
+        out.notes.push(format!(
+            "{origin}: a Windows config (logPath {p:?}): nodeguard runs on Linux nodes; nothing imported"
+        ));
+        return out;
+    }
     if config.get("lookback").is_some() {
         out.notes.push(format!(
             "{origin}: lookback is not needed: nodeguard resumes each source from its saved cursor and starts new ones at the end"
@@ -198,6 +204,21 @@ pub fn import(origin: &str, config: &Value) -> Imported {
             return out;
         }
     };
+    for (i, r) in config
+        .get("rules")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        for field in ["reason", "pattern"] {
+            if r.get(field).and_then(Value::as_str).is_none() {
+                out.notes.push(format!(
+                    "{origin}: rules[{i}] has no {field}; skipped (NPD refuses such a config)"
+                ));
+            }
+        }
+    }
     let rules: Vec<RuleSpec> = config
         .get("rules")
         .and_then(Value::as_array)
@@ -260,10 +281,10 @@ pub fn import(origin: &str, config: &Value) -> Imported {
         .filter(|_| plugin == "filelog")
         .map(str::to_string);
     if let Some(p) = &message_pattern
-        && regex::Regex::new(p).is_err()
+        && let Err(e) = super::goregex::translate(p)
     {
         out.notes.push(format!(
-            "{origin}: pluginConfig.message {p:?} is not a valid Rust regular expression; rules match the whole line"
+            "{origin}: pluginConfig.message: {e}; rules match the whole line"
         ));
         message_pattern = None;
     }
@@ -440,8 +461,29 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
         max_output_length: get_n("max_output_length").unwrap_or(80).clamp(1, 4096),
     };
     let conds = conditions(config);
+    let rules = config
+        .get("rules")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if let Some(p) = rules
+        .iter()
+        .filter_map(|r| r.get("path").and_then(Value::as_str))
+        .find(|p| windows_path(p))
+    {
+        out.notes.push(format!(
+            "{origin}: a Windows config (path {p:?}): nodeguard runs on Linux nodes; nothing imported"
+        ));
+        return out;
+    }
+    if pc.and_then(|p| p.get("skip_initial_status")) == Some(&Value::Bool(true)) {
+        out.notes.push(format!(
+            "{origin}: skip_initial_status: nodeguard writes each condition's healthy state when the monitor starts (or keeps the state it saved)"
+        ));
+    }
     let mut plugin_rules = Vec::new();
     let mut counters: Vec<MonitorSpec> = Vec::new();
+    let mut services: Vec<MonitorSpec> = Vec::new();
     for (i, r) in config
         .get("rules")
         .and_then(Value::as_array)
@@ -565,6 +607,38 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
             });
             continue;
         }
+        if path.ends_with("/health-checker") || path == "health-checker" {
+            let condition = r
+                .get("condition")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            let Some(m) = health_checker(
+                origin,
+                i,
+                name,
+                &args,
+                get_s("invoke_interval").unwrap_or(10),
+                RuleSpec {
+                    kind: kind(r),
+                    condition: condition.clone(),
+                    reason: reason.to_string(),
+                    pattern: String::new(),
+                    command: Vec::new(),
+                    message: None,
+                    count: None,
+                },
+                conds
+                    .iter()
+                    .filter(|c| condition.as_ref() == Some(&c.type_))
+                    .cloned()
+                    .collect(),
+                &mut out.notes,
+            ) else {
+                continue;
+            };
+            services.push(m);
+            continue;
+        }
         if path.is_empty() {
             out.notes
                 .push(format!("{origin}: rules[{i}] has no path; skipped"));
@@ -598,6 +672,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
     // Conditions go to the monitor whose rules set them.
     let counted: Vec<String> = counters
         .iter()
+        .chain(&services)
         .flat_map(|m| m.conditions.iter().map(|c| c.type_.clone()))
         .collect();
     if !plugin_rules.is_empty() {
@@ -628,7 +703,135 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
         ));
     }
     out.monitors.extend(counters);
+    out.monitors.extend(services);
     out
+}
+
+/// A Windows path or script (`C:\…`, `.exe`, `.ps1`): NPD's Windows
+/// configs, which have no meaning on the Linux nodes nodeguard runs on.
+fn windows_path(p: &str) -> bool {
+    let lower = p.to_ascii_lowercase();
+    let drive = p.as_bytes().get(1) == Some(&b':') && p.as_bytes()[0].is_ascii_alphabetic();
+    drive || p.contains('\\') || lower.ends_with(".exe") || lower.ends_with(".ps1")
+}
+
+/// NPD's health checker (`health-checker --component=… --enable-repair …`)
+/// as a systemd monitor: the unit's state over D-Bus, the component's
+/// health URL where NPD checks one, and NPD's repair (SIGTERM to the main
+/// process once the unit has been up for `--cooldown-time`).
+#[allow(clippy::too_many_arguments)]
+fn health_checker(
+    origin: &str,
+    i: usize,
+    source: &str,
+    args: &[String],
+    interval: u32,
+    rule: RuleSpec,
+    conditions: Vec<ConditionSpec>,
+    notes: &mut Vec<String>,
+) -> Option<MonitorSpec> {
+    let component = flag(args, "component").unwrap_or("kubelet");
+    let service = flag(args, "service")
+        .or_else(|| flag(args, "systemd-service"))
+        .unwrap_or(match component {
+            "cri" => "containerd",
+            other => other,
+        });
+    let unit = if service.contains('.') {
+        service.to_string()
+    } else {
+        format!("{service}.service")
+    };
+    let health_url = match component {
+        "kubelet" => Some("http://127.0.0.1:10248/healthz"),
+        "kube-proxy" => Some("http://127.0.0.1:10256/healthz"),
+        "docker" => {
+            notes.push(format!(
+                "{origin}: rules[{i}] health-checker --component=docker: NPD also runs `docker ps` (and sends dockerd SIGUSR1 before a repair); nodeguard checks {unit}'s state"
+            ));
+            None
+        }
+        "cri" => {
+            notes.push(format!(
+                "{origin}: rules[{i}] health-checker --component=cri: NPD also runs `crictl pods`; nodeguard checks {unit}'s state (add an exec probe with crictl for the CRI itself)"
+            ));
+            None
+        }
+        other => {
+            notes.push(format!(
+                "{origin}: rules[{i}] health-checker --component={other} is not one of NPD's (kubelet, docker, cri, kube-proxy); skipped"
+            ));
+            return None;
+        }
+    };
+    let repair = !matches!(
+        flag(args, "enable-repair"),
+        Some("false" | "0" | "f" | "F" | "FALSE" | "False")
+    );
+    if flag(args, "log-pattern").is_some() {
+        notes.push(format!(
+            "{origin}: rules[{i}] health-checker --log-pattern is not imported: add a journald monitor of {unit} with a count rule"
+        ));
+    }
+    for a in args {
+        let name = a.trim_start_matches('-').split('=').next().unwrap_or("");
+        if ![
+            "component",
+            "service",
+            "systemd-service",
+            "enable-repair",
+            "cooldown-time",
+            "health-check-timeout",
+            "loopback-time",
+            "log-pattern",
+            "crictl-path",
+            "cri-socket-path",
+            "cri-timeout",
+            "v",
+            "logtostderr",
+        ]
+        .contains(&name)
+        {
+            notes.push(format!(
+                "{origin}: rules[{i}] health-checker argument {a:?} is not one of its flags; ignored"
+            ));
+        }
+    }
+    notes.push(format!(
+        "{origin}: rules[{i}] health-checker becomes a systemd monitor of {unit}{}{}",
+        health_url
+            .map(|u| format!(" with health URL {u}"))
+            .unwrap_or_default(),
+        if repair {
+            "; its repair needs the node to allow the unit (--allow-repair-unit, chart value trust.repairUnits) and the agent the system bus (host.dbus)"
+        } else {
+            ""
+        }
+    ));
+    Some(MonitorSpec {
+        npd_matching: None,
+        name: label(&format!("{source}-{component}")),
+        source: LogSource {
+            kmsg: None,
+            file: None,
+            journald: None,
+            plugin: None,
+            systemd: Some(SystemdUnitSource {
+                unit,
+                interval_seconds: interval.clamp(1, 3600),
+                health_url: health_url.map(str::to_string),
+                repair: repair.then(|| RepairSpec {
+                    cooldown_seconds: flag(args, "cooldown-time")
+                        .and_then(go_duration_seconds)
+                        .unwrap_or(120)
+                        .max(1),
+                    signal: RepairSignal::Term,
+                }),
+            }),
+        },
+        conditions,
+        rules: vec![rule],
+    })
 }
 
 #[cfg(test)]
@@ -647,8 +850,9 @@ mod tests {
         assert_eq!(go_duration_seconds(""), None);
     }
 
-    /// NPD's health checkers share a source and a condition: one monitor;
-    /// another repeated name takes its file's name.
+    /// Custom plugins of one source (checks of several components) share
+    /// a condition: one monitor; another repeated name takes its file's
+    /// name.
     #[test]
     fn configs_of_one_source_join_and_other_repeated_names_are_renamed() {
         let checker = |component: &str, condition: &str| {
@@ -658,7 +862,7 @@ mod tests {
                 "source": "health-checker",
                 "conditions": [{"type": condition, "reason": format!("{condition}IsHealthy"), "message": "ok"}],
                 "rules": [{"type": "permanent", "condition": condition, "reason": format!("{}Unhealthy", component.to_uppercase()),
-                           "path": "/home/kubernetes/bin/health-checker", "args": [format!("--component={component}")]}],
+                           "path": "/usr/local/bin/check-component", "args": [format!("--component={component}")]}],
             })
         };
         let parts = vec![
@@ -712,6 +916,106 @@ mod tests {
         );
         let problems = crate::policy::validate(&policy);
         assert!(problems.is_empty(), "{problems:?}");
+    }
+
+    /// NPD's health checker becomes a systemd monitor of its unit, with
+    /// NPD's repair (SIGTERM after the cooldown) unless repair is off.
+    #[test]
+    fn health_checkers_become_systemd_monitors() {
+        let checker = |args: &[&str]| {
+            serde_json::json!({
+                "plugin": "custom",
+                "pluginConfig": {"invoke_interval": "10s", "timeout": "3m"},
+                "source": "health-checker",
+                "conditions": [{"type": "X", "reason": "XOk", "message": "ok"}],
+                "rules": [{"type": "permanent", "condition": "X", "reason": "XBad",
+                           "path": "/home/kubernetes/bin/health-checker", "args": args}],
+            })
+        };
+        let unit = |args: &[&str]| {
+            let out = import("c.json", &checker(args));
+            let m = out.monitors.first().cloned();
+            (m.and_then(|m| m.source.systemd), out.notes)
+        };
+        let (s, notes) = unit(&["--component=kubelet", "--cooldown-time=1m"]);
+        let s = s.unwrap();
+        assert_eq!(s.unit, "kubelet.service");
+        assert_eq!(
+            s.health_url.as_deref(),
+            Some("http://127.0.0.1:10248/healthz")
+        );
+        assert_eq!(s.interval_seconds, 10);
+        let r = s.repair.unwrap();
+        assert_eq!((r.cooldown_seconds, r.signal), (60, RepairSignal::Term));
+        assert!(
+            notes.iter().any(|n| n.contains("--allow-repair-unit")),
+            "{notes:?}"
+        );
+        let (s, notes) = unit(&["--component=cri", "--service=containerd-custom"]);
+        let s = s.unwrap();
+        assert_eq!(s.unit, "containerd-custom.service");
+        assert_eq!(s.health_url, None);
+        assert_eq!(s.repair.unwrap().cooldown_seconds, 120, "NPD's default");
+        assert!(notes.iter().any(|n| n.contains("crictl pods")), "{notes:?}");
+        let (s, _) = unit(&["--component=kube-proxy", "--enable-repair=false"]);
+        let s = s.unwrap();
+        assert_eq!(s.unit, "kube-proxy.service");
+        assert_eq!(
+            s.health_url.as_deref(),
+            Some("http://127.0.0.1:10256/healthz")
+        );
+        assert!(s.repair.is_none());
+        let (s, notes) = unit(&["--component=etcd"]);
+        assert!(s.is_none());
+        assert!(
+            notes.iter().any(|n| n.contains("--component=etcd")),
+            "{notes:?}"
+        );
+        let (s, notes) = unit(&["--component=docker", "--log-pattern=1:OOM", "--bogus=1"]);
+        assert_eq!(s.unwrap().unit, "docker.service");
+        for want in ["docker ps", "--log-pattern", "\"--bogus=1\""] {
+            assert!(notes.iter().any(|n| n.contains(want)), "{want}: {notes:?}");
+        }
+    }
+
+    /// NPD's Windows configs are refused, not imported as Linux commands.
+    #[test]
+    fn windows_configs_are_refused() {
+        for config in [
+            serde_json::json!({"plugin": "custom", "source": "w", "rules": [{"type": "temporary", "reason": "R",
+                "path": "C:\\etc\\kubernetes\\node\\bin\\health-checker.exe", "args": []}]}),
+            serde_json::json!({"plugin": "custom", "source": "w", "rules": [{"type": "temporary", "reason": "R",
+                "path": "./config/plugin/windows_defender_problem.ps1"}]}),
+            serde_json::json!({"plugin": "filelog", "source": "w", "logPath": "C:\\etc\\kubernetes\\logs\\containerd.log", "rules": []}),
+        ] {
+            let out = import("w.json", &config);
+            assert!(out.monitors.is_empty(), "{config}");
+            assert!(
+                out.notes.iter().any(|n| n.contains("a Windows config")),
+                "{:?}",
+                out.notes
+            );
+        }
+        assert!(!windows_path("/home/kubernetes/bin/log-counter"));
+    }
+
+    /// A log rule NPD's loader would refuse is named, not dropped silently.
+    #[test]
+    fn rules_without_a_pattern_are_named() {
+        let out = import(
+            "k.json",
+            &serde_json::json!({"plugin": "kmsg", "source": "k", "rules": [
+                {"type": "temporary", "reason": "A"},
+                {"type": "temporary", "reason": "B", "pattern": "b"}]}),
+        );
+        assert_eq!(out.monitors[0].rules.len(), 1);
+        assert!(
+            out.notes.iter().any(
+                |n| n == "k.json: rules[0] has no pattern; skipped (NPD refuses such a config)"
+            ),
+            "{:?}",
+            out.notes
+        );
     }
 
     #[test]

@@ -122,6 +122,8 @@ pub struct UnitState {
     pub restarts: u32,
     /// KillUnit calls for it.
     pub kills: u32,
+    /// Their (whom, signal).
+    pub signals: Vec<(String, i32)>,
 }
 
 pub fn now_usec() -> u64 {
@@ -313,6 +315,7 @@ impl SystemdManager {
         if let Some(u) = s.units.get_mut(&name) {
             // Like systemd with Restart=always: killed, then started again.
             u.kills += 1;
+            u.signals.push((whom, signal));
             u.restarts += 1;
             u.active = "active".into();
             u.sub = "running".into();

@@ -218,14 +218,19 @@ pub async fn journald_restarts(vm: &mut Vm, admin: &Client, node: &str, rows: &R
     /// Kills the unit's main process and waits until systemd has started
     /// it again (`Restart=always`).
     async fn crash(vm: &mut Vm, unit: &str) {
-        vm.sh(&format!("systemctl kill --kill-who=main --signal=SIGKILL {unit}"))
-            .await;
+        vm.sh(&format!(
+            "systemctl kill --kill-who=main --signal=SIGKILL {unit}"
+        ))
+        .await;
         let back = vm
             .sh(&format!(
                 "for i in $(seq 60); do sleep 0.5; systemctl is-active --quiet {unit} && echo up && break; done"
             ))
             .await;
-        assert!(back.contains("up"), "{unit} did not come back after SIGKILL");
+        assert!(
+            back.contains("up"),
+            "{unit} did not come back after SIGKILL"
+        );
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
     let t0 = Instant::now();

@@ -453,59 +453,6 @@ fn kern_line(uptime: f64, msg: &str) -> String {
     format!("{ts} oracle kernel: [{uptime:>12.6}] {msg}\n")
 }
 
-/// What a Node shows of a monitor: its Events of `reasons` (reason:
-/// message) and the conditions of `types` (type=status reason: message),
-/// sorted.
-async fn shown(
-    admin: &kube::Client,
-    node: &str,
-    types: &[String],
-    reasons: &[String],
-) -> (Vec<String>, Vec<String>) {
-    use k8s_openapi::api::core::v1::{Event, Node};
-    let events: kube::Api<Event> = kube::Api::all(admin.clone());
-    let list = events
-        .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={node}")))
-        .await
-        .unwrap();
-    let mut ev: Vec<String> = list
-        .items
-        .iter()
-        .filter(|e| e.reason.as_ref().is_some_and(|r| reasons.contains(r)))
-        .map(|e| {
-            format!(
-                "{}: {}",
-                e.reason.clone().unwrap_or_default(),
-                e.message.clone().unwrap_or_default()
-            )
-        })
-        .collect();
-    ev.sort();
-    ev.dedup();
-    let n = kube::Api::<Node>::all(admin.clone())
-        .get(node)
-        .await
-        .unwrap();
-    let mut conds: Vec<String> = n
-        .status
-        .and_then(|s| s.conditions)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|c| types.contains(&c.type_))
-        .map(|c| {
-            format!(
-                "{}={} {}: {}",
-                c.type_,
-                c.status,
-                c.reason.unwrap_or_default(),
-                c.message.unwrap_or_default()
-            )
-        })
-        .collect();
-    conds.sort();
-    (ev, conds)
-}
-
 /// The oracle: node-problem-detector itself (its binary, built from its Go
 /// module by bench/npd-build) and nodeguard with `import-npd` of the same
 /// config (NPD's kernel-monitor-filelog.json) read the same kern.log, each

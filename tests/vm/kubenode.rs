@@ -305,7 +305,7 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
 }
 
 /// The real node's scenarios, in the order they run on its boots.
-pub const STEPS: [&str; 9] = [
+pub const STEPS: [&str; 10] = [
     "daemonset",
     "kube-probe",
     "kube-journald",
@@ -313,6 +313,7 @@ pub const STEPS: [&str; 9] = [
     "kube-readiness-gate",
     "kube-trust",
     "kube-alerts",
+    "kube-npd",
     "kube-reboot",
     "kube-device-watchdog",
 ];
@@ -327,6 +328,18 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     let dir = node_dir(&node.0);
     let (archive, repository, tag) = agent_image();
     let disk = kube_disk(env, &node.0, &dir, &archive, ShutdownBy::Nodeguard);
+    if steps.contains(&"kube-npd") {
+        // node-problem-detector's binary (static, CGO off), as bench/npd
+        // builds it from its Go module.
+        let out = std::process::Command::new(repo_root().join("bench/npd-build"))
+            .output()
+            .expect("run bench/npd-build");
+        assert!(out.status.success(), "bench/npd-build: {out:?}");
+        let npd = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+            .join("nodeproblemdetector");
+        disk.mkdir("/usr/local/lib/npd");
+        disk.write(kubework::NPD_BINARY, &std::fs::read(&npd).unwrap(), 0o755);
+    }
     let release = Release {
         // Not "nodeguard": Env applies that RBAC (manifests/nodeguard.yaml) for the host-service nodes.
         name: "nodeguard-kube".to_string(),
@@ -365,6 +378,9 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
         }
         if wants("kube-alerts") {
             kubework::alerts(&mut vm, &admin, &node.0, &dir, agent_ns, rows).await;
+        }
+        if wants("kube-npd") {
+            kubework::npd_oracle(&mut vm, &admin, &dir, rows).await;
         }
         if wants("kube-reboot") {
             let kernel = vm

@@ -1672,3 +1672,239 @@ pub async fn alerts(
         ),
     );
 }
+
+/// Where the kube node's disk holds node-problem-detector for `kube-npd`.
+pub const NPD_BINARY: &str = "/usr/local/lib/npd/nodeproblemdetector";
+
+/// node-problem-detector as the oracle on a real kernel: NPD's own binary
+/// (bench/npd-build) runs on the node with its kernel-monitor.json, reading
+/// the node's real `/dev/kmsg`, for a Node of its own; the agent runs the
+/// config's `import-npd` for another Node and reads the same kernel records
+/// (dumped from the node's `/dev/kmsg` after they were written). The lines
+/// written are the ones NPD's kernel rules are about, with what differs
+/// (a line that goes on past the pattern, trailing blanks, empty records).
+/// The Events and conditions written for both Nodes must be the same.
+pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows: &Rows) {
+    let npd_node = TestNode::create(admin, "npd-oracle", &[]).await;
+    let ng_node = TestNode::selectable(admin, "ng-oracle").await;
+    // NPD's credentials: a token of an account bound to cluster-admin.
+    let account = unique_name("npd-oracle");
+    kubectl(&["create", "serviceaccount", &account, "-n", "default"]);
+    kubectl(&[
+        "create",
+        "clusterrolebinding",
+        &account,
+        "--clusterrole=cluster-admin",
+        &format!("--serviceaccount=default:{account}"),
+    ]);
+    let token = kubectl(&[
+        "create",
+        "token",
+        &account,
+        "-n",
+        "default",
+        "--duration",
+        "1h",
+    ]);
+    let ca =
+        std::fs::read_to_string(kubeconfig_path().with_file_name("pki").join("ca.crt")).unwrap();
+    use base64::Engine as _;
+    let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://{}\n    certificate-authority-data: {}\nusers:\n- name: npd\n  user:\n    token: {}\ncontexts:\n- name: npd\n  context: {{cluster: test, user: npd}}\ncurrent-context: npd\n",
+        crate::qemu::GUEST_APISERVER,
+        b64(ca.as_bytes()),
+        token.trim()
+    );
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(npd_configs().join("kernel-monitor.json")).unwrap(),
+    )
+    .unwrap();
+    // Only records written from now on (NPD drops older ones).
+    config["lookback"] = "0s".into();
+    let types: Vec<String> = config["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap().to_string())
+        .collect();
+    let reasons: Vec<String> = config["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap().to_string())
+        .collect();
+    vm.sh(&format!(
+        "mkdir -p /etc/npd && echo {} | base64 -d > /etc/npd/kubeconfig && echo {} | base64 -d > /etc/npd/kernel-monitor.json",
+        b64(kubeconfig.as_bytes()),
+        b64(config.to_string().as_bytes())
+    ))
+    .await;
+    // The last kernel record before the lines: the agent gets those after it.
+    let last_seq = |dump: &str| -> u64 {
+        dump.lines()
+            .filter_map(|l| l.split(',').nth(1)?.parse().ok())
+            .max()
+            .unwrap_or(0)
+    };
+    // The whole ring is more than the guest agent returns: cut on the node.
+    let dump = |after: u64| {
+        format!("dd if=/dev/kmsg iflag=nonblock bs=8192 2>/dev/null | awk -F, '$2 > {after}'")
+    };
+    let before = last_seq(&vm.sh(&format!("{} | tail -1", dump(0))).await);
+    assert!(before > 0, "the node's /dev/kmsg has records");
+    vm.sh(&format!(
+        "systemd-run --unit=npd-oracle {NPD_BINARY} --hostname-override={} --apiserver-override='https://{}?inClusterConfig=false&auth=/etc/npd/kubeconfig' --config.system-log-monitor=/etc/npd/kernel-monitor.json --address=127.0.0.1 --port=20256 --prometheus-address=127.0.0.1 --prometheus-port=20257 --v=3",
+        npd_node.name,
+        crate::qemu::GUEST_APISERVER
+    ))
+    .await;
+
+    // The agent, with the import, on a kmsg file it gets the records in.
+    let (code, yaml, notes) = nodeguard(&[
+        "import-npd",
+        npd_configs().join("kernel-monitor.json").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let mut monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let kmsg = dir.join("npd-oracle-kmsg");
+    std::fs::write(&kmsg, "").unwrap();
+    monitors[0].source.kmsg.as_mut().unwrap().path = kmsg.display().to_string();
+    let policy = unique_name("npd-oracle");
+    apply_policy(
+        admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&ng_node.name), "monitors": monitors}),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &ng_node.name).await;
+    for n in [&npd_node.name, &ng_node.name] {
+        wait_condition(
+            admin,
+            n,
+            "KernelDeadlock",
+            "False",
+            Duration::from_secs(90),
+            "KernelDeadlock=False at start (NPD on the node, the agent here)",
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // What NPD's kernel rules are about, as a kernel prints it, and noise.
+    let corpus = [
+        "divide error: 0000 [#1] SMP PTI",
+        "divide error: 0000 [#2] SMP",
+        "BUG: unable to handle kernel NULL pointer dereference at 0000000000000010",
+        "IPv6: ADDRCONF(NETDEV_CHANGE): veth1a2b3c: link becomes ready",
+        "INFO: task kworker/u8:2:1234 blocked for more than 120 seconds.",
+        "INFO: task docker:20744 blocked for more than 120 seconds.   ",
+        "unregister_netdevice: waiting for lo to become free. Usage count = 1",
+        "Memory cgroup out of memory: Killed process 77 (python3) total-vm:1048576kB, anon-rss:524288kB, file-rss:2048kB, shmem-rss:0kB, UID:0 pgtables:1024kB oom_score_adj:0",
+        "EXT4-fs error (device sda1): ext4_lookup:1855: inode #2: comm ls: deleted inode referenced: 12",
+        "XFS (dm-0): Log I/O Error Detected. Shutting down filesystem",
+        "{1}[Hardware Error]: event severity: corrected",
+        "{2}[Hardware Error]: event severity: fatal",
+    ];
+    // One write per record, ending in a newline: the kernel holds a record
+    // written without one as a continuation until the next write.
+    let script: String = corpus
+        .iter()
+        .map(|l| format!("printf '%s\\n' {} > /dev/kmsg; sleep 0.2\n", b64_quote(l)))
+        .collect();
+    vm.sh(&script).await;
+    let records: String = vm
+        .sh(&dump(before))
+        .await
+        .lines()
+        .filter(|l| {
+            l.split(',')
+                .nth(1)
+                .and_then(|s| s.parse::<u64>().ok())
+                .is_some_and(|seq| seq > before)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(
+        corpus.iter().all(|c| records.contains(c.trim_end())),
+        "the node's kernel log holds the lines:\n{records}"
+    );
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&kmsg)
+            .unwrap();
+        f.write_all(records.as_bytes()).unwrap();
+    }
+    // Until both show the same, or 60 s (NPD writes conditions on its
+    // resync period).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (npd_seen, ng_seen) = loop {
+        let a = shown(admin, &npd_node.name, &types, &reasons).await;
+        let b = shown(admin, &ng_node.name, &types, &reasons).await;
+        let settled = a.0.len() >= 5 && a.1.iter().filter(|c| c.contains("=True")).count() >= 3;
+        if (settled && a == b) || Instant::now() > deadline {
+            break (a, b);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let npd_log = vm
+        .sh("journalctl -u npd-oracle --no-pager -o cat | tail -60; systemctl stop npd-oracle")
+        .await;
+    let _ = std::fs::write(dir.join("npd-oracle.log"), &npd_log);
+    agent.stop().await;
+    delete_policy(admin, &policy).await;
+    kubectl(&["delete", "clusterrolebinding", &account]);
+    kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
+    let mut all: Vec<&String> = npd_seen
+        .0
+        .iter()
+        .chain(&ng_seen.0)
+        .chain(&npd_seen.1)
+        .chain(&ng_seen.1)
+        .collect();
+    all.sort();
+    all.dedup();
+    let mut table = String::from(
+        "| what | node-problem-detector | nodeguard (import-npd) | verdict |\n|---|---|---|---|\n",
+    );
+    for row in &all {
+        let in_npd = npd_seen.0.contains(row) || npd_seen.1.contains(row);
+        let in_ng = ng_seen.0.contains(row) || ng_seen.1.contains(row);
+        table.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            row.replace('|', "\\|"),
+            if in_npd { "yes" } else { "no" },
+            if in_ng { "yes" } else { "no" },
+            if in_npd == in_ng { "same" } else { "DIFFERENT" }
+        ));
+    }
+    let _ = std::fs::write(dir.join("npd-oracle.md"), &table);
+    assert!(
+        npd_seen.1.iter().any(|c| c.contains("KernelDeadlock=True")),
+        "NPD did not act on the node's kernel log (its log follows):\n{table}\n{npd_log}"
+    );
+    assert_eq!(
+        npd_seen, ng_seen,
+        "nodeguard differs from node-problem-detector on the node's kernel records:\n{table}"
+    );
+    rows.pass(
+        "kube-npd",
+        format!(
+            "NPD's binary on the node (its kernel-monitor.json, the real /dev/kmsg) and the agent with its import, {} kernel lines: {} Events and {} conditions, all the same",
+            corpus.len(),
+            npd_seen.0.len(),
+            npd_seen.1.len()
+        ),
+    );
+}
+
+/// `s` as a shell word that cannot be misread: `"$(echo … | base64 -d)"`.
+fn b64_quote(s: &str) -> String {
+    use base64::Engine as _;
+    format!(
+        "\"$(echo {} | base64 -d)\"",
+        base64::engine::general_purpose::STANDARD.encode(s)
+    )
+}

@@ -27,7 +27,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 16] = [
+const SCENARIOS: [&str; 17] = [
     "inhibit-delay",
     "kernel-problem",
     "systemd-watchdog",
@@ -41,6 +41,7 @@ const SCENARIOS: [&str; 16] = [
     "kube-readiness-gate",
     "kube-trust",
     "kube-alerts",
+    "kube-npd",
     "kube-reboot",
     "kube-device-watchdog",
     "kube-gns",

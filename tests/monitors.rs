@@ -448,34 +448,15 @@ async fn a_kernel_record_logged_while_the_agent_was_down_is_read_after_a_restart
     delete_policy(&admin, &policy).await;
 }
 
-/// Writes one journal entry into a new journal file in `dir`, as a real
-/// journald would (systemd-journal-remote writes the same format).
+/// A journal entry in `dir` at a fixed time of this boot.
 fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str) {
-    use std::process::{Command, Stdio};
-    let export = format!(
-        "__REALTIME_TIMESTAMP={}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={}\n_HOSTNAME=test\n\n",
-        1_700_000_000_000_000u64 + u64::from(n),
-        // journalctl --follow reads the current boot, as on a real node.
-        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .unwrap()
-            .trim()
-            .replace('-', "")
+    support::journal_entry(
+        dir,
+        n,
+        identifier,
+        message,
+        1_700_000_000_000_000 + u64::from(n),
     );
-    let mut child = Command::new("/lib/systemd/systemd-journal-remote")
-        .arg(format!("--output={}/remote-{n}.journal", dir.display()))
-        .arg("-")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("systemd-journal-remote is installed (e2e/setup installs it)");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(export.as_bytes())
-        .unwrap();
-    assert!(child.wait().unwrap().success());
 }
 
 #[tokio::test]
@@ -543,6 +524,69 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
         1,
         "another identifier's entries do not count"
     );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// journalctl exits at once while a journal holds no entry of this boot (a
+/// journal directory that is new or empty when the agent starts) and is
+/// retried with backoff. What is logged before a retry succeeds was lost:
+/// with no cursor each run started at the journal's end. A run now starts
+/// where the monitor started, so that entry sets the condition
+/// (node-problem-detector, which reads from its lookback, sees it too).
+#[tokio::test]
+async fn an_entry_logged_before_journalctl_can_start_is_not_lost() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "journal-late").await;
+    let journal = TempDir::new("journal-late");
+    let policy = unique_name("journal-late");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "docker",
+            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "dockerd"}},
+            "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
+                            "message": "docker overlay2 is functioning properly"}],
+            "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
+                       "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "False",
+        Duration::from_secs(15),
+        "CorruptDockerOverlay2=False at start",
+    )
+    .await;
+    // journalctl has failed on the empty directory by now, and waits.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    support::journal_entry(
+        &journal.path,
+        1,
+        "dockerd",
+        "returned error: readlink /var/lib/docker/overlay2/q: invalid argument",
+        now,
+    );
+    // journalctl's retries back off 1, 2, 4 s: the next one reads it.
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "True",
+        Duration::from_secs(20),
+        "CorruptDockerOverlay2=True from the entry logged before journalctl could start",
+    )
+    .await;
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }

@@ -460,15 +460,7 @@ fn kern_line(uptime: f64, msg: &str) -> String {
 /// they write must be the same. The table is printed.
 #[tokio::test]
 async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log() {
-    let out = Command::new(repo_root().join("bench/npd-build"))
-        .output()
-        .expect("run bench/npd-build");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let npd_dir = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let npd_dir = npd_build_dir();
     let admin = admin_client().await;
     let npd_node = TestNode::create(&admin, "oracle-npd", &[]).await;
     let ng_node = TestNode::selectable(&admin, "oracle-ng").await;
@@ -496,49 +488,15 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         .collect();
 
     // NPD, as bench/npd.rs runs it.
-    let kubeconfig = kubeconfig_path();
-    let apiserver = std::fs::read_to_string(&kubeconfig)
-        .unwrap()
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_string))
-        .unwrap();
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let npd_log = std::fs::File::create(tmp.path.join("npd.log")).unwrap();
-    /// Kills node-problem-detector however the test ends.
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let npd = Command::new(npd_dir.join("nodeproblemdetector"))
-        .arg(format!("--hostname-override={}", npd_node.name))
-        .arg(format!(
-            "--apiserver-override={apiserver}?inClusterConfig=false&auth={}",
-            kubeconfig.display()
-        ))
-        .arg(format!(
+    let npd = Npd::start(
+        &npd_dir.join("nodeproblemdetector"),
+        &npd_node.name,
+        &[format!(
             "--config.system-log-monitor={}",
             config_path.display()
-        ))
-        .args(["--address=127.0.0.1", &format!("--port={}", free())])
-        .args([
-            "--prometheus-address=127.0.0.1",
-            &format!("--prometheus-port={}", free()),
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(npd_log.try_clone().unwrap())
-        .stderr(npd_log)
-        .spawn()
-        .expect("start node-problem-detector");
-    let npd = Kill(npd);
+        )],
+        tmp.path.join("npd.log"),
+    );
 
     // nodeguard with the imported config.
     let (code, yaml, notes) = nodeguard(&["import-npd", config_path.to_str().unwrap()]);
@@ -601,36 +559,14 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
+    let npd_log = npd.output();
     drop(npd);
     agent.stop().await;
     delete_policy(&admin, &policy).await;
-    let mut table = String::from(
-        "| what | node-problem-detector | nodeguard (import-npd) | verdict |\n|---|---|---|---|\n",
-    );
-    let mut all: Vec<&String> = npd_seen
-        .0
-        .iter()
-        .chain(&ng_seen.0)
-        .chain(&npd_seen.1)
-        .chain(&ng_seen.1)
-        .collect();
-    all.sort();
-    all.dedup();
-    for row in &all {
-        let in_npd = npd_seen.0.contains(row) || npd_seen.1.contains(row);
-        let in_ng = ng_seen.0.contains(row) || ng_seen.1.contains(row);
-        table.push_str(&format!(
-            "| {} | {} | {} | {} |\n",
-            row.replace('|', "\\|"),
-            if in_npd { "yes" } else { "no" },
-            if in_ng { "yes" } else { "no" },
-            if in_npd == in_ng { "same" } else { "DIFFERENT" }
-        ));
-    }
+    let table = oracle_table(&npd_seen, &ng_seen);
     println!(
         "conformance: node-problem-detector's binary and the agent side by side on one kern.log (NPD's kernel-monitor-filelog.json and its import), each for its own Node on the real control plane: what each wrote\n\n{table}"
     );
-    let npd_log = std::fs::read_to_string(tmp.path.join("npd.log")).unwrap_or_default();
     assert!(
         npd_seen.1.iter().any(|c| c.contains("KernelDeadlock=True")),
         "NPD did not act on the log (its log follows):\n{table}\n{npd_log}"
@@ -638,6 +574,232 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
     assert_eq!(
         npd_seen, ng_seen,
         "nodeguard differs from node-problem-detector on the same lines:\n{table}"
+    );
+}
+
+/// Microseconds since the epoch, now.
+fn now_usec() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// The oracle for NPD's journal configs of the GCE set: node-problem-detector
+/// built with its journald plugin (bench/npd-build), running docker-monitor
+/// and systemd-monitor as system-log-monitors and kernel-monitor-counter and
+/// systemd-monitor-counter as custom-plugin-monitors with NPD's own
+/// log-counter binary, and the agent with `import-npd` of the same four
+/// files, each for its own Node on the real control plane, read one journal
+/// directory; the Events and conditions they write must be the same.
+///
+/// The configs are NPD's, with what points at the host changed: the journal
+/// directory (`logPath`, `--log-path`), log-counter's path, the counters'
+/// `invoke_interval` (5 s instead of 5 min, so the test does not wait
+/// minutes for NPD's next look) and log-counter's `--delay` (time after
+/// boot to ignore; the node under test booted long ago, this machine
+/// perhaps not).
+#[tokio::test]
+async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
+    let npd_dir = npd_build_dir();
+    let admin = admin_client().await;
+    let npd_node = TestNode::create(&admin, "oracle-jnpd", &[]).await;
+    let ng_node = TestNode::selectable(&admin, "oracle-jng").await;
+    let tmp = TempDir::new("npd-journal-oracle");
+    let journal = tmp.path.join("journal");
+    std::fs::create_dir(&journal).unwrap();
+    let journal_path = journal.display().to_string();
+    let log_counter = npd_dir.join("log-counter").display().to_string();
+    let mut types = Vec::new();
+    let mut reasons = Vec::new();
+    let mut written = Vec::new();
+    for (file, custom) in [
+        ("docker-monitor.json", false),
+        ("systemd-monitor.json", false),
+        ("kernel-monitor-counter.json", true),
+        ("systemd-monitor-counter.json", true),
+    ] {
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(npd_configs().join(file)).unwrap())
+                .unwrap();
+        if custom {
+            config["pluginConfig"]["invoke_interval"] = "5s".into();
+            for rule in config["rules"].as_array_mut().unwrap() {
+                assert!(rule["path"].as_str().unwrap().ends_with("/log-counter"));
+                rule["path"] = log_counter.clone().into();
+                let args: Vec<serde_json::Value> = rule["args"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|a| !a.as_str().unwrap().starts_with("--delay="))
+                    .map(|a| match a.as_str().unwrap() {
+                        a if a.starts_with("--log-path=") => {
+                            format!("--log-path={journal_path}").into()
+                        }
+                        a => a.into(),
+                    })
+                    .collect();
+                rule["args"] = args.into();
+            }
+        } else {
+            config["logPath"] = journal_path.clone().into();
+        }
+        for c in config["conditions"].as_array().unwrap() {
+            types.push(c["type"].as_str().unwrap().to_string());
+        }
+        for r in config["rules"].as_array().unwrap() {
+            reasons.push(r["reason"].as_str().unwrap().to_string());
+        }
+        let path = tmp.path.join(file);
+        std::fs::write(&path, config.to_string()).unwrap();
+        written.push((path.display().to_string(), custom));
+    }
+    let list = |custom: bool| {
+        written
+            .iter()
+            .filter(|(_, c)| *c == custom)
+            .map(|(p, _)| p.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let npd = Npd::start(
+        &npd_dir.join("nodeproblemdetector-journald"),
+        &npd_node.name,
+        &[
+            format!("--config.system-log-monitor={}", list(false)),
+            format!("--config.custom-plugin-monitor={}", list(true)),
+        ],
+        tmp.path.join("npd.log"),
+    );
+
+    let mut args = vec!["import-npd"];
+    args.extend(written.iter().map(|(p, _)| p.as_str()));
+    let (code, yaml, notes) = nodeguard(&args);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let policy = unique_name("oracle-journal");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&ng_node.name), "monitors": monitors}),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &ng_node.name).await;
+    for node in [&npd_node.name, &ng_node.name] {
+        for t in ["CorruptDockerOverlay2", "FrequentKubeletRestart"] {
+            wait_condition(
+                &admin,
+                node,
+                t,
+                "False",
+                Duration::from_secs(60),
+                &format!("{t}=False at start"),
+            )
+            .await;
+        }
+    }
+    // Both readers are at the journal's end (NPD's log-counter reads its
+    // 20-minute lookback on every run, which holds nothing yet).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // What dockerd, systemd (systemd >= 252 names units with their
+    // description) and the kernel write into the journal around the
+    // problems these configs are about; containerd's line is another
+    // identifier's.
+    let corpus = [
+        (
+            "dockerd",
+            "time=\"2026-11-24T10:00:00.000000000Z\" level=error msg=\"Handler for GET /v1.41/containers/3f2a/json returned error: readlink /var/lib/docker/overlay2/l/ZK3QWE5Y: invalid argument\"",
+        ),
+        (
+            "containerd",
+            "returned error: readlink /var/lib/docker/overlay2/l/ABC: invalid argument",
+        ),
+        (
+            "dockerd",
+            "Error trying v2 registry: failed to register layer: rename /var/lib/docker/image/overlay2/layerdb/tmp/write-set-1 /var/lib/docker/image/overlay2/layerdb/sha256/5f70: directory not empty",
+        ),
+        (
+            "systemd",
+            "Starting docker.service - Docker Application Container Engine...",
+        ),
+        ("systemd", "Started kubelet.service - Kubernetes kubelet."),
+        (
+            "systemd",
+            "Stopping kubelet.service - Kubernetes kubelet...",
+        ),
+        ("systemd", "kubelet.service: Deactivated successfully."),
+        ("systemd", "Started kubelet.service - Kubernetes kubelet."),
+        (
+            "systemd",
+            "Starting containerd.service - containerd container runtime...",
+        ),
+        (
+            "kernel",
+            "unregister_netdevice: waiting for lo to become free. Usage count = 1",
+        ),
+        (
+            "systemd",
+            "kubelet.service: Main process exited, code=killed, status=9/KILL",
+        ),
+        ("systemd", "Started kubelet.service - Kubernetes kubelet."),
+        (
+            "kernel",
+            "unregister_netdevice: waiting for eth0 to become free. Usage count = 2",
+        ),
+        ("systemd", "Started kubelet.service - Kubernetes kubelet."),
+        (
+            "systemd",
+            "Starting containerd.service - containerd container runtime...",
+        ),
+        ("systemd", "Started kubelet.service - Kubernetes kubelet."),
+        (
+            "kernel",
+            "unregister_netdevice: waiting for lo to become free. Usage count = 1",
+        ),
+        // Six starts, one of them after a clean stop (log-counter's
+        // --revert-pattern takes it off): five crashes.
+        ("systemd", "Started kubelet.service - Kubernetes kubelet."),
+    ];
+    for (n, (identifier, message)) in corpus.iter().enumerate() {
+        journal_entry(&journal, n as u32 + 1, identifier, message, now_usec());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Until both show the same, or 60 s (NPD runs log-counter every 5 s).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (npd_seen, ng_seen) = loop {
+        let a = shown(&admin, &npd_node.name, &types, &reasons).await;
+        let b = shown(&admin, &ng_node.name, &types, &reasons).await;
+        let settled = [
+            "CorruptDockerOverlay2",
+            "FrequentKubeletRestart",
+            "FrequentUnregisterNetDevice",
+        ]
+        .iter()
+        .all(|t| a.1.iter().any(|c| c.starts_with(&format!("{t}=True"))));
+        if (settled && a == b) || std::time::Instant::now() > deadline {
+            break (a, b);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let npd_log = npd.output();
+    drop(npd);
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+    let table = oracle_table(&npd_seen, &ng_seen);
+    println!(
+        "conformance: node-problem-detector's binary (journald plugin, log-counter) and the agent side by side on one journal (NPD's docker-monitor, systemd-monitor, kernel-monitor-counter and systemd-monitor-counter, and their import), each for its own Node on the real control plane: what each wrote\n\n{table}"
+    );
+    assert!(
+        npd_seen
+            .1
+            .iter()
+            .any(|c| c.starts_with("FrequentKubeletRestart=True")),
+        "NPD did not act on the journal (its log follows):\n{table}\n{npd_log}"
+    );
+    assert_eq!(
+        npd_seen, ng_seen,
+        "nodeguard differs from node-problem-detector on the same journal:\n{table}\n{npd_log}"
     );
 }
 

@@ -695,6 +695,14 @@ fn spawn_journalctl(
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<()> {
+    // With no cursor the reader starts where the journal is now; a restart
+    // before the first entry (journalctl exits at once while the journal has
+    // no entry of this boot yet) goes on from that time, not from the end,
+    // so what was logged in between is read too.
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let since = format!("--since=@{}.{:06}", since.as_secs(), since.subsec_micros());
     std::thread::Builder::new()
         .name("nodeguard-journal".into())
         .spawn(move || {
@@ -739,7 +747,7 @@ fn spawn_journalctl(
                 }
                 match &cursor {
                     Some(c) => cmd.arg(format!("--after-cursor={c}")),
-                    None => cmd.arg("--lines=0"),
+                    None => cmd.arg(&since),
                 };
                 cmd.stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped());

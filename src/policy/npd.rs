@@ -514,6 +514,12 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
             let window = flag(&args, "lookback")
                 .and_then(go_duration_seconds)
                 .unwrap_or(1200);
+            let Ok(threshold) = count.parse::<u32>() else {
+                out.notes.push(format!(
+                    "{origin}: rules[{i}] log-counter --count={count} is not a whole number; skipped"
+                ));
+                continue;
+            };
             if flag(&args, "delay").is_some() {
                 out.notes.push(format!(
                     "{origin}: rules[{i}] log-counter --delay has no equivalent (nodeguard counts from when it starts reading)"
@@ -597,10 +603,17 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     // log-counter patterns are regular expressions already.
                     pattern: pattern.to_string(),
                     command: Vec::new(),
-                    message: None,
+                    // log-counter's own output, which NPD makes the
+                    // condition's message: nodeguard fires at the match
+                    // that reaches the threshold, so the count is the
+                    // threshold (`$` would start a capture reference).
+                    message: Some(format!(
+                        "Found {n} matching logs, which meets the threshold of {n}",
+                        n = threshold
+                    )),
                     count: Some(CountSpec {
                         revert_pattern: revert,
-                        threshold: count.parse().unwrap_or(1),
+                        threshold,
                         window_seconds: window,
                     }),
                 }],

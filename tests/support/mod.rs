@@ -616,3 +616,136 @@ pub async fn shown(
     conds.sort();
     (ev, conds)
 }
+
+/// The directory bench/npd-build fills with node-problem-detector's
+/// binaries (building them when they are missing).
+pub fn npd_build_dir() -> PathBuf {
+    let out = std::process::Command::new(repo_root().join("bench/npd-build"))
+        .output()
+        .expect("run bench/npd-build");
+    assert!(
+        out.status.success(),
+        "bench/npd-build: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// node-problem-detector running for `node` on the test control plane
+/// (with the admin kubeconfig), killed however the test ends.
+pub struct Npd {
+    child: std::process::Child,
+    pub log: PathBuf,
+}
+
+impl Npd {
+    /// Starts `binary` with `monitors` (NPD's `--config.*` flags); its
+    /// output goes to `log`.
+    pub fn start(binary: &std::path::Path, node: &str, monitors: &[String], log: PathBuf) -> Npd {
+        let kubeconfig = kubeconfig_path();
+        let apiserver = std::fs::read_to_string(&kubeconfig)
+            .unwrap()
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_string))
+            .unwrap();
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let out = std::fs::File::create(&log).unwrap();
+        let child = std::process::Command::new(binary)
+            .arg(format!("--hostname-override={node}"))
+            .arg(format!(
+                "--apiserver-override={apiserver}?inClusterConfig=false&auth={}",
+                kubeconfig.display()
+            ))
+            .args(monitors)
+            .args(["--address=127.0.0.1", &format!("--port={}", free())])
+            .args([
+                "--prometheus-address=127.0.0.1",
+                &format!("--prometheus-port={}", free()),
+            ])
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start node-problem-detector");
+        Npd { child, log }
+    }
+
+    /// What it logged so far.
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Npd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What node-problem-detector and nodeguard each wrote (`shown`), row by
+/// row: yes/no on each side and the verdict, as a Markdown table.
+pub fn oracle_table(npd: &(Vec<String>, Vec<String>), ng: &(Vec<String>, Vec<String>)) -> String {
+    let mut all: Vec<&String> = npd
+        .0
+        .iter()
+        .chain(&ng.0)
+        .chain(&npd.1)
+        .chain(&ng.1)
+        .collect();
+    all.sort();
+    all.dedup();
+    let mut table = String::from(
+        "| what | node-problem-detector | nodeguard (import-npd) | verdict |\n|---|---|---|---|\n",
+    );
+    for row in all {
+        let in_npd = npd.0.contains(row) || npd.1.contains(row);
+        let in_ng = ng.0.contains(row) || ng.1.contains(row);
+        table.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            row.replace('|', "\\|"),
+            if in_npd { "yes" } else { "no" },
+            if in_ng { "yes" } else { "no" },
+            if in_npd == in_ng { "same" } else { "DIFFERENT" }
+        ));
+    }
+    table
+}
+
+/// Writes one journal entry of this boot, from `identifier` at `at_usec`
+/// (microseconds since the epoch), into a new journal file `remote-{n}` in
+/// `dir`, as journald would write it (systemd-journal-remote writes the
+/// same format).
+pub fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str, at_usec: u64) {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let export = format!(
+        "__REALTIME_TIMESTAMP={at_usec}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={}\n_HOSTNAME=test\n\n",
+        // journalctl --follow reads the current boot, as on a real node.
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .unwrap()
+            .trim()
+            .replace('-', "")
+    );
+    let mut child = Command::new("/lib/systemd/systemd-journal-remote")
+        .arg(format!("--output={}/remote-{n}.journal", dir.display()))
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("systemd-journal-remote is installed (e2e/setup installs it)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(export.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+}

@@ -1857,29 +1857,7 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
     delete_policy(admin, &policy).await;
     kubectl(&["delete", "clusterrolebinding", &account]);
     kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
-    let mut all: Vec<&String> = npd_seen
-        .0
-        .iter()
-        .chain(&ng_seen.0)
-        .chain(&npd_seen.1)
-        .chain(&ng_seen.1)
-        .collect();
-    all.sort();
-    all.dedup();
-    let mut table = String::from(
-        "| what | node-problem-detector | nodeguard (import-npd) | verdict |\n|---|---|---|---|\n",
-    );
-    for row in &all {
-        let in_npd = npd_seen.0.contains(row) || npd_seen.1.contains(row);
-        let in_ng = ng_seen.0.contains(row) || ng_seen.1.contains(row);
-        table.push_str(&format!(
-            "| {} | {} | {} | {} |\n",
-            row.replace('|', "\\|"),
-            if in_npd { "yes" } else { "no" },
-            if in_ng { "yes" } else { "no" },
-            if in_npd == in_ng { "same" } else { "DIFFERENT" }
-        ));
-    }
+    let table = oracle_table(&npd_seen, &ng_seen);
     let _ = std::fs::write(dir.join("npd-oracle.md"), &table);
     assert!(
         npd_seen.1.iter().any(|c| c.contains("KernelDeadlock=True")),

@@ -1677,7 +1677,8 @@ pub async fn alerts(
 pub const NPD_BINARY: &str = "/usr/local/lib/npd/nodeproblemdetector";
 
 /// node-problem-detector as the oracle on a real kernel: NPD's own binary
-/// (bench/npd-build) runs on the node with its kernel-monitor.json, reading
+/// (bench/npd-build) runs on the node with its kernel-monitor.json and
+/// readonly-monitor.json (the GCE set's kernel monitors), reading
 /// the node's real `/dev/kmsg`, for a Node of its own; the agent runs the
 /// config's `import-npd` for another Node and reads the same kernel records
 /// (dumped from the node's `/dev/kmsg` after they were written). The lines
@@ -1716,30 +1717,40 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
         b64(ca.as_bytes()),
         token.trim()
     );
-    let mut config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(npd_configs().join("kernel-monitor.json")).unwrap(),
-    )
-    .unwrap();
-    // Only records written from now on (NPD drops older ones).
-    config["lookback"] = "0s".into();
-    let types: Vec<String> = config["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["type"].as_str().unwrap().to_string())
-        .collect();
-    let reasons: Vec<String> = config["rules"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["reason"].as_str().unwrap().to_string())
-        .collect();
-    vm.sh(&format!(
-        "mkdir -p /etc/npd && echo {} | base64 -d > /etc/npd/kubeconfig && echo {} | base64 -d > /etc/npd/kernel-monitor.json",
-        b64(kubeconfig.as_bytes()),
-        b64(config.to_string().as_bytes())
-    ))
-    .await;
+    // NPD's two kernel monitors of the GCE set.
+    const CONFIGS: [&str; 2] = ["kernel-monitor.json", "readonly-monitor.json"];
+    let mut types: Vec<String> = Vec::new();
+    let mut reasons: Vec<String> = Vec::new();
+    let mut install = format!(
+        "mkdir -p /etc/npd && echo {} | base64 -d > /etc/npd/kubeconfig",
+        b64(kubeconfig.as_bytes())
+    );
+    for file in CONFIGS {
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(npd_configs().join(file)).unwrap())
+                .unwrap();
+        // Only records written from now on (NPD drops older ones).
+        config["lookback"] = "0s".into();
+        types.extend(
+            config["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["type"].as_str().unwrap().to_string()),
+        );
+        reasons.extend(
+            config["rules"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["reason"].as_str().unwrap().to_string()),
+        );
+        install.push_str(&format!(
+            " && echo {} | base64 -d > /etc/npd/{file}",
+            b64(config.to_string().as_bytes())
+        ));
+    }
+    vm.sh(&install).await;
     // The last kernel record before the lines: the agent gets those after it.
     let last_seq = |dump: &str| -> u64 {
         dump.lines()
@@ -1754,23 +1765,29 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
     let before = last_seq(&vm.sh(&format!("{} | tail -1", dump(0))).await);
     assert!(before > 0, "the node's /dev/kmsg has records");
     vm.sh(&format!(
-        "systemd-run --unit=npd-oracle {NPD_BINARY} --hostname-override={} --apiserver-override='https://{}?inClusterConfig=false&auth=/etc/npd/kubeconfig' --config.system-log-monitor=/etc/npd/kernel-monitor.json --address=127.0.0.1 --port=20256 --prometheus-address=127.0.0.1 --prometheus-port=20257 --v=3",
+        "systemd-run --unit=npd-oracle {NPD_BINARY} --hostname-override={} --apiserver-override='https://{}?inClusterConfig=false&auth=/etc/npd/kubeconfig' --config.system-log-monitor=/etc/npd/kernel-monitor.json,/etc/npd/readonly-monitor.json --address=127.0.0.1 --port=20256 --prometheus-address=127.0.0.1 --prometheus-port=20257 --v=3",
         npd_node.name,
         crate::qemu::GUEST_APISERVER
     ))
     .await;
 
     // The agent, with the import, on a kmsg file it gets the records in.
-    let (code, yaml, notes) = nodeguard(&[
-        "import-npd",
-        npd_configs().join("kernel-monitor.json").to_str().unwrap(),
-    ]);
+    let paths: Vec<String> = CONFIGS
+        .iter()
+        .map(|f| npd_configs().join(f).display().to_string())
+        .collect();
+    let mut args = vec!["import-npd"];
+    args.extend(paths.iter().map(String::as_str));
+    let (code, yaml, notes) = nodeguard(&args);
     assert_eq!(code, 0, "{notes}");
     let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
     let mut monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    assert_eq!(monitors.len(), CONFIGS.len(), "{yaml}");
     let kmsg = dir.join("npd-oracle-kmsg");
     std::fs::write(&kmsg, "").unwrap();
-    monitors[0].source.kmsg.as_mut().unwrap().path = kmsg.display().to_string();
+    for m in &mut monitors {
+        m.source.kmsg.as_mut().unwrap().path = kmsg.display().to_string();
+    }
     let policy = unique_name("npd-oracle");
     apply_policy(
         admin,
@@ -1805,6 +1822,7 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
         "XFS (dm-0): Log I/O Error Detected. Shutting down filesystem",
         "{1}[Hardware Error]: event severity: corrected",
         "{2}[Hardware Error]: event severity: fatal",
+        "EXT4-fs (sda1): Remounting filesystem read-only",
     ];
     // One write per record, ending in a newline: the kernel holds a record
     // written without one as a continuation until the next write.
@@ -1843,7 +1861,7 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
     let (npd_seen, ng_seen) = loop {
         let a = shown(admin, &npd_node.name, &types, &reasons).await;
         let b = shown(admin, &ng_node.name, &types, &reasons).await;
-        let settled = a.0.len() >= 5 && a.1.iter().filter(|c| c.contains("=True")).count() >= 3;
+        let settled = a.0.len() >= 5 && a.1.iter().filter(|c| c.contains("=True")).count() >= 4;
         if (settled && a == b) || Instant::now() > deadline {
             break (a, b);
         }
@@ -1870,7 +1888,7 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
     rows.pass(
         "kube-npd",
         format!(
-            "NPD's binary on the node (its kernel-monitor.json, the real /dev/kmsg) and the agent with its import, {} kernel lines: {} Events and {} conditions, all the same",
+            "NPD's binary on the node (its kernel-monitor.json and readonly-monitor.json, the real /dev/kmsg) and the agent with their import, {} kernel lines: {} Events and {} conditions, all the same",
             corpus.len(),
             npd_seen.0.len(),
             npd_seen.1.len()

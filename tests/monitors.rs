@@ -534,6 +534,201 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
 /// with no cursor each run started at the journal's end. A run now starts
 /// where the monitor started, so that entry sets the condition
 /// (node-problem-detector, which reads from its lookback, sees it too).
+/// After a reboot a journald monitor resumed after the journal cursor it
+/// saved in the earlier boot; `journalctl --follow` reads only the current
+/// boot and skipped its first entry after that cursor, so the first entry of
+/// the monitor's identifier the new boot logged (here the problem) was lost.
+/// A new boot's journal is now read from its start.
+#[tokio::test]
+async fn a_journald_monitor_reads_a_new_boots_first_entry() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "journal-boot").await;
+    let journal = TempDir::new("journal-boot");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let earlier_boot = "0123456789abcdef0123456789abcdef";
+    let problem = "returned error: readlink /var/lib/docker/overlay2/b: invalid argument";
+    // Boot A: the line the agent read last (its cursor), and one more.
+    support::journal_entry_of_boot(
+        &journal.path,
+        1,
+        "dockerd",
+        problem,
+        now - 60_000_000,
+        earlier_boot,
+    );
+    support::journal_entry_of_boot(
+        &journal.path,
+        2,
+        "systemd",
+        "Stopping docker.service...",
+        now - 59_000_000,
+        earlier_boot,
+    );
+    // This boot, before the agent started: the problem.
+    support::journal_entry(&journal.path, 3, "dockerd", problem, now - 10_000_000);
+    support::journal_entry(
+        &journal.path,
+        4,
+        "systemd",
+        "Started docker.service.",
+        now - 9_000_000,
+    );
+    let out = std::process::Command::new("journalctl")
+        .arg(format!("--directory={}", journal.path.display()))
+        .args([
+            "--output=json",
+            "--identifier=dockerd",
+            "--lines=all",
+            "--no-pager",
+        ])
+        .output()
+        .unwrap();
+    let first: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let cursor = first["__CURSOR"].as_str().unwrap().to_string();
+
+    let policy = unique_name("journal-boot");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "docker",
+            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "dockerd"}},
+            "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
+                            "message": "docker overlay2 is functioning properly"}],
+            "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
+                       "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
+        }]),
+    )
+    .await;
+    let state = TempDir::new("journal-boot-state");
+    std::fs::create_dir_all(state.path.join("monitors")).unwrap();
+    std::fs::write(
+        state.path.join("monitors/docker.json"),
+        serde_json::json!({"bootId": "boot-a", "conditions": {}, "cursor": {"journal": cursor}})
+            .to_string(),
+    )
+    .unwrap();
+    let state_dir = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir;
+        c.boot_id = "boot-b".into();
+    })
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "True",
+        Duration::from_secs(15),
+        "CorruptDockerOverlay2=True from the new boot's first dockerd entry",
+    )
+    .await;
+    assert_eq!(
+        metric_value(&agent, "nodeguard_monitor_lines_total{monitor=\"docker\"}").await,
+        1,
+        "only this boot's entry was read (boot A's line is not read again)"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// The agent's peak resident memory (VmHWM) in KiB, after resetting it when
+/// `reset` (Linux: "5" to /proc/self/clear_refs).
+fn peak_rss_kib(reset: bool) -> u64 {
+    if reset {
+        std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    }
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// A followed file gets a 256 MiB line with no newline in sight (a program
+/// writing binary junk or a runaway log line): the reader held all of it,
+/// twice over, before it matched a byte. Now it keeps the first 64 KiB,
+/// reads past the rest, counts it, and the problem line after it still
+/// sets the condition; the agent's peak memory grows by far less than the
+/// line.
+#[tokio::test]
+async fn a_256_mib_line_costs_no_memory_and_hides_nothing_after_it() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "giant-line").await;
+    let logs = TempDir::new("giant-line");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let policy = unique_name("giant-line");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+            "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine."}],
+            "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
+                       "pattern": "app crashed: (.+)", "message": "The app crashed ($1)."}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "False",
+        Duration::from_secs(15),
+        "AppBroken=False at start",
+    )
+    .await;
+    let before = peak_rss_kib(true);
+    const MIB: usize = 1024 * 1024;
+    let chunk = vec![b'x'; MIB];
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&app_log)
+        .unwrap();
+    for _ in 0..256 {
+        f.write_all(&chunk).unwrap();
+    }
+    f.write_all(b"\napp crashed: right after the giant line\n")
+        .unwrap();
+    f.flush().unwrap();
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "True",
+        Duration::from_secs(60),
+        "AppBroken=True from the line after 256 MiB without a newline",
+    )
+    .await;
+    let grew = peak_rss_kib(false).saturating_sub(before);
+    assert!(
+        grew < 64 * 1024,
+        "peak memory grew by {} MiB while the agent read a 256 MiB line",
+        grew / 1024
+    );
+    assert_eq!(
+        metric_value(
+            &agent,
+            "nodeguard_monitor_lines_truncated_total{monitor=\"app\"}"
+        )
+        .await,
+        1,
+        "the giant line is counted as truncated"
+    );
+    eprintln!("peak RSS grew by {grew} KiB over a 256 MiB line");
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 #[tokio::test]
 async fn an_entry_logged_before_journalctl_can_start_is_not_lost() {
     let admin = admin_client().await;

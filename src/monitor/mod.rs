@@ -183,6 +183,11 @@ impl Collector for SourceCollector {
                 "Log records that could not be parsed",
                 |c: &SourceCounters| c.malformed.load(Ordering::Relaxed),
             ),
+            (
+                "nodeguard_monitor_lines_truncated",
+                "File log lines longer than 64 KiB, matched on their first 64 KiB",
+                |c: &SourceCounters| c.truncated.load(Ordering::Relaxed),
+            ),
         ] {
             let sample = ConstCounter::new(0u64);
             let mut e = encoder.encode_descriptor(name, help, None, sample.metric_type())?;

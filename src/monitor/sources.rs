@@ -60,7 +60,21 @@ pub enum KmsgStart {
 pub struct Resume {
     pub kmsg: KmsgStart,
     pub file: Option<(u64, u64)>,
-    pub journal: Option<String>,
+    pub journal: JournalStart,
+}
+
+/// Where a journald reader starts. `journalctl --follow` reads only the
+/// current boot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JournalStart {
+    /// After the newest entry: only what is logged from now on.
+    End,
+    /// The current boot's first entry: a new boot (what it logged before
+    /// the agent started is read; a cursor of the earlier boot cannot be
+    /// followed into this one: journalctl skipped the first entry after it).
+    BootStart,
+    /// After this entry (a restart in the same boot).
+    After(String),
 }
 
 impl Resume {
@@ -68,14 +82,14 @@ impl Resume {
     /// at the end); `same_boot` says whether the cursor was saved during
     /// this boot. Kernel sequence numbers restart at each boot, so a
     /// cursor of an earlier boot means nothing now: the new boot's ring
-    /// buffer is read from its start. A file's inode and offset, and a
-    /// journal cursor, stay valid across a reboot.
+    /// buffer is read from its start, and so is the journal's new boot. A
+    /// file's inode and offset stay valid across a reboot.
     pub fn plan(saved: Option<&Cursor>, same_boot: bool) -> Resume {
         let Some(c) = saved else {
             return Resume {
                 kmsg: KmsgStart::End,
                 file: None,
-                journal: None,
+                journal: JournalStart::End,
             };
         };
         let kmsg = match (same_boot, c.kmsg_sequence) {
@@ -83,10 +97,15 @@ impl Resume {
             (true, Some(seq)) => KmsgStart::After(seq),
             (true, None) => KmsgStart::End,
         };
+        let journal = match (same_boot, &c.journal) {
+            (false, _) => JournalStart::BootStart,
+            (true, Some(cursor)) => JournalStart::After(cursor.clone()),
+            (true, None) => JournalStart::End,
+        };
         Resume {
             kmsg,
             file: c.file,
-            journal: c.journal.clone(),
+            journal,
         }
     }
 }
@@ -104,6 +123,9 @@ pub struct SourceCounters {
     pub lines: AtomicU64,
     pub dropped: AtomicU64,
     pub malformed: AtomicU64,
+    /// File lines longer than `MAX_LINE`, matched on their first
+    /// `MAX_LINE` bytes.
+    pub truncated: AtomicU64,
     /// Set by a reader thread that gave up, just before its queue closes.
     pub ended: std::sync::Mutex<Option<String>>,
     /// Set while the source's current file is refused by the node's read
@@ -178,6 +200,49 @@ impl Failures {
 }
 
 /// A line's text: lossy where it is not UTF-8, without its newline.
+/// The most of one file line that is kept and matched (64 KiB; journald
+/// cuts its own stream lines at 48 KiB). The rest of a longer line is read
+/// past, not held: a writer that never ends its line costs no memory.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// Reads up to and including the next newline into `line`, keeping at most
+/// `MAX_LINE` bytes of it (`truncated` is set when more came). Returns the
+/// bytes consumed and whether the line is complete (false at the end of the
+/// data: the writer is mid-line, and the next call goes on with it).
+fn read_line_capped(
+    reader: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    truncated: &mut bool,
+) -> std::io::Result<(usize, bool)> {
+    let mut consumed = 0;
+    loop {
+        let available = match reader.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if available.is_empty() {
+            return Ok((consumed, false));
+        }
+        let (take, complete) = match available.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (available.len(), false),
+        };
+        let room = MAX_LINE.saturating_sub(line.len());
+        let chunk = &available[..take];
+        let body = chunk.strip_suffix(b"\n").unwrap_or(chunk);
+        if body.len() > room {
+            *truncated = true;
+        }
+        line.extend_from_slice(&body[..body.len().min(room)]);
+        reader.consume(take);
+        consumed += take;
+        if complete {
+            return Ok((consumed, true));
+        }
+    }
+}
+
 fn text(bytes: &[u8]) -> String {
     let bytes = bytes.strip_suffix(b"\n").unwrap_or(bytes);
     String::from_utf8_lossy(bytes).into_owned()
@@ -535,13 +600,14 @@ pub fn spawn_file(
             let mut reader = BufReader::with_capacity(64 * 1024, file);
             let mut inode = inode;
             let mut offset = offset;
-            let mut partial = Vec::new();
-            let mut buf = Vec::new();
+            // The line being read (at most MAX_LINE bytes of it), across
+            // reads that end mid-line.
+            let mut line = Vec::new();
+            let mut truncated = false;
             let mut failures = Failures::default();
             while !stop.stopped() {
-                buf.clear();
-                match reader.read_until(b'\n', &mut buf) {
-                    Ok(0) => {
+                match read_line_capped(&mut reader, &mut line, &mut truncated) {
+                    Ok((0, _)) => {
                         failures.ok();
                         // At the end: rotated or truncated?
                         match std::fs::metadata(&path) {
@@ -553,7 +619,8 @@ pub fn spawn_file(
                                         reader = BufReader::with_capacity(64 * 1024, f);
                                         inode = ino;
                                         offset = 0;
-                                        partial.clear();
+                                        line.clear();
+                                        truncated = false;
                                         continue;
                                     }
                                     // A new file the node does not allow (a
@@ -572,30 +639,25 @@ pub fn spawn_file(
                                 if m.len() < offset && reader.seek(SeekFrom::Start(0)).is_ok() =>
                             {
                                 offset = 0;
-                                partial.clear();
+                                line.clear();
+                                truncated = false;
                                 continue;
                             }
                             _ => {}
                         }
                         waiter.wait();
                     }
-                    Ok(n) => {
+                    Ok((n, complete)) => {
                         failures.ok();
                         offset += n as u64;
-                        if buf.last() != Some(&b'\n') {
-                            partial.extend_from_slice(&buf); // the writer is mid-line
-                            continue;
+                        if !complete {
+                            continue; // the writer is mid-line
                         }
-                        let line = if partial.is_empty() {
-                            text(&buf)
-                        } else {
-                            partial.extend_from_slice(&buf);
-                            let l = text(&partial);
-                            partial.clear();
-                            l
-                        };
+                        if std::mem::take(&mut truncated) {
+                            counters.truncated.fetch_add(1, Ordering::Relaxed);
+                        }
                         let item = Item {
-                            line,
+                            line: text(&std::mem::take(&mut line)),
                             cursor: Cursor {
                                 file: Some((inode, offset)),
                                 ..Default::default()
@@ -634,9 +696,9 @@ pub fn journal_message(entry: &serde_json::Value) -> Option<String> {
 }
 
 /// Follows the journal with a supervised `journalctl --follow --output=json`
-/// child (restarted with a pause when it exits), resuming after the saved
-/// cursor; with none it starts at the end. Returns that cursor: with none,
-/// a restart before the first entry was read starts at the end again.
+/// child (restarted with a pause when it exits), from `start`. Returns the
+/// cursor to save: with none, a restart before the first entry was read
+/// starts at the end again.
 ///
 /// journalctl rather than a library binding: it reads every journal format
 /// the host's systemd writes (compression, compact mode) with no C
@@ -644,13 +706,16 @@ pub fn journal_message(entry: &serde_json::Value) -> Option<String> {
 pub fn spawn_journald(
     source: crate::policy::monitors::JournaldSource,
     roots: &[PathBuf],
-    resume: Option<String>,
+    start: JournalStart,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
     let started = Cursor {
-        journal: resume.clone(),
+        journal: match &start {
+            JournalStart::After(c) => Some(c.clone()),
+            _ => None,
+        },
         ..Default::default()
     };
     spawn_journalctl(
@@ -660,7 +725,7 @@ pub fn spawn_journald(
             source,
             roots: roots.to_vec(),
         },
-        resume,
+        start,
         tx,
         counters,
         stop,
@@ -672,6 +737,8 @@ pub fn spawn_journald(
 /// while it keeps exiting without delivering anything (a journal with no
 /// data for this boot makes it exit at once), back to 1 s after it delivered.
 const JOURNAL_RESTART_MIN: Duration = Duration::from_secs(1);
+/// A journalctl run shorter than this that read nothing failed at start.
+const RUN_FAILED_AT_ONCE: Duration = Duration::from_secs(2);
 const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
 
 /// What the journal reader runs, and what it may read.
@@ -690,23 +757,19 @@ fn spawn_journalctl(
         source,
         roots,
     }: Journalctl,
-    resume: Option<String>,
+    start: JournalStart,
     tx: mpsc::Sender<Item>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<()> {
-    // With no cursor the reader starts where the journal is now; a restart
-    // before the first entry (journalctl exits at once while the journal has
-    // no entry of this boot yet) goes on from that time, not from the end,
-    // so what was logged in between is read too.
-    let since = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let since = format!("--since=@{}.{:06}", since.as_secs(), since.subsec_micros());
     std::thread::Builder::new()
         .name("nodeguard-journal".into())
         .spawn(move || {
-            let mut cursor = resume;
+            let (mut cursor, mut whole_boot) = match start {
+                JournalStart::End => (None, false),
+                JournalStart::BootStart => (None, true),
+                JournalStart::After(c) => (Some(c), false),
+            };
             let mut backoff = restart_min;
             let mut last_err: Option<String> = None;
             while !stop.stopped() {
@@ -747,8 +810,10 @@ fn spawn_journalctl(
                 }
                 match &cursor {
                     Some(c) => cmd.arg(format!("--after-cursor={c}")),
-                    None => cmd.arg(&since),
+                    None if whole_boot => cmd.arg("--lines=all"),
+                    None => cmd.arg("--lines=0"),
                 };
+                let run_started = std::time::Instant::now();
                 cmd.stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped());
                 let mut child = match cmd.spawn() {
@@ -804,6 +869,15 @@ fn spawn_journalctl(
                 }
                 if delivered {
                     backoff = restart_min;
+                }
+                // A run that ends at once having read nothing found no entry
+                // of this boot (journalctl exits so on a journal that has
+                // none yet, or a directory not there yet): every entry of
+                // this boot it finds later came after the monitor started,
+                // so the next runs read the boot from its start. No clock
+                // is involved, so a wall-clock step cannot hide entries.
+                if cursor.is_none() && !delivered && run_started.elapsed() < RUN_FAILED_AT_ONCE {
+                    whole_boot = true;
                 }
                 // Said once per distinct error, not once per restart.
                 let err = err.trim().to_string();
@@ -901,8 +975,9 @@ mod tests {
         std::fs::write(
             &fake,
             format!(
-                "#!/bin/sh\ndate +%s%N >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
-                runs.display()
+                "#!/bin/sh\ndate +%s%N >> {}\necho \"$@\" >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
+                runs.display(),
+                dir.join("args").display()
             ),
         )
         .unwrap();
@@ -918,7 +993,7 @@ mod tests {
                 source: Default::default(),
                 roots: vec![PathBuf::from("/")],
             },
-            None,
+            JournalStart::End,
             tx,
             Arc::new(SourceCounters::default()),
             stop.clone(),
@@ -944,6 +1019,18 @@ mod tests {
             let gap = Duration::from_nanos(t[i + 1] - t[i]);
             assert!(gap >= min * 2u32.pow(i as u32), "gap {i}: {gap:?} in {t:?}");
         }
+        // The first run starts at the end; it found no entry of this boot,
+        // so every one that comes later is new: the next runs read the boot
+        // from its start (no --since: a clock step cannot hide entries).
+        let args = std::fs::read_to_string(dir.join("args")).unwrap();
+        let runs: Vec<&str> = args.lines().collect();
+        assert!(runs[0].contains("--lines=0"), "{args}");
+        assert!(
+            runs[1..]
+                .iter()
+                .all(|r| r.contains("--lines=all") && !r.contains("--since")),
+            "{args}"
+        );
     }
 
     /// A line that is not UTF-8 is decoded lossily; the line after it is
@@ -1008,7 +1095,7 @@ mod tests {
             Resume {
                 kmsg: KmsgStart::End,
                 file: None,
-                journal: None
+                journal: JournalStart::End
             },
             "a monitor that never ran starts at the end"
         );
@@ -1017,7 +1104,7 @@ mod tests {
             Resume {
                 kmsg: KmsgStart::After(1000),
                 file: Some((7, 120)),
-                journal: Some("s=abc".into())
+                journal: JournalStart::After("s=abc".into())
             }
         );
         assert_eq!(
@@ -1025,9 +1112,9 @@ mod tests {
             Resume {
                 kmsg: KmsgStart::Beginning,
                 file: Some((7, 120)),
-                journal: Some("s=abc".into())
+                journal: JournalStart::BootStart
             },
-            "a cursor of boot A is not applied in boot B; files and the journal keep theirs"
+            "a cursor of boot A is not applied in boot B (the kernel's and the journal's new boot are read from its start); files keep theirs"
         );
         assert_eq!(
             Resume::plan(Some(&Cursor::default()), false).kmsg,
@@ -1136,6 +1223,54 @@ mod tests {
         writeln!(f, "and another").unwrap();
         f.flush().unwrap();
         drop(rx);
+        stop.stop();
+    }
+
+    /// A line longer than MAX_LINE, written in pieces without its newline
+    /// for a while (a writer stuck mid-line), is delivered as its first
+    /// MAX_LINE bytes and counted; the line after it is whole, and the
+    /// offset counts every byte read past.
+    #[tokio::test]
+    async fn a_giant_line_is_cut_at_max_line_and_its_neighbours_are_whole() {
+        let scratch = Scratch::new("giant");
+        let path = scratch.0.join("app.log");
+        std::fs::write(&path, "").unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let counters = Arc::new(SourceCounters::default());
+        let stop = StopFlag::default();
+        spawn_file(
+            path.clone(),
+            vec![PathBuf::from("/")],
+            None,
+            tx,
+            counters.clone(),
+            stop.clone(),
+        )
+        .unwrap();
+        let mut f = append(&path);
+        writeln!(f, "before").unwrap();
+        assert_eq!(next(&mut rx).await.line, "before");
+        let chunk = vec![b'x'; 1024 * 1024];
+        write!(f, "PANIC ").unwrap();
+        for _ in 0..8 {
+            f.write_all(&chunk).unwrap();
+            f.flush().unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        writeln!(f, " END").unwrap();
+        writeln!(f, "after").unwrap();
+        let giant = next(&mut rx).await;
+        assert_eq!(giant.line.len(), MAX_LINE);
+        assert!(giant.line.starts_with("PANIC xxx"));
+        assert_eq!(counters.truncated.load(Ordering::Relaxed), 1);
+        let after = next(&mut rx).await;
+        assert_eq!(after.line, "after");
+        let total = ("before\n".len()
+            + "PANIC ".len()
+            + 8 * chunk.len()
+            + " END\n".len()
+            + "after\n".len()) as u64;
+        assert_eq!(after.cursor.file.unwrap().1, total);
         stop.stop();
     }
 

@@ -723,15 +723,27 @@ pub fn oracle_table(npd: &(Vec<String>, Vec<String>), ng: &(Vec<String>, Vec<Str
 /// `dir`, as journald would write it (systemd-journal-remote writes the
 /// same format).
 pub fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str, at_usec: u64) {
+    // journalctl --follow reads the current boot, as on a real node.
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .unwrap()
+        .trim()
+        .replace('-', "");
+    journal_entry_of_boot(dir, n, identifier, message, at_usec, &boot);
+}
+
+/// `journal_entry` of boot `boot` (32 hex digits).
+pub fn journal_entry_of_boot(
+    dir: &std::path::Path,
+    n: u32,
+    identifier: &str,
+    message: &str,
+    at_usec: u64,
+    boot: &str,
+) {
     use std::io::Write as _;
     use std::process::{Command, Stdio};
     let export = format!(
-        "__REALTIME_TIMESTAMP={at_usec}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={}\n_HOSTNAME=test\n\n",
-        // journalctl --follow reads the current boot, as on a real node.
-        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .unwrap()
-            .trim()
-            .replace('-', "")
+        "__REALTIME_TIMESTAMP={at_usec}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={boot}\n_HOSTNAME=test\n\n"
     );
     let mut child = Command::new("/lib/systemd/systemd-journal-remote")
         .arg(format!("--output={}/remote-{n}.journal", dir.display()))

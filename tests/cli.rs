@@ -94,8 +94,8 @@ fn import_npd_converts_npds_own_configs_into_a_valid_policy() {
     let (code, yaml, notes) = nodeguard(&args);
     assert_eq!(code, 0, "{notes}");
     // What could not be expressed is said.
-    assert!(notes.contains("--delay has no equivalent"), "{notes}");
-    assert!(notes.contains("lookback is not needed"), "{notes}");
+    assert!(notes.contains("log-counter --delay"), "{notes}");
+    assert!(notes.contains("lookback has no equivalent"), "{notes}");
     // The policy passes the same validation as the agent's.
     let dir = std::env::temp_dir().join(support::unique_name("npd"));
     std::fs::create_dir_all(&dir).unwrap();

@@ -452,7 +452,6 @@ async fn a_kernel_record_logged_while_the_agent_was_down_is_read_after_a_restart
 fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str) {
     support::journal_entry(
         dir,
-        n,
         identifier,
         message,
         1_700_000_000_000_000 + u64::from(n),
@@ -553,7 +552,6 @@ async fn a_journald_monitor_reads_a_new_boots_first_entry() {
     // Boot A: the line the agent read last (its cursor), and one more.
     support::journal_entry_of_boot(
         &journal.path,
-        1,
         "dockerd",
         problem,
         now - 60_000_000,
@@ -561,17 +559,15 @@ async fn a_journald_monitor_reads_a_new_boots_first_entry() {
     );
     support::journal_entry_of_boot(
         &journal.path,
-        2,
         "systemd",
         "Stopping docker.service...",
         now - 59_000_000,
         earlier_boot,
     );
     // This boot, before the agent started: the problem.
-    support::journal_entry(&journal.path, 3, "dockerd", problem, now - 10_000_000);
+    support::journal_entry(&journal.path, "dockerd", problem, now - 10_000_000);
     support::journal_entry(
         &journal.path,
-        4,
         "systemd",
         "Started docker.service.",
         now - 9_000_000,
@@ -767,7 +763,6 @@ async fn an_entry_logged_before_journalctl_can_start_is_not_lost() {
         .as_micros() as u64;
     support::journal_entry(
         &journal.path,
-        1,
         "dockerd",
         "returned error: readlink /var/lib/docker/overlay2/q: invalid argument",
         now,

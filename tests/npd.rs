@@ -605,9 +605,11 @@ fn now_usec() -> u64 {
 /// The configs are NPD's, with what points at the host changed: the journal
 /// directory (`logPath`, `--log-path`), log-counter's path, the counters'
 /// `invoke_interval` (5 s instead of 5 min, so the test does not wait
-/// minutes for NPD's next look) and log-counter's `--delay` (time after
+/// minutes for NPD's next look), log-counter's `--delay` (time after
 /// boot to ignore; the node under test booted long ago, this machine
-/// perhaps not).
+/// perhaps not) and kernel-monitor-counter's `--lookback` (30 s instead of
+/// 20 min, so its condition clears within the test: the clear is compared
+/// too).
 #[tokio::test]
 async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
     let npd_dir = npd_build_dir();
@@ -645,6 +647,9 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
                         a if a.starts_with("--log-path=") => {
                             format!("--log-path={journal_path}").into()
                         }
+                        a if a.starts_with("--lookback=") && file.starts_with("kernel-") => {
+                            "--lookback=30s".into()
+                        }
                         a => a.into(),
                     })
                     .collect();
@@ -655,6 +660,8 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
         }
         for c in config["conditions"].as_array().unwrap() {
             types.push(c["type"].as_str().unwrap().to_string());
+            // The reason of a clear's Event.
+            reasons.push(c["reason"].as_str().unwrap().to_string());
         }
         for r in config["rules"].as_array().unwrap() {
             reasons.push(r["reason"].as_str().unwrap().to_string());
@@ -770,22 +777,22 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
         // --revert-pattern takes it off): five crashes.
         ("systemd", "Started kubelet.service - Kubernetes kubelet."),
     ];
-    for (n, (identifier, message)) in corpus.iter().enumerate() {
-        journal_entry(&journal, n as u32 + 1, identifier, message, now_usec());
+    for (identifier, message) in corpus {
+        journal_entry(&journal, identifier, message, now_usec());
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Until both show the same, or 60 s (NPD runs log-counter every 5 s).
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    // Until both show the same, or 100 s (NPD runs log-counter every 5 s;
+    // the netdevice counter clears 30 s after its lines).
+    let deadline = std::time::Instant::now() + Duration::from_secs(100);
     let (npd_seen, ng_seen) = loop {
         let a = shown(&admin, &npd_node.name, &types, &reasons).await;
         let b = shown(&admin, &ng_node.name, &types, &reasons).await;
-        let settled = [
-            "CorruptDockerOverlay2",
-            "FrequentKubeletRestart",
-            "FrequentUnregisterNetDevice",
-        ]
-        .iter()
-        .all(|t| a.1.iter().any(|c| c.starts_with(&format!("{t}=True"))));
+        let settled = ["CorruptDockerOverlay2", "FrequentKubeletRestart"]
+            .iter()
+            .all(|t| a.1.iter().any(|c| c.starts_with(&format!("{t}=True"))))
+            && a.0
+                .iter()
+                .any(|e| e.contains("Node condition FrequentUnregisterNetDevice is now: False"));
         if (settled && a == b) || std::time::Instant::now() > deadline {
             break (a, b);
         }
@@ -803,13 +810,204 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
         npd_seen
             .1
             .iter()
-            .any(|c| c.starts_with("FrequentKubeletRestart=True")),
+            .any(|c| c.starts_with("FrequentKubeletRestart=True"))
+            && npd_seen
+                .0
+                .iter()
+                .any(|e| { e.contains("Node condition FrequentUnregisterNetDevice is now: True") }),
         "NPD did not act on the journal (its log follows):\n{table}\n{npd_log}"
     );
     assert_eq!(
         npd_seen, ng_seen,
         "nodeguard differs from node-problem-detector on the same journal:\n{table}\n{npd_log}"
     );
+}
+
+/// NPD's log-counter never counts what an earlier boot logged, so NPD
+/// starts each boot with its counter conditions False. An imported counter
+/// condition (it has `clearAfterSeconds`, the counter's lookback) was kept
+/// True across a reboot for up to that window, with its taint; it now
+/// resets at the new boot.
+#[tokio::test]
+async fn an_imported_counter_condition_starts_a_new_boot_false_as_in_npd() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "counter-boot").await;
+    let tmp = TempDir::new("counter-boot");
+    let journal = tmp.path.join("journal");
+    std::fs::create_dir(&journal).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(npd_configs().join("systemd-monitor-counter.json")).unwrap(),
+    )
+    .unwrap();
+    for rule in config["rules"].as_array_mut().unwrap() {
+        let args: Vec<serde_json::Value> = rule["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| match a.as_str().unwrap() {
+                a if a.starts_with("--log-path=") => {
+                    format!("--log-path={}", journal.display()).into()
+                }
+                a => a.into(),
+            })
+            .collect();
+        rule["args"] = args.into();
+    }
+    let path = tmp.path.join("systemd-monitor-counter.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (code, yaml, notes) = nodeguard(&["import-npd", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let kubelet = monitors
+        .iter()
+        .find(|m| {
+            m.conditions
+                .iter()
+                .any(|c| c.type_ == "FrequentKubeletRestart")
+        })
+        .unwrap();
+    assert!(
+        kubelet.conditions[0].clear_after_seconds.is_some(),
+        "the import clears it after its lookback: {yaml}"
+    );
+    let policy = unique_name("counter-boot");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&node.name), "monitors": monitors}),
+    )
+    .await;
+    // What boot A's agent left: the kubelet restarted five times.
+    let state = TempDir::new("counter-boot-state");
+    std::fs::create_dir_all(state.path.join("monitors")).unwrap();
+    let now = jiff::Timestamp::now().to_string();
+    std::fs::write(
+        state.path.join(format!("monitors/{}.json", kubelet.name)),
+        serde_json::json!({"bootId": "boot-a", "conditions": {"FrequentKubeletRestart": {
+            "active": true, "reason": "FrequentKubeletRestart",
+            "message": "Found 5 matching logs, which meets the threshold of 5",
+            "since": now, "lastMatch": now, "taintAdded": false}}, "cursor": {}})
+        .to_string(),
+    )
+    .unwrap();
+    let state_dir = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir;
+        c.boot_id = "boot-b".into();
+    })
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "FrequentKubeletRestart",
+        "False",
+        Duration::from_secs(15),
+        "FrequentKubeletRestart=False in the new boot",
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// log-counter counts its whole lookback on every run. So NPD's counter
+/// condition goes False at the next run after a clean stop takes the count
+/// under the threshold, and crashes before an NPD restart still count after
+/// it. The agent with the import cleared it only a whole window after the
+/// last match, and forgot its counts when it restarted.
+#[tokio::test]
+async fn an_imported_counter_counts_across_restarts_and_clears_as_log_counter_does() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "counter-window").await;
+    let tmp = TempDir::new("counter-window");
+    let journal = tmp.path.join("journal");
+    std::fs::create_dir(&journal).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(npd_configs().join("systemd-monitor-counter.json")).unwrap(),
+    )
+    .unwrap();
+    for rule in config["rules"].as_array_mut().unwrap() {
+        let args: Vec<serde_json::Value> = rule["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| match a.as_str().unwrap() {
+                a if a.starts_with("--log-path=") => {
+                    format!("--log-path={}", journal.display()).into()
+                }
+                a => a.into(),
+            })
+            .collect();
+        rule["args"] = args.into();
+    }
+    let path = tmp.path.join("systemd-monitor-counter.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (code, yaml, notes) = nodeguard(&["import-npd", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let policy = unique_name("counter-window");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&node.name), "monitors": monitors}),
+    )
+    .await;
+    let state = TempDir::new("counter-window-state");
+    let start = |admin: kube::Client| {
+        let state_dir = state.path.clone();
+        let node = node.name.clone();
+        async move {
+            start_agent_with(admin, &node, |c| c.state_dir = state_dir)
+                .await
+                .0
+        }
+    };
+    let agent = start(admin.clone()).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "FrequentKubeletRestart",
+        "False",
+        Duration::from_secs(15),
+        "FrequentKubeletRestart=False at start",
+    )
+    .await;
+    let log = |message: &str| {
+        journal_entry(&journal, "systemd", message, now_usec());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for _ in 0..4 {
+        log("Started kubelet.service - Kubernetes kubelet.");
+    }
+    // Let the agent read and save them, then restart it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    agent.stop().await;
+    let agent = start(admin.clone()).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    log("Started kubelet.service - Kubernetes kubelet.");
+    wait_condition(
+        &admin,
+        &node.name,
+        "FrequentKubeletRestart",
+        "True",
+        Duration::from_secs(15),
+        "FrequentKubeletRestart=True: four starts before the agent's restart and one after",
+    )
+    .await;
+    // A clean stop: four in the window, under the threshold.
+    log("Stopping kubelet.service - Kubernetes kubelet...");
+    wait_condition(
+        &admin,
+        &node.name,
+        "FrequentKubeletRestart",
+        "False",
+        Duration::from_secs(15),
+        "FrequentKubeletRestart=False once a clean stop leaves four",
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
 }
 
 /// A kernel record as `/dev/kmsg` gives it.

@@ -249,6 +249,11 @@ fn count(q: &mut VecDeque<(Timestamp, i64)>, now: Timestamp, delta: i64, window:
         Some((t, d)) if t.as_second() == now.as_second() => *d += delta,
         _ => q.push_back((now, delta)),
     }
+    net(q, now, window)
+}
+
+/// Drops what is older than `window`; the net count left.
+fn net(q: &mut VecDeque<(Timestamp, i64)>, now: Timestamp, window: Duration) -> i64 {
     while q
         .front()
         .is_some_and(|(t, _)| now.duration_since(*t).unsigned_abs() > window)
@@ -354,6 +359,62 @@ impl Engine {
 
     pub fn state(&self) -> &BTreeMap<String, ConditionState> {
         &self.state
+    }
+
+    /// A counting rule's key in the saved state: its reason, and its place
+    /// among the rules of that reason when there are several.
+    fn count_key(&self, r: usize) -> String {
+        let reason = &self.rules[r].reason;
+        match self.rules[..r]
+            .iter()
+            .filter(|x| &x.reason == reason)
+            .count()
+        {
+            0 => reason.clone(),
+            n => format!("{reason}#{n}"),
+        }
+    }
+
+    /// Each counting rule's matches in its window, to be saved: a restart
+    /// goes on counting where it was, as log-counter, which reads its whole
+    /// lookback on every run, does.
+    pub fn counts_state(&self) -> BTreeMap<String, Vec<(Timestamp, i64)>> {
+        self.counts
+            .iter()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(r, q)| (self.count_key(*r), q.iter().copied().collect()))
+            .collect()
+    }
+
+    /// Restores saved counts (after [`Engine::restore`]). An NPD-matching
+    /// counting rule that holds its condition with no saved counts (a state
+    /// written before counts were saved) is taken to have reached its
+    /// threshold at the condition's last match, so it clears a window after
+    /// that, not at once.
+    pub fn restore_counts(&mut self, saved: BTreeMap<String, Vec<(Timestamp, i64)>>) {
+        for r in 0..self.rules.len() {
+            let Some((threshold, _)) = self.rules[r].count else {
+                continue;
+            };
+            match saved.get(&self.count_key(r)) {
+                Some(q) => {
+                    self.counts.insert(r, q.iter().copied().collect());
+                }
+                None if self.npd.is_some() => {
+                    let held = self.rules[r].condition.and_then(|c| {
+                        (self.holder(c) == Some(r))
+                            .then(|| self.state.get(&self.conditions[c].type_))
+                            .flatten()
+                    });
+                    if let Some(s) = held {
+                        let at = s.last_match.unwrap_or(s.since);
+                        self.counts
+                            .insert(r, VecDeque::from([(at, threshold as i64)]));
+                    }
+                }
+                None => {}
+            }
+        }
     }
 
     /// Condition types this monitor owns.
@@ -603,7 +664,13 @@ impl Engine {
             if count(q, now, 1, window) < threshold as i64 {
                 return;
             }
-            q.clear();
+            // NPD's log-counter counts its whole window on every run, so an
+            // imported counter stays True while the window holds enough
+            // matches (and clears when it no longer does, see `on_tick`);
+            // a native counting rule starts counting again after it fires.
+            if self.npd.is_none() {
+                q.clear();
+            }
         }
         let message = truncate(&message);
         match (rule.kind, rule.condition) {
@@ -688,12 +755,29 @@ impl Engine {
         let was = s.reason.clone();
         s.active = false;
         s.reason = cond.default_reason.clone();
-        s.message = format!(
-            "{} (was {was}: {why} at {})",
-            cond.default_message,
-            now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        );
         s.since = now;
+        // An NPD-matching monitor clears as NPD does: the condition's own
+        // message, and the change worded as NPD words it (alerts keyed on
+        // NPD's "is now: False" Events keep working). Others say why.
+        let event = if self.npd.is_some() {
+            s.message = cond.default_message.clone();
+            crate::report::clip(
+                &format!(
+                    "Node condition {} is now: False, reason: {}, message: {}",
+                    cond.type_,
+                    cond.default_reason,
+                    go_quote(&cond.default_message)
+                ),
+                1024,
+            )
+        } else {
+            s.message = format!(
+                "{} (was {was}: {why} at {})",
+                cond.default_message,
+                now.strftime("%Y-%m-%dT%H:%M:%SZ")
+            );
+            s.message.clone()
+        };
         out.push(Action::Condition {
             type_: cond.type_.clone(),
             active: false,
@@ -702,7 +786,7 @@ impl Engine {
         });
         out.push(Action::Event {
             reason: cond.default_reason.clone(),
-            message: s.message.clone(),
+            message: event,
         });
         if let Some((key, value, effect)) = &cond.taint
             && s.taint_added
@@ -717,9 +801,32 @@ impl Engine {
         }
     }
 
-    /// Clears conditions whose quiet period has passed.
+    /// Clears conditions whose quiet period has passed, and NPD-matching
+    /// counted conditions whose window no longer holds enough matches (as
+    /// log-counter reports OK again: the oldest aged out, or a revert line
+    /// took one off).
     pub fn on_tick(&mut self, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
+        if self.npd.is_some() {
+            for r in 0..self.rules.len() {
+                let (Some((threshold, window)), Some(c)) =
+                    (self.rules[r].count, self.rules[r].condition)
+                else {
+                    continue;
+                };
+                if self.holder(c) != Some(r) {
+                    continue;
+                }
+                let q = self.counts.entry(r).or_default();
+                if net(q, now, window) < threshold as i64 {
+                    let why = format!(
+                        "fewer than {threshold} matches in the last {}s",
+                        window.as_secs()
+                    );
+                    self.clear(c, &why, now, &mut out);
+                }
+            }
+        }
         for i in 0..self.conditions.len() {
             let Some(quiet) = self.conditions[i].clear_after else {
                 continue;

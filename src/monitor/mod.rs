@@ -212,6 +212,10 @@ pub struct MonitorState {
     pub conditions: BTreeMap<String, ConditionState>,
     #[serde(default)]
     pub cursor: Cursor,
+    /// Each counting rule's matches in its window (see
+    /// [`Engine::counts_state`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub counts: BTreeMap<String, Vec<(jiff::Timestamp, i64)>>,
 }
 
 /// Whether a saved state belongs to this boot. A state saved before boot
@@ -495,6 +499,7 @@ async fn run_monitor<T: TaintPort>(
     }
     state.boot_id = Some(ctx.boot_id.clone());
     engine.restore(std::mem::take(&mut state.conditions));
+    engine.restore_counts(std::mem::take(&mut state.counts));
     let counters = Arc::new(SourceCounters::default());
     ctx.metrics
         .sources
@@ -593,6 +598,7 @@ async fn run_monitor<T: TaintPort>(
         .collect();
     let save = |state: &mut MonitorState, engine: &Engine| {
         state.conditions = engine.state().clone();
+        state.counts = engine.counts_state();
         save_state(&ctx.state_dir, &spec.name, state);
     };
     handle.queued();

@@ -124,6 +124,11 @@ impl MonitorSpec {
     ///   boot, so nodeguard, which keeps it across its own restarts, resets
     ///   it there.
     ///
+    /// - a file or journald monitor's condition that only counting rules set:
+    ///   counts start again at each boot (as NPD's log-counter never counts
+    ///   what an earlier boot logged), so "N times in the window" from the
+    ///   last boot no longer holds.
+    ///
     /// Plugin and systemd conditions are checked again on their interval and
     /// clear when their check passes, so a reboot leaves them as they were.
     pub fn resets_at_boot(&self, condition: &ConditionSpec) -> bool {
@@ -131,7 +136,14 @@ impl MonitorSpec {
             return true;
         }
         let log = self.source.file.is_some() || self.source.journald.is_some();
-        log && condition.clear_after_seconds.is_none() && condition.clear_pattern.is_none()
+        let mut setters = self
+            .rules
+            .iter()
+            .filter(|r| r.condition.as_deref() == Some(condition.type_.as_str()))
+            .peekable();
+        let counted_only = setters.peek().is_some() && setters.all(|r| r.count.is_some());
+        log && (counted_only
+            || (condition.clear_after_seconds.is_none() && condition.clear_pattern.is_none()))
     }
 
     /// Compiles [`MonitorSpec::patterns`]; the `PatternOf` of each index.

@@ -144,7 +144,7 @@ pub fn import(origin: &str, config: &Value) -> Imported {
     }
     if config.get("lookback").is_some() {
         out.notes.push(format!(
-            "{origin}: lookback is not needed: nodeguard resumes each source from its saved cursor and starts new ones at the end"
+            "{origin}: lookback has no equivalent: NPD also reports what was logged in the lookback before it starts; nodeguard starts a new monitor at its source's end, then resumes from its saved position (a new boot: from the boot's start)"
         ));
     }
     let source = match plugin {
@@ -437,9 +437,20 @@ fn same_plugin(a: &LogSource, b: &LogSource) -> bool {
 }
 
 /// `--flag=value` from a log-counter argument list.
+/// A flag's value as Go's pflag reads it: `--name=value` or `--name value`,
+/// the last one winning.
 fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter()
-        .find_map(|a| a.strip_prefix(&format!("--{name}=")))
+    let (with_value, bare) = (format!("--{name}="), format!("--{name}"));
+    let mut found = None;
+    let mut args = args.iter();
+    while let Some(a) = args.next() {
+        if let Some(v) = a.strip_prefix(&with_value) {
+            found = Some(v);
+        } else if *a == bare {
+            found = args.next().map(String::as_str).or(found);
+        }
+    }
+    found
 }
 
 fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) -> Imported {
@@ -504,13 +515,14 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
             .collect();
         if path.ends_with("log-counter") {
             // NPD's log-counter: N matches of a journal pattern in a window.
-            let (Some(pattern), Some(count)) = (flag(&args, "pattern"), flag(&args, "count"))
-            else {
+            let Some(pattern) = flag(&args, "pattern") else {
                 out.notes.push(format!(
-                    "{origin}: rules[{i}] runs log-counter without --pattern/--count; skipped"
+                    "{origin}: rules[{i}] runs log-counter without --pattern; skipped"
                 ));
                 continue;
             };
+            // log-counter's default --count is 1.
+            let count = flag(&args, "count").unwrap_or("1");
             let window = flag(&args, "lookback")
                 .and_then(go_duration_seconds)
                 .unwrap_or(1200);
@@ -522,7 +534,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
             };
             if flag(&args, "delay").is_some() {
                 out.notes.push(format!(
-                    "{origin}: rules[{i}] log-counter --delay has no equivalent (nodeguard counts from when it starts reading)"
+                    "{origin}: rules[{i}] log-counter --delay (ignore what the first minutes after boot log) has no equivalent: nodeguard counts a new boot's lines from the boot's start"
                 ));
             }
             let revert = flag(&args, "revert-pattern").map(str::to_string);
@@ -850,6 +862,19 @@ fn health_checker(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// As log-counter's pflag reads its flags: `=` or a separate value, the
+    /// last one winning.
+    #[test]
+    fn flags_as_pflag_reads_them() {
+        let args: Vec<String> = ["--count=3", "--lookback", "5m", "--count=4", "--pattern"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(flag(&args, "count"), Some("4"));
+        assert_eq!(flag(&args, "lookback"), Some("5m"));
+        assert_eq!(flag(&args, "pattern"), None, "no value follows");
+        assert_eq!(flag(&args, "delay"), None);
+    }
 
     #[test]
     fn go_durations() {

@@ -718,23 +718,24 @@ pub fn oracle_table(npd: &(Vec<String>, Vec<String>), ng: &(Vec<String>, Vec<Str
     table
 }
 
-/// Writes one journal entry of this boot, from `identifier` at `at_usec`
-/// (microseconds since the epoch), into a new journal file `remote-{n}` in
+/// Appends one journal entry of this boot, from `identifier` at `at_usec`
+/// (microseconds since the epoch), to the journal file `remote.journal` in
 /// `dir`, as journald would write it (systemd-journal-remote writes the
-/// same format).
-pub fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str, at_usec: u64) {
+/// same format). One file, as journald keeps: entries of separate files
+/// have separate sequence-number ids, and journalctl's `--after-cursor`
+/// then gave again entries of other files written before the cursor's.
+pub fn journal_entry(dir: &std::path::Path, identifier: &str, message: &str, at_usec: u64) {
     // journalctl --follow reads the current boot, as on a real node.
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .unwrap()
         .trim()
         .replace('-', "");
-    journal_entry_of_boot(dir, n, identifier, message, at_usec, &boot);
+    journal_entry_of_boot(dir, identifier, message, at_usec, &boot);
 }
 
 /// `journal_entry` of boot `boot` (32 hex digits).
 pub fn journal_entry_of_boot(
     dir: &std::path::Path,
-    n: u32,
     identifier: &str,
     message: &str,
     at_usec: u64,
@@ -746,7 +747,7 @@ pub fn journal_entry_of_boot(
         "__REALTIME_TIMESTAMP={at_usec}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={boot}\n_HOSTNAME=test\n\n"
     );
     let mut child = Command::new("/lib/systemd/systemd-journal-remote")
-        .arg(format!("--output={}/remote-{n}.journal", dir.display()))
+        .arg(format!("--output={}/remote.journal", dir.display()))
         .arg("-")
         .stdin(Stdio::piped())
         .stdout(Stdio::null())

@@ -524,6 +524,22 @@ fn which_conditions_a_new_boot_resets() {
     journal.source.file = None;
     journal.source.journald = Some(Default::default());
     assert!(journal.resets_at_boot(&journal.conditions[0]));
+    // Counts start again at each boot: a condition only counting rules set
+    // resets, whatever else would clear it.
+    let mut counted = journal.clone();
+    counted.conditions[0].clear_after_seconds = Some(1200);
+    assert!(!counted.resets_at_boot(&counted.conditions[0]));
+    for r in counted.rules.iter_mut() {
+        r.count = Some(crate::policy::monitors::CountSpec {
+            threshold: 5,
+            window_seconds: 1200,
+            revert_pattern: None,
+        });
+    }
+    assert!(
+        counted.resets_at_boot(&counted.conditions[0]),
+        "only counting rules set it"
+    );
     let mut plugin = journal.clone();
     plugin.source.journald = None;
     plugin.source.plugin = Some(crate::policy::monitors::PluginSource {
@@ -939,4 +955,103 @@ fn go_quote_quotes_as_go_does() {
         "\"a\\\"b\\\\c\\td\\ne\\x01f\\x7fg\\u00a0h é\""
     );
     assert_eq!(go_quote("\u{85}"), "\"\\u0085\"");
+}
+
+/// An imported counter holds its condition as log-counter does on each run:
+/// True while the window holds `threshold` matches (net of reverts), False
+/// once it holds fewer: a clean stop after the fifth start clears it at the
+/// next tick, and so does the oldest match leaving the window, not a whole
+/// quiet window after the last match.
+#[test]
+fn an_npd_counter_holds_while_its_window_does() {
+    let mut m = npd_monitor(
+        serde_json::json!({"journald": {"identifier": "systemd"}}),
+        1,
+        serde_json::json!([{
+            "type": "permanent", "condition": "KernelDeadlock", "reason": "FrequentRestart",
+            "pattern": "Started kubelet.", "message": "Found 3 matching logs, which meets the threshold of 3",
+            "count": {"threshold": 3, "windowSeconds": 600, "revertPattern": "Stopping kubelet..."}
+        }]),
+    );
+    m.conditions[0].clear_after_seconds = Some(600);
+    let mut e = Engine::new(&m, "m").unwrap();
+    assert!(fired(&mut e, "Started kubelet.", 0).is_empty());
+    assert!(fired(&mut e, "Started kubelet.", 100).is_empty());
+    assert_eq!(
+        fired(&mut e, "Started kubelet.", 200)[0],
+        "FrequentRestart!"
+    );
+    // A fourth start: still True, nothing new said.
+    assert!(fired(&mut e, "Started kubelet.", 300).is_empty());
+    assert!(e.on_tick(t(301)).is_empty());
+    // A clean stop: 3 left, still True; another: 2, False at the tick.
+    assert!(fired(&mut e, "Stopping kubelet...", 310).is_empty());
+    assert!(e.on_tick(t(311)).is_empty());
+    assert!(fired(&mut e, "Stopping kubelet...", 320).is_empty());
+    let cleared = e.on_tick(t(321));
+    assert!(
+        cleared.iter().any(
+            |a| matches!(a, Action::Condition { active: false, message, .. } if message == "fine")
+        ),
+        "{cleared:?}"
+    );
+    // Two more starts reach 3 again (the window still holds 4 - 2).
+    assert_eq!(
+        fired(&mut e, "Started kubelet.", 330)[0],
+        "FrequentRestart!"
+    );
+    // The oldest matches age out: at 601 the start at 0 is gone (2 left).
+    assert!(e.on_tick(t(600)).is_empty());
+    let aged = e.on_tick(t(601));
+    assert!(
+        aged.iter()
+            .any(|a| matches!(a, Action::Condition { active: false, .. })),
+        "{aged:?}"
+    );
+}
+
+/// Counts are saved and restored: four crashes before an agent restart and
+/// one after make five, as log-counter (which reads its whole lookback on
+/// every run) counts them. A restored True counter with no saved counts (a
+/// state from before counts were saved) is not cleared at once.
+#[test]
+fn counts_survive_a_restart() {
+    let m = npd_monitor(
+        serde_json::json!({"journald": {"identifier": "systemd"}}),
+        1,
+        serde_json::json!([{
+            "type": "permanent", "condition": "KernelDeadlock", "reason": "FrequentRestart",
+            "pattern": "Started kubelet.",
+            "count": {"threshold": 5, "windowSeconds": 1200}
+        }]),
+    );
+    let mut e = Engine::new(&m, "m").unwrap();
+    for s in 0..4 {
+        assert!(fired(&mut e, "Started kubelet.", s * 60).is_empty());
+    }
+    let saved = e.counts_state();
+    assert_eq!(
+        saved["FrequentRestart"].iter().map(|(_, n)| n).sum::<i64>(),
+        4
+    );
+    let mut e = Engine::new(&m, "m").unwrap();
+    e.restore_counts(saved);
+    assert_eq!(
+        fired(&mut e, "Started kubelet.", 300)[0],
+        "FrequentRestart!"
+    );
+
+    // An old state: True, no counts. It stays until a window after its last
+    // match.
+    let state = e.state().clone();
+    let mut e = Engine::new(&m, "m").unwrap();
+    e.restore(state);
+    e.restore_counts(BTreeMap::new());
+    assert!(e.on_tick(t(301)).is_empty());
+    assert!(e.on_tick(t(1500)).is_empty());
+    assert!(
+        e.on_tick(t(1501))
+            .iter()
+            .any(|a| matches!(a, Action::Condition { active: false, .. }))
+    );
 }

@@ -31,7 +31,53 @@ struct Uninstall {
 impl Drop for Uninstall {
     fn drop(&mut self) {
         let _ = helm(&["uninstall", &self.release, "-n", &self.namespace]);
+        admission_policies_are_gone();
     }
+}
+
+/// Returns once no release's admission policy judges NodeGuardPolicies any
+/// more. The API server drops a deleted ValidatingAdmissionPolicy from its
+/// cache a moment after the delete; until then the next test's writes are
+/// judged by it (a stale policy of an uninstalled release once refused a
+/// write naming its own ClusterRole, not the new release's). The witness is
+/// a user whom RBAC alone lets write policies: its exec probe passes only
+/// when no admission policy is left.
+fn admission_policies_are_gone() {
+    const WRITER: &str = "nodeguard-test-plain-writer";
+    let _ = kubectl_status(&[
+        "create",
+        "clusterrole",
+        WRITER,
+        "--verb=get,list,create,update,patch,delete",
+        "--resource=nodeguardpolicies.nodeguard.io",
+    ]);
+    let _ = kubectl_status(&[
+        "create",
+        "clusterrolebinding",
+        WRITER,
+        "--clusterrole",
+        WRITER,
+        "--user",
+        WRITER,
+    ]);
+    let probe = unique_name("admission-gone");
+    let policy = policy_yaml(
+        &probe,
+        "  probes:\n  - {name: x, exec: {command: [/usr/local/bin/check]}, conditionType: X}\n",
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match apply_as(WRITER, &[], &policy) {
+            Ok(()) => break,
+            Err(e) if std::time::Instant::now() > deadline => {
+                panic!(
+                    "an uninstalled release's admission policy still judges writes after 30 s: {e}"
+                )
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+    let _ = kubectl_status(&["delete", "nodeguardpolicy", &probe, "--ignore-not-found"]);
 }
 
 fn chart() -> String {

@@ -88,8 +88,9 @@ struct Rule {
     count: Option<(usize, Duration)>,
 }
 
-/// A monitor's compiled rules and live state.
-#[derive(Debug)]
+/// A monitor's compiled rules and live state. A clone shares the compiled
+/// patterns (cheap) and copies the state.
+#[derive(Clone, Debug)]
 pub struct Engine {
     patterns: Patterns,
     /// What each compiled pattern belongs to.
@@ -113,7 +114,7 @@ pub struct Engine {
 
 /// The last lines of an NPD-matching monitor (see
 /// [`crate::policy::monitors::NpdMatching`]).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct NpdBuffer {
     /// Always `bufferLines` entries, oldest first; empty until filled, as
     /// NPD's ring starts (so `^` matches only with one line held).

@@ -319,18 +319,52 @@ pub fn replay(
     lines: impl IntoIterator<Item = String>,
     year: i16,
 ) -> Replay {
-    let mut year = year;
-    let mut out = Replay::default();
-    let mut engines: Vec<(&MonitorSpec, Engine)> = Vec::new();
-    for m in monitors {
-        if m.source.plugin.is_some() || m.source.systemd.is_some() {
-            out.skipped.push(m.name.clone());
-            continue;
+    replay_compiled(Compiled::new(monitors), lines, year)
+}
+
+/// The log monitors of a policy compiled for replays; clone it to replay
+/// many logs without compiling their patterns again.
+#[derive(Clone, Debug)]
+pub struct Compiled<'a> {
+    engines: Vec<(&'a MonitorSpec, Engine)>,
+    /// Monitors that cannot be replayed (plugins, systemd units).
+    skipped: Vec<String>,
+}
+
+impl<'a> Compiled<'a> {
+    pub fn new(monitors: &'a [MonitorSpec]) -> Self {
+        let mut c = Compiled {
+            engines: Vec::new(),
+            skipped: Vec::new(),
+        };
+        for m in monitors {
+            if m.source.plugin.is_some() || m.source.systemd.is_some() {
+                c.skipped.push(m.name.clone());
+                continue;
+            }
+            if let Ok(e) = Engine::new(m, "spec.monitors") {
+                c.engines.push((m, e));
+            }
         }
-        if let Ok(e) = Engine::new(m, "spec.monitors") {
-            engines.push((m, e));
-        }
+        c
     }
+}
+
+/// [`replay`] with monitors compiled before.
+pub fn replay_compiled(
+    compiled: Compiled<'_>,
+    lines: impl IntoIterator<Item = String>,
+    year: i16,
+) -> Replay {
+    let mut year = year;
+    let Compiled {
+        mut engines,
+        skipped,
+    } = compiled;
+    let mut out = Replay {
+        skipped,
+        ..Replay::default()
+    };
     let mut last: Option<Timestamp> = None;
     let record = |out: &mut Replay,
                   engine: &mut Engine,

@@ -199,7 +199,6 @@ impl Failures {
     }
 }
 
-/// A line's text: lossy where it is not UTF-8, without its newline.
 /// The most of one file line that is kept and matched (64 KiB; journald
 /// cuts its own stream lines at 48 KiB). The rest of a longer line is read
 /// past, not held: a writer that never ends its line costs no memory.
@@ -209,7 +208,7 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// `MAX_LINE` bytes of it (`truncated` is set when more came). Returns the
 /// bytes consumed and whether the line is complete (false at the end of the
 /// data: the writer is mid-line, and the next call goes on with it).
-fn read_line_capped(
+pub fn read_line_capped(
     reader: &mut impl BufRead,
     line: &mut Vec<u8>,
     truncated: &mut bool,

@@ -39,6 +39,7 @@ use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
 use crate::shutdown::cluster::KubeCluster;
 use crate::shutdown::logind::ZbusConnector;
 use crate::shutdown::{self, ShutdownConfig, ShutdownHost, ShutdownMetrics, run_shutdown_manager};
+use crate::state_dir::StateWrites;
 use crate::watchdog::{
     self, KubeApiProbe, SysDeviceOpener, SystemdNotifier, WatchdogHost, WatchdogMetrics,
     run_watchdog,
@@ -223,6 +224,8 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let shutdown_metrics = ShutdownMetrics::register(&mut registry);
     let probe_metrics = ProbeMetrics::register(&mut registry);
     let monitor_metrics = MonitorMetrics::register(&mut registry);
+    let state_writes = StateWrites::new(reporter.clone());
+    state_writes.register(&mut registry);
     reporter.declare(POLICY_CONDITION);
     for type_ in &config.declared_conditions {
         reporter.declare(type_);
@@ -390,6 +393,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 },
                 cluster: KubeCluster::new(client.clone(), &config.node_name),
                 state_dir: config.state_dir.clone(),
+                state_writes: state_writes.clone(),
                 boot_id: config.boot_id.clone(),
                 node_name: config.node_name.clone(),
                 in_progress: node_shutdown_tx,
@@ -411,6 +415,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 reporter: reporter.clone(),
                 taints: KubeTaints::new(client.clone(), &config.node_name),
                 state_dir: config.state_dir.clone(),
+                state_writes: state_writes.clone(),
                 system_bus: config.system_bus_address.clone(),
                 metrics: monitor_metrics,
                 health: health.clone(),

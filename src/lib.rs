@@ -10,6 +10,7 @@ pub mod probe;
 pub mod report;
 pub mod server;
 pub mod shutdown;
+pub mod state_dir;
 pub mod status;
 pub mod watchdog;
 

@@ -1474,3 +1474,144 @@ async fn conditions_sharing_a_taint_are_rejected() {
     delete_policy(&admin, &pa).await;
     delete_policy(&admin, &pb).await;
 }
+
+/// The state directory fills up, then turns read-only, while a monitor's
+/// condition flips: the agent goes on reporting to the API, says so once
+/// per episode (a Warning Event, a counter), keeps the last state it wrote
+/// whole (no truncated or stray file), and writes again once it can,
+/// saying that too.
+#[tokio::test]
+async fn a_full_or_read_only_state_directory_is_said_once_and_loses_nothing() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "fullstate").await;
+    let logs = TempDir::new("logs");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let app = serde_json::json!({
+        "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+        "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.",
+                        "clearPattern": "app recovered"}],
+        "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
+                   "pattern": "app crashed: (.+)", "message": "The app crashed ($1)."}],
+    });
+    let policy = unique_name("fullstate");
+    apply_monitors(&admin, &policy, &node.name, serde_json::json!([app])).await;
+    let fs = SmallFs::mount("256k");
+    let state_dir = fs.dir.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir.clone()
+    })
+    .await;
+    let flip = |line: &str, status: &'static str| {
+        append(&app_log, line);
+        let (admin, node) = (admin.clone(), node.name.clone());
+        async move {
+            wait_condition(
+                &admin,
+                &node,
+                "AppBroken",
+                status,
+                Duration::from_secs(10),
+                &format!("AppBroken={status}"),
+            )
+            .await
+        }
+    };
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "False",
+        Duration::from_secs(15),
+        "AppBroken=False at start",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    flip("app crashed: one", "True").await;
+    eventually(Duration::from_secs(5), "the True state saved", || {
+        let saved = saved_state(&state_dir, "app");
+        async move { saved.is_some_and(|s| s["conditions"]["AppBroken"]["active"] == true) }
+    })
+    .await;
+    let saved_before = std::fs::read(state_dir.join("monitors/app.json")).unwrap();
+
+    // Full: the API still hears of every change; the file keeps the last
+    // state written, whole.
+    let filler = fs.fill();
+    flip("app recovered", "False").await;
+    flip("app crashed: two", "True").await;
+    flip("app recovered", "False").await;
+    eventually(Duration::from_secs(10), "a StateWriteFailed Event", || {
+        let (n, _) = node_event_count(&node.name, "StateWriteFailed");
+        async move { n >= 1 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (failed, notes) = node_event_count(&node.name, "StateWriteFailed");
+    assert_eq!(
+        failed, 1,
+        "one Warning for the episode, not one per write:\n{notes}"
+    );
+    assert!(notes.contains("No space left on device"), "{notes}");
+    assert!(notes.contains(&state_dir.display().to_string()), "{notes}");
+    assert_eq!(
+        std::fs::read(state_dir.join("monitors/app.json")).unwrap(),
+        saved_before,
+        "the last state written stays as it was"
+    );
+    let stray: Vec<_> = std::fs::read_dir(state_dir.join("monitors"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "app.json")
+        .collect();
+    assert!(stray.is_empty(), "partial files left behind: {stray:?}");
+    assert!(
+        metric_value(&agent, "nodeguard_state_write_errors_total").await >= 3,
+        "{}",
+        metrics(&agent).await
+    );
+
+    // Space again: the next write goes through, and that is said.
+    std::fs::remove_file(&filler).unwrap();
+    flip("app crashed: three", "True").await;
+    eventually(
+        Duration::from_secs(10),
+        "a StateWriteRecovered Event",
+        || {
+            let (n, _) = node_event_count(&node.name, "StateWriteRecovered");
+            async move { n == 1 }
+        },
+    )
+    .await;
+    let saved = saved_state(&state_dir, "app").unwrap();
+    assert_eq!(
+        saved["conditions"]["AppBroken"]["message"],
+        "The app crashed (three)."
+    );
+
+    // Read-only: a second episode, a second Warning naming its cause.
+    fs.remount("ro");
+    flip("app recovered", "False").await;
+    eventually(
+        Duration::from_secs(10),
+        "a second StateWriteFailed Event",
+        || {
+            let (n, notes) = node_event_count(&node.name, "StateWriteFailed");
+            async move { n == 2 && notes.contains("Read-only file system") }
+        },
+    )
+    .await;
+    fs.remount("rw");
+    flip("app crashed: four", "True").await;
+    eventually(Duration::from_secs(10), "the state written again", || {
+        let saved = saved_state(&state_dir, "app");
+        async move {
+            saved.is_some_and(|s| {
+                s["conditions"]["AppBroken"]["message"] == "The app crashed (four)."
+            })
+        }
+    })
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}

@@ -962,3 +962,74 @@ async fn ready_means_the_delay_inhibitor_is_held() {
     assert_eq!(held, 1, "ready before the delay inhibitor was held");
     assert_eq!(drop_in, 1, "ready before logind's delay was raised");
 }
+
+/// The state directory full when logind announces the shutdown: the
+/// shutdown runs from memory (taint, groups, release in time), the failed
+/// record write is one Warning naming the file, no part of a record is
+/// left, and a cancel still removes the taint nodeguard added.
+#[tokio::test]
+async fn a_full_state_directory_neither_stops_a_shutdown_nor_leaves_its_taint() {
+    let s = setup(
+        "fullstate-shutdown",
+        Duration::from_secs(15),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 2}]),
+    )
+    .await;
+    let fs = SmallFs::mount("64k");
+    let dir = fs.dir.path.clone();
+    let address = s.bus.address.clone();
+    let (agent, _unused) = start_agent_with(s.admin.clone(), &s.node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "test-boot".into();
+        c.state_dir = dir;
+    })
+    .await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let filler = fs.fill();
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(2), "tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the inhibitor released after the group",
+        || std::future::ready(s.peer.held() == 0),
+    )
+    .await;
+    eventually(Duration::from_secs(10), "a StateWriteFailed Event", || {
+        let (n, _) = node_event_count(&s.node.name, "StateWriteFailed");
+        std::future::ready(n >= 1)
+    })
+    .await;
+    let (n, notes) = node_event_count(&s.node.name, "StateWriteFailed");
+    assert_eq!(n, 1, "{notes}");
+    assert!(
+        notes.contains("shutdown-state.json") && notes.contains("No space left on device"),
+        "{notes}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&fs.dir.path)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "filler")
+        .collect();
+    assert!(
+        left.iter().all(|n| n == "monitors"),
+        "no record, and no part of one: {left:?}"
+    );
+    // Cancelled: the taint goes although no record of it could be written.
+    s.peer.prepare_for_shutdown(false).await;
+    eventually(
+        Duration::from_secs(5),
+        "untainted after the cancel",
+        || async { !tainted(&nodes.get(&s.node.name).await.unwrap()) },
+    )
+    .await;
+    std::fs::remove_file(filler).unwrap();
+    agent.stop().await;
+    s.cleanup().await;
+}

@@ -36,6 +36,7 @@ use crate::clock::WallClock;
 use crate::policy::monitors::MonitorSpec;
 use crate::report::{Desired, EventKind, Reporter, Status};
 use crate::server::{Health, LoopHandle};
+use crate::state_dir::StateWrites;
 use engine::{Action, ConditionState, Engine, PluginStatus, TaintOutcome};
 use sources::{Cursor, Resume, SourceCounters, StopFlag};
 
@@ -274,17 +275,11 @@ fn boot_time() -> Option<SystemTime> {
     Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
 }
 
-fn save_state(dir: &Path, monitor: &str, state: &MonitorState) {
-    let p = state_path(dir, monitor);
-    let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(p.parent().expect("a state path has a parent"))?;
-        let tmp = p.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec(state).expect("state serializes"))?;
-        std::fs::rename(&tmp, &p)
-    };
-    if let Err(e) = write() {
-        tracing::error!(path = %p.display(), error = %e, "cannot save monitor state");
-    }
+/// Saves a monitor's state (atomically, not synced: it is written up to
+/// once a second under load, and a power loss costs at most that second).
+fn save_state(writes: &StateWrites, dir: &Path, monitor: &str, state: &MonitorState) {
+    let bytes = serde_json::to_vec(state).expect("state serializes");
+    writes.write(&state_path(dir, monitor), &bytes, false);
 }
 
 /// What the monitors share: where they report, the Node's taints, where
@@ -293,6 +288,8 @@ pub struct MonitorContext<T> {
     pub reporter: Reporter,
     pub taints: T,
     pub state_dir: PathBuf,
+    /// Where a failing state write is said.
+    pub state_writes: StateWrites,
     /// The system bus (`None`: the default socket), for systemd monitors.
     pub system_bus: Option<String>,
     pub metrics: MonitorMetrics,
@@ -442,7 +439,8 @@ async fn undo<T: TaintPort>(ctx: &MonitorContext<T>, old: &MonitorSpec, new: Opt
     let plan = engine::cleanup(old, new, &state.conditions);
     if new.is_none() {
         // First, so that nothing can bring it back.
-        let _ = std::fs::remove_file(state_path(&ctx.state_dir, &old.name));
+        ctx.state_writes
+            .remove(&state_path(&ctx.state_dir, &old.name));
     }
     for (type_, key, effect) in &plan.taints {
         match ctx.taints.remove(key, effect).await {
@@ -465,7 +463,7 @@ async fn undo<T: TaintPort>(ctx: &MonitorContext<T>, old: &MonitorSpec, new: Opt
         if plan.reset_cursor {
             state.cursor = Cursor::default();
         }
-        save_state(&ctx.state_dir, &old.name, &state);
+        save_state(&ctx.state_writes, &ctx.state_dir, &old.name, &state);
     }
 }
 
@@ -599,7 +597,7 @@ async fn run_monitor<T: TaintPort>(
     let save = |state: &mut MonitorState, engine: &Engine| {
         state.conditions = engine.state().clone();
         state.counts = engine.counts_state();
-        save_state(&ctx.state_dir, &spec.name, state);
+        save_state(&ctx.state_writes, &ctx.state_dir, &spec.name, state);
     };
     handle.queued();
     if new_boot {
@@ -1140,17 +1138,19 @@ mod tests {
                                          "since": "2026-01-01T00:00:00Z", "lastMatch": null, "taintAdded": false}},
         }))
         .unwrap();
-        save_state(&dir, "m", &saved);
         // More failures than one update's attempts.
         let port = Arc::new(Flaky::default());
         port.fails.store(7, Ordering::SeqCst);
         let (reporter, _events) = Reporter::new(&Default::default(), &mut Registry::default());
+        let state_writes = StateWrites::new(reporter.clone());
+        save_state(&state_writes, &dir, "m", &saved);
         let health = Health::new();
         let handle = Arc::new(health.register(loop_name("m"), MONITOR_TIMEOUT));
         let ctx = Arc::new(MonitorContext {
             reporter,
             taints: port.clone(),
             state_dir: dir.clone(),
+            state_writes,
             system_bus: None,
             metrics: MonitorMetrics::default(),
             health,

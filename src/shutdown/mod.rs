@@ -43,6 +43,7 @@ use crate::k8s::watch::Snapshot;
 use crate::policy::{Escalation, ShutdownSpec};
 use crate::report::{Desired, EventKind, Reporter, Status};
 use crate::server::LoopHandle;
+use crate::state_dir::StateWrites;
 use cluster::{ClusterPort, Evicted, pod_facts};
 use core::{GroupSpec, Include};
 use logind::{InhibitLock, LogindConnector, LogindEvent, LogindPort};
@@ -219,6 +220,8 @@ pub struct ShutdownHost<L, C> {
     pub logind: L,
     pub cluster: C,
     pub state_dir: PathBuf,
+    /// Where a failing state write is said.
+    pub state_writes: StateWrites,
     pub boot_id: String,
     pub node_name: String,
     /// True while a shutdown runs (from PrepareForShutdown until its
@@ -232,6 +235,7 @@ struct Ctx<C> {
     reporter: Reporter,
     metrics: ShutdownMetrics,
     state_dir: PathBuf,
+    state_writes: StateWrites,
     boot_id: String,
     node_name: String,
     clock: WallClock,
@@ -264,6 +268,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         reporter,
         metrics,
         state_dir: host.state_dir,
+        state_writes: host.state_writes,
         boot_id: host.boot_id,
         node_name: host.node_name,
         clock: WallClock::new(),
@@ -611,9 +616,7 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
         ctx.metrics.inhibitor_held.set(0);
     }
     let taint = undo_taint(ctx, record.as_ref().is_some_and(|r| r.taint_added)).await;
-    if let Err(e) = state::clear(&ctx.state_dir) {
-        tracing::error!(error = %e, "cannot clear the shutdown state");
-    }
+    state::clear(&ctx.state_writes, &ctx.state_dir);
     ctx.reporter.event(
         EventKind::Normal,
         "ShutdownCancelled",
@@ -851,9 +854,7 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
                 taint,
             };
             report_condition(ctx, &core::Phase::Waiting, Some(&last));
-            if let Err(e) = state::clear(&ctx.state_dir) {
-                tracing::error!(error = %e, "cannot clear the shutdown state");
-            }
+            state::clear(&ctx.state_writes, &ctx.state_dir);
             (None, Some(last), None)
         }
     }
@@ -888,9 +889,7 @@ async fn cancelled_meanwhile<C: ClusterPort>(
     taint_added: bool,
 ) -> core::LastShutdown {
     let taint = undo_taint(ctx, taint_added).await;
-    if let Err(e) = state::clear(&ctx.state_dir) {
-        tracing::error!(error = %e, "cannot clear the shutdown state");
-    }
+    state::clear(&ctx.state_writes, &ctx.state_dir);
     let message = format!(
         "{} (cancelled while nodeguard was not running)",
         core::cancel_message(taint, core::AfterCancel::Held)
@@ -943,9 +942,7 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
 }
 
 fn save<C>(ctx: &Ctx<C>, record: &ShutdownRecord) {
-    if let Err(e) = state::save(&ctx.state_dir, record) {
-        tracing::error!(error = %e, "cannot record shutdown progress");
-    }
+    state::save(&ctx.state_writes, &ctx.state_dir, record);
 }
 
 /// A shutdown: plan, condition, taint, groups, release. Returns the record.

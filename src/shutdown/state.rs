@@ -2,13 +2,13 @@
 //! step so a restart of the agent resumes a shutdown, and the first start
 //! after a reboot can clean up and report how the last shutdown went.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
 use super::ShutdownError;
+use crate::state_dir::StateWrites;
 
 pub const FILE_NAME: &str = "shutdown-state.json";
 
@@ -111,36 +111,17 @@ pub fn load(dir: &Path) -> Result<Option<ShutdownRecord>, ShutdownError> {
     }
 }
 
-/// Writes the record atomically: a temporary file, fsync, rename, fsync
-/// of the directory.
-pub fn save(dir: &Path, record: &ShutdownRecord) -> Result<(), ShutdownError> {
-    let p = path(dir);
-    let tmp = dir.join(format!(".{FILE_NAME}.tmp"));
-    let err = |source| ShutdownError::State {
-        path: p.clone(),
-        source,
-    };
-    let mut f = std::fs::File::create(&tmp).map_err(err)?;
-    f.write_all(&serde_json::to_vec_pretty(record).expect("a record serializes"))
-        .map_err(err)?;
-    f.sync_all().map_err(err)?;
-    drop(f);
-    std::fs::rename(&tmp, &p).map_err(err)?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+/// Writes the record atomically and durably (synced: it must outlive the
+/// power-off it records). A failure is said through `writes`; the shutdown
+/// goes on from memory. True when written.
+pub fn save(writes: &StateWrites, dir: &Path, record: &ShutdownRecord) -> bool {
+    let bytes = serde_json::to_vec_pretty(record).expect("a record serializes");
+    writes.write(&path(dir), &bytes, true)
 }
 
-pub fn clear(dir: &Path) -> Result<(), ShutdownError> {
-    match std::fs::remove_file(path(dir)) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(ShutdownError::State {
-            path: path(dir),
-            source,
-        }),
-    }
+/// Removes the record (none is fine); a failure is said through `writes`.
+pub fn clear(writes: &StateWrites, dir: &Path) -> bool {
+    writes.remove(&path(dir))
 }
 
 /// This boot's id, from the kernel.
@@ -260,11 +241,17 @@ mod tests {
             groups_done: vec![0, 1000],
             taint_added: true,
         };
-        save(&dir, &r).unwrap();
+        let (reporter, _events) = crate::report::Reporter::new(
+            &Default::default(),
+            &mut prometheus_client::registry::Registry::default(),
+        );
+        let writes = StateWrites::new(reporter);
+        assert!(save(&writes, &dir, &r));
         assert_eq!(load(&dir).unwrap(), Some(r));
         assert!(!dir.join(format!(".{FILE_NAME}.tmp")).exists());
-        clear(&dir).unwrap();
-        clear(&dir).unwrap();
+        assert!(clear(&writes, &dir));
+        assert!(clear(&writes, &dir));
+        assert_eq!(writes.errors(), 0);
         assert_eq!(load(&dir).unwrap(), None);
         std::fs::write(dir.join(FILE_NAME), b"{not json").unwrap();
         assert!(matches!(

@@ -321,6 +321,7 @@ fn rig_in(
             logind: logind.clone(),
             cluster: cluster.clone(),
             state_dir: state_dir.clone(),
+            state_writes: StateWrites::new(reporter.clone()),
             boot_id: boot.into(),
             node_name: "n1".into(),
             in_progress: in_progress_tx,
@@ -636,7 +637,8 @@ async fn logind_going_away_and_coming_back_retakes_the_lock_quickly() {
 fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterState) {
     let dir = tmp(name);
     let start = jiff::Timestamp::from_second(1_800_000_000).unwrap();
-    state::save(
+    assert!(state::save(
+        &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
         &dir,
         &ShutdownRecord {
             boot_id: "old-boot".into(),
@@ -645,8 +647,7 @@ fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterSt
             groups_done: vec![0],
             taint_added: true,
         },
-    )
-    .unwrap();
+    ));
     let pre = ClusterState {
         tainted: true,
         ..Default::default()
@@ -722,7 +723,8 @@ async fn the_reboot_report_stays_when_the_policy_arrives_after_start_up() {
 async fn a_restart_midway_resumes_the_remaining_groups() {
     let dir = tmp("resume");
     let now = WallClock::new().now();
-    state::save(
+    assert!(state::save(
+        &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
         &dir,
         &ShutdownRecord {
             boot_id: "b1".into(),
@@ -731,8 +733,7 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
             groups_done: vec![0],
             taint_added: true,
         },
-    )
-    .unwrap();
+    ));
     let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
     let pre = ClusterState {
         tainted: true,
@@ -773,7 +774,8 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
 fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
     let dir = tmp(name);
     let now = WallClock::new().now();
-    state::save(
+    assert!(state::save(
+        &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
         &dir,
         &ShutdownRecord {
             boot_id: "b1".into(),
@@ -782,8 +784,7 @@ fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
             groups_done: vec![0],
             taint_added: true,
         },
-    )
-    .unwrap();
+    ));
     let pre = ClusterState {
         tainted: true,
         ..Default::default()

@@ -762,3 +762,93 @@ pub fn journal_entry_of_boot(
         .unwrap();
     assert!(child.wait().unwrap().success());
 }
+
+/// A tmpfs of `size` mounted on a new directory, unmounted when dropped:
+/// a state directory that can really fill up or turn read-only.
+pub struct SmallFs {
+    pub dir: TempDir,
+}
+
+impl SmallFs {
+    pub fn mount(size: &str) -> Self {
+        let dir = TempDir::new("small-fs");
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir.path)
+            .output()
+            .expect("mount is installed");
+        assert!(
+            out.status.success(),
+            "this test mounts a tmpfs (root with CAP_SYS_ADMIN, as make test runs): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs { dir }
+    }
+
+    pub fn remount(&self, option: &str) {
+        let out = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,{option}")])
+            .arg(&self.dir.path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Fills the filesystem with one file; returns it.
+    pub fn fill(&self) -> std::path::PathBuf {
+        let filler = self.dir.path.join("filler");
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = vec![0u8; 4096];
+        loop {
+            if let Err(e) = std::io::Write::write_all(&mut f, &block) {
+                assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+                break;
+            }
+        }
+        let _ = std::io::Write::flush(&mut f);
+        filler
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(&self.dir.path)
+            .status();
+    }
+}
+
+/// How many times the Node got Events of `reason` (repeats folded into a
+/// series count as their count).
+pub fn node_event_count(node: &str, reason: &str) -> (u64, String) {
+    let out = kubectl(&[
+        "get",
+        "events",
+        "-A",
+        "--field-selector",
+        &format!("reason={reason},involvedObject.name={node}"),
+        "-o",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let items = v["items"].as_array().cloned().unwrap_or_default();
+    let count = items
+        .iter()
+        .map(|e| {
+            e["series"]["count"]
+                .as_u64()
+                .or(e["count"].as_u64())
+                .unwrap_or(1)
+        })
+        .sum();
+    let notes = items
+        .iter()
+        .map(|e| e["message"].as_str().unwrap_or_default().to_string())
+        .collect::<Vec<_>>()
+        .join("\n");
+    (count, notes)
+}

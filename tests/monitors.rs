@@ -1615,3 +1615,99 @@ async fn a_full_or_read_only_state_directory_is_said_once_and_loses_nothing() {
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// journalctl's JSON prints a field longer than 4,096 bytes as null unless
+/// told `--all`: a journal entry with a long message (a stack trace on one
+/// line, a long command line) was dropped as malformed, problem and all.
+/// Now it is read; an entry far past the line limit is read up to the
+/// limit (counted as truncated), and the entries after it are read too.
+#[tokio::test]
+async fn long_journal_messages_are_matched_not_dropped() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "journal-long").await;
+    let journal = TempDir::new("journal-long");
+    let policy = unique_name("journal-long");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "app",
+            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "app"}},
+            "conditions": [
+                {"type": "AppBroken", "reason": "AppIsFine", "message": "fine"},
+                {"type": "AppStuck", "reason": "AppIsMoving", "message": "moving"},
+            ],
+            "rules": [
+                {"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": "app crashed: (\\w+)"},
+                {"type": "permanent", "condition": "AppStuck", "reason": "AppHung", "pattern": "app hung"},
+            ],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "False",
+        Duration::from_secs(15),
+        "AppBroken=False at start",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // 5 KiB: past journalctl's 4,096-byte default, within the agent's limit.
+    let long = format!("{} app crashed: long", "x".repeat(5000));
+    journal_entry(&journal.path, 1, "app", &long);
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "True",
+        Duration::from_secs(10),
+        "AppBroken=True from a 5 KiB message",
+    )
+    .await;
+    // 3 MiB: the problem at its start is matched, memory stays bounded, and
+    // the next entry is read.
+    let huge = format!("app hung {}", "y".repeat(3 << 20));
+    journal_entry(&journal.path, 2, "app", &huge);
+    journal_entry(&journal.path, 3, "app", "after the huge one");
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppStuck",
+        "True",
+        Duration::from_secs(15),
+        "AppStuck=True from the start of a 3 MiB message",
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "all three entries read",
+        || async {
+            metric_value(&agent, "nodeguard_monitor_lines_total{monitor=\"app\"}").await == 3
+        },
+    )
+    .await;
+    assert_eq!(
+        metric_value(
+            &agent,
+            "nodeguard_monitor_lines_truncated_total{monitor=\"app\"}"
+        )
+        .await,
+        1,
+        "{}",
+        metrics(&agent).await
+    );
+    assert_eq!(
+        metric_value(
+            &agent,
+            "nodeguard_monitor_lines_malformed_total{monitor=\"app\"}"
+        )
+        .await,
+        0
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}

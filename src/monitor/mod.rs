@@ -186,7 +186,7 @@ impl Collector for SourceCollector {
             ),
             (
                 "nodeguard_monitor_lines_truncated",
-                "File log lines longer than 64 KiB, matched on their first 64 KiB",
+                "Log lines over 64 KiB (files) and journal entries over 256 KiB as JSON, matched on their first part; the rest is read past, not held",
                 |c: &SourceCounters| c.truncated.load(Ordering::Relaxed),
             ),
         ] {

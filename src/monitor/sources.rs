@@ -213,6 +213,16 @@ pub fn read_line_capped(
     line: &mut Vec<u8>,
     truncated: &mut bool,
 ) -> std::io::Result<(usize, bool)> {
+    read_line_capped_to(reader, line, truncated, MAX_LINE)
+}
+
+/// [`read_line_capped`] keeping at most `max` bytes.
+fn read_line_capped_to(
+    reader: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    truncated: &mut bool,
+    max: usize,
+) -> std::io::Result<(usize, bool)> {
     let mut consumed = 0;
     loop {
         let available = match reader.fill_buf() {
@@ -227,7 +237,7 @@ pub fn read_line_capped(
             Some(i) => (i + 1, true),
             None => (available.len(), false),
         };
-        let room = MAX_LINE.saturating_sub(line.len());
+        let room = max.saturating_sub(line.len());
         let chunk = &available[..take];
         let body = chunk.strip_suffix(b"\n").unwrap_or(chunk);
         if body.len() > room {
@@ -694,6 +704,59 @@ pub fn journal_message(entry: &serde_json::Value) -> Option<String> {
     }
 }
 
+/// The most of one `journalctl --output=json` line that is kept: room for
+/// a `MAX_LINE` message even where JSON escapes it, and the few other
+/// fields. A longer entry is read up to here, its message salvaged.
+const MAX_JOURNAL_LINE: usize = 4 * MAX_LINE;
+
+/// The cursor and the message of a JSON entry cut short at
+/// `MAX_JOURNAL_LINE`: the message up to the cut (a text or an array of
+/// bytes), the cursor if it came before the cut. `None` without a message.
+pub fn salvage_journal_line(line: &str) -> Option<(Option<String>, Option<String>)> {
+    // A JSON string's body starting at `s`, up to its closing quote or the
+    // cut, decoded (a partial escape at the cut is dropped).
+    fn string_at(s: &str) -> String {
+        let mut end = s.len();
+        let mut escaped = false;
+        for (i, b) in s.bytes().enumerate() {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => {
+                    end = i;
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let body = &s[..end];
+        // Up to 6 bytes (`\uXXXX`) of a cut escape are dropped.
+        (0..=6.min(body.len()))
+            .filter(|k| body.is_char_boundary(body.len() - k))
+            .find_map(|k| {
+                serde_json::from_str::<String>(&format!("\"{}\"", &body[..body.len() - k])).ok()
+            })
+            .unwrap_or_default()
+    }
+    let cursor = line
+        .find("\"__CURSOR\":\"")
+        .map(|i| string_at(&line[i + "\"__CURSOR\":\"".len()..]));
+    let at = line.find("\"MESSAGE\":")? + "\"MESSAGE\":".len();
+    let value = &line[at..];
+    let message = if let Some(s) = value.strip_prefix('"') {
+        string_at(s)
+    } else if let Some(a) = value.strip_prefix('[') {
+        let bytes: Vec<u8> = a
+            .split([',', ']'])
+            .map_while(|n| n.trim().parse::<u8>().ok())
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    } else {
+        return None;
+    };
+    Some((cursor, Some(message)))
+}
+
 /// Follows the journal with a supervised `journalctl --follow --output=json`
 /// child (restarted with a pause when it exits), from `start`. Returns the
 /// cursor to save: with none, a restart before the first entry was read
@@ -774,7 +837,18 @@ fn spawn_journalctl(
             while !stop.stopped() {
                 let mut delivered = false;
                 let mut cmd = std::process::Command::new(&program);
-                cmd.args(["--follow", "--output=json", "--no-pager", "--quiet"]);
+                // --all: without it a field over 4,096 bytes is printed as
+                // null, and the entry (its problem too) would be lost.
+                // --output-fields: only what is read, so a line is mostly
+                // its message.
+                cmd.args([
+                    "--follow",
+                    "--output=json",
+                    "--all",
+                    "--output-fields=MESSAGE",
+                    "--no-pager",
+                    "--quiet",
+                ]);
                 if let Some(d) = &source.directory {
                     // journalctl follows links in --directory: judge where
                     // this one leads now (each run), and hand it that.
@@ -824,22 +898,39 @@ fn spawn_journalctl(
                     }
                 };
                 *stop.1.lock().unwrap_or_else(|e| e.into_inner()) = Some(child.id());
-                let reader =
+                let mut reader =
                     BufReader::with_capacity(64 * 1024, child.stdout.take().expect("piped"));
-                for line in reader.lines() {
-                    let Ok(line) = line else { break };
-                    let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
+                let mut buf = Vec::new();
+                loop {
+                    buf.clear();
+                    let mut truncated = false;
+                    match read_line_capped_to(&mut reader, &mut buf, &mut truncated, MAX_JOURNAL_LINE) {
+                        Ok((0, _)) | Err(_) => break,
+                        Ok(_) => {}
+                    }
+                    let line = String::from_utf8_lossy(&buf);
+                    let parsed = if truncated {
+                        counters.truncated.fetch_add(1, Ordering::Relaxed);
+                        salvage_journal_line(&line)
+                    } else {
+                        serde_json::from_str::<serde_json::Value>(&line)
+                            .ok()
+                            .map(|entry| {
+                                let c = entry
+                                    .get("__CURSOR")
+                                    .and_then(|c| c.as_str())
+                                    .map(str::to_string);
+                                (c, journal_message(&entry))
+                            })
+                    };
+                    let Some((c, message)) = parsed else {
                         counters.malformed.fetch_add(1, Ordering::Relaxed);
                         continue;
                     };
-                    let c = entry
-                        .get("__CURSOR")
-                        .and_then(|c| c.as_str())
-                        .map(str::to_string);
                     if c.is_some() {
                         cursor = c.clone();
                     }
-                    let Some(message) = journal_message(&entry) else {
+                    let Some(message) = message else {
                         counters.malformed.fetch_add(1, Ordering::Relaxed);
                         continue;
                     };
@@ -1433,6 +1524,34 @@ mod tests {
         let e = serde_json::json!({"MESSAGE": [104, 105, 255]});
         assert_eq!(journal_message(&e).as_deref(), Some("hi\u{fffd}"));
         assert_eq!(journal_message(&serde_json::json!({"X": 1})), None);
+    }
+
+    #[test]
+    fn a_journal_line_cut_short_keeps_its_cursor_and_message_up_to_the_cut() {
+        let whole = r#"{"__CURSOR":"s=1;i=2","__REALTIME_TIMESTAMP":"1","MESSAGE":"app hung \"x\" \u00e9 tail","_BOOT_ID":"b"}"#;
+        let cut = |n: usize| salvage_journal_line(&whole[..n]);
+        let at = whole.find("tail").unwrap();
+        assert_eq!(
+            cut(at + 2),
+            Some((Some("s=1;i=2".into()), Some("app hung \"x\" é ta".into())))
+        );
+        // Cut inside an escape: the partial escape is dropped.
+        let esc = whole.find("\\u00e9").unwrap();
+        for n in esc + 1..esc + 6 {
+            assert_eq!(
+                cut(n).unwrap().1.as_deref(),
+                Some("app hung \"x\" "),
+                "cut at {n}"
+            );
+        }
+        // Bytes, cut inside the array.
+        let bytes = r#"{"__CURSOR":"c","MESSAGE":[104,105,32,10"#;
+        assert_eq!(
+            salvage_journal_line(bytes),
+            Some((Some("c".into()), Some("hi \n".into())))
+        );
+        // Cut before the message: nothing to match.
+        assert_eq!(salvage_journal_line(r#"{"__CURSOR":"c","MESS"#), None);
     }
 
     #[tokio::test]

@@ -104,14 +104,6 @@ pub enum AgentError {
     Server(#[from] ServerError),
     #[error("the node-local trust settings are not usable: {}", .0.join("; "))]
     Trust(Vec<String>),
-    #[error(
-        "state directory {path} is not usable: {source} (set --state-dir to a writable directory)"
-    )]
-    StateDir {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 /// A started agent. Dropping it does not stop it; call [`RunningAgent::stop`].
@@ -181,21 +173,20 @@ impl RunningAgent {
     }
 }
 
-fn ensure_state_dir(path: &std::path::Path) -> Result<(), AgentError> {
-    let err = |source| AgentError::StateDir {
-        path: path.display().to_string(),
-        source,
-    };
-    std::fs::create_dir_all(path).map_err(err)?;
+/// Checks that the state directory takes writes. One that does not (full,
+/// read-only) is said as every failed state write is (one Warning Event),
+/// and the agent starts anyway: refusing would leave the node with no
+/// monitors, no shutdown inhibitor and frozen conditions until the disk is
+/// fixed, while from memory it protects the node as usual.
+fn check_state_dir(path: &std::path::Path, writes: &StateWrites) {
     let probe = path.join(".nodeguard-write-test");
-    std::fs::write(&probe, b"ok").map_err(err)?;
-    std::fs::remove_file(&probe).map_err(err)?;
-    Ok(())
+    if writes.write(&probe, b"ok", false) {
+        writes.remove(&probe);
+    }
 }
 
 /// Starts the agent's loops and HTTP server, returning once it is listening.
 pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, AgentError> {
-    ensure_state_dir(&config.state_dir)?;
     let trust_problems = config.trust.problems();
     if !trust_problems.is_empty() {
         return Err(AgentError::Trust(trust_problems));
@@ -226,6 +217,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     let monitor_metrics = MonitorMetrics::register(&mut registry);
     let state_writes = StateWrites::new(reporter.clone());
     state_writes.register(&mut registry);
+    check_state_dir(&config.state_dir, &state_writes);
     reporter.declare(POLICY_CONDITION);
     for type_ in &config.declared_conditions {
         reporter.declare(type_);

@@ -91,19 +91,21 @@ impl StateWrites {
     /// [`write_atomic`], its outcome said as the type describes. True when
     /// the write worked.
     pub fn write(&self, path: &Path, bytes: &[u8], durable: bool) -> bool {
-        self.outcome(path, write_atomic(path, bytes, durable))
+        self.outcome(path, write_atomic(path, bytes, durable), true)
     }
 
-    /// Removes `path` (gone already is fine), its outcome said likewise.
+    /// Removes `path` (gone already is fine). A failure is said likewise;
+    /// a removal that works is no sign that writes do (unlinking needs no
+    /// space), so it never says the directory recovered.
     pub fn remove(&self, path: &Path) -> bool {
         let result = match std::fs::remove_file(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             other => other,
         };
-        self.outcome(path, result)
+        self.outcome(path, result, false)
     }
 
-    fn outcome(&self, path: &Path, result: std::io::Result<()>) -> bool {
+    fn outcome(&self, path: &Path, result: std::io::Result<()>, proves_writes: bool) -> bool {
         let mut failing = self
             .shared
             .failing
@@ -112,14 +114,14 @@ impl StateWrites {
         let dir = path.parent().unwrap_or(path).display();
         match result {
             Ok(()) => {
-                if *failing > 0 {
+                if *failing > 0 && proves_writes {
                     tracing::info!(path = %path.display(), failed = *failing, "state directory writable again");
                     self.shared.reporter.event(
                         EventKind::Normal,
                         "StateWriteRecovered",
                         "SaveState",
                         format!(
-                            "nodeguard writes its state under {dir} again, after {} failed writes; what changed meanwhile is saved as it changes next.",
+                            "nodeguard writes its state under {dir} again, after {} failed writes.",
                             *failing
                         ),
                     );

@@ -268,3 +268,65 @@ fn replay_runs_the_default_policy_over_a_log_at_its_own_times() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Found by the `npd_import` fuzz target: two configs whose monitor name
+/// is already 63 characters long (NPD's `source`) were told apart by a
+/// suffix that the 63-character cut took off again, forever: import-npd
+/// hung. Now the name is cut, not the suffix.
+#[test]
+fn import_npd_tells_apart_configs_with_long_sources_and_ends() {
+    let dir = std::env::temp_dir().join(support::unique_name("long-sources"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = serde_json::json!({
+        "plugin": "journald", "pluginConfig": {"source": "abrt-notification"},
+        "logPath": "/var/log/journal", "source": "a".repeat(70), "conditions": [],
+        "rules": [{"type": "temporary", "reason": "AbrtCrash", "pattern": "crashed"}],
+    });
+    let files: Vec<String> = [
+        "abrt-adaptor.json",
+        "abrt-adaptor-too.json",
+        "x".repeat(80).as_str(),
+    ]
+    .iter()
+    .map(|f| {
+        let p = dir.join(if f.ends_with(".json") {
+            f.to_string()
+        } else {
+            format!("{f}.json")
+        });
+        std::fs::write(&p, config.to_string()).unwrap();
+        p.display().to_string()
+    })
+    .collect();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .arg("import-npd")
+        .args(&files)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("import-npd still running after 10 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let names: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- name: "))
+        .collect();
+    assert_eq!(names.len(), 3, "{stdout}");
+    let unique: std::collections::BTreeSet<_> = names.iter().collect();
+    assert_eq!(unique.len(), 3, "{names:?}");
+    assert!(names.iter().all(|n| n.len() <= 63), "{names:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1571,8 +1571,18 @@ async fn a_full_or_read_only_state_directory_is_said_once_and_loses_nothing() {
         metrics(&agent).await
     );
 
-    // Space again: the next write goes through, and that is said.
+    // Space again: the state that could not be written is written within
+    // seconds, with no new line to prompt it, and that is said.
     std::fs::remove_file(&filler).unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "the state held in memory written once there is room",
+        || {
+            let saved = saved_state(&state_dir, "app");
+            async move { saved.is_some_and(|s| s["conditions"]["AppBroken"]["active"] == false) }
+        },
+    )
+    .await;
     flip("app crashed: three", "True").await;
     eventually(
         Duration::from_secs(10),
@@ -1708,6 +1718,63 @@ async fn long_journal_messages_are_matched_not_dropped() {
         .await,
         0
     );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// A state directory read-only when the agent starts (a restart while the
+/// disk is in trouble): the agent used to refuse to start, leaving the node
+/// with no monitors, no shutdown inhibitor and frozen conditions until the
+/// disk was fixed. It starts, says so once, and works from memory.
+#[tokio::test]
+async fn the_agent_starts_on_a_read_only_state_directory_and_says_so() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "rostate").await;
+    let logs = TempDir::new("logs");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let app = serde_json::json!({
+        "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+        "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine."}],
+        "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
+                   "pattern": "app crashed: (.+)"}],
+    });
+    let policy = unique_name("rostate");
+    apply_monitors(&admin, &policy, &node.name, serde_json::json!([app])).await;
+    let fs = SmallFs::mount("256k");
+    fs.remount("ro");
+    let state_dir = fs.dir.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir.clone()
+    })
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "False",
+        Duration::from_secs(15),
+        "AppBroken=False at start",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    append(&app_log, "app crashed: read-only disk");
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "True",
+        Duration::from_secs(10),
+        "AppBroken=True with the state directory read-only",
+    )
+    .await;
+    eventually(Duration::from_secs(10), "a StateWriteFailed Event", || {
+        let (n, notes) = node_event_count(&node.name, "StateWriteFailed");
+        async move { n == 1 && notes.contains("Read-only file system") }
+    })
+    .await;
+    let (code, body) = http_get(agent.addr, "/readyz").await;
+    assert_eq!(code, 200, "{body}");
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }

@@ -1029,6 +1029,9 @@ async fn a_full_state_directory_neither_stops_a_shutdown_nor_leaves_its_taint() 
         || async { !tainted(&nodes.get(&s.node.name).await.unwrap()) },
     )
     .await;
+    // Clearing a record that was never written is no sign the disk works.
+    let (recovered, notes) = node_event_count(&s.node.name, "StateWriteRecovered");
+    assert_eq!(recovered, 0, "recovered while still full: {notes}");
     std::fs::remove_file(filler).unwrap();
     agent.stop().await;
     s.cleanup().await;

@@ -277,9 +277,10 @@ fn boot_time() -> Option<SystemTime> {
 
 /// Saves a monitor's state (atomically, not synced: it is written up to
 /// once a second under load, and a power loss costs at most that second).
-fn save_state(writes: &StateWrites, dir: &Path, monitor: &str, state: &MonitorState) {
+/// True when written.
+fn save_state(writes: &StateWrites, dir: &Path, monitor: &str, state: &MonitorState) -> bool {
     let bytes = serde_json::to_vec(state).expect("state serializes");
-    writes.write(&state_path(dir, monitor), &bytes, false);
+    writes.write(&state_path(dir, monitor), &bytes, false)
 }
 
 /// What the monitors share: where they report, the Node's taints, where
@@ -597,7 +598,7 @@ async fn run_monitor<T: TaintPort>(
     let save = |state: &mut MonitorState, engine: &Engine| {
         state.conditions = engine.state().clone();
         state.counts = engine.counts_state();
-        save_state(&ctx.state_writes, &ctx.state_dir, &spec.name, state);
+        save_state(&ctx.state_writes, &ctx.state_dir, &spec.name, state)
     };
     handle.queued();
     if new_boot {
@@ -622,10 +623,12 @@ async fn run_monitor<T: TaintPort>(
         blind.as_deref(),
     )
     .await;
-    save(&mut state, &engine);
+    // A save that fails leaves the state dirty: the tick tries again each
+    // second, so what changed while the directory was full or read-only is
+    // written once it can be, with no new line to prompt it.
+    let mut dirty = !save(&mut state, &engine);
     handle.updated();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut dirty = false;
     let mut last_save = tokio::time::Instant::now();
     let mut last_taint_retry = tokio::time::Instant::now();
     // What the reader last said about a refused file (after the start).
@@ -649,8 +652,7 @@ async fn run_monitor<T: TaintPort>(
                     dirty = true;
                     if !actions.is_empty() {
                         apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
-                        save(&mut state, &engine);
-                        dirty = false;
+                        dirty = !save(&mut state, &engine);
                         last_save = tokio::time::Instant::now();
                     }
                     taken += 1;
@@ -663,7 +665,7 @@ async fn run_monitor<T: TaintPort>(
                 let actions = engine.on_plugin(rule, status, &output, clock.now());
                 if !actions.is_empty() {
                     apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
-                    save(&mut state, &engine);
+                    dirty = !save(&mut state, &engine);
                 }
                 handle.updated();
             }
@@ -719,8 +721,7 @@ async fn run_monitor<T: TaintPort>(
                 }
                 // The cursor is saved at most once a second under load.
                 if dirty && last_save.elapsed() >= Duration::from_secs(1) {
-                    save(&mut state, &engine);
-                    dirty = false;
+                    dirty = !save(&mut state, &engine);
                     last_save = tokio::time::Instant::now();
                 }
             }

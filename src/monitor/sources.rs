@@ -711,11 +711,14 @@ const MAX_JOURNAL_LINE: usize = 4 * MAX_LINE;
 
 /// The cursor and the message of a JSON entry cut short at
 /// `MAX_JOURNAL_LINE`: the message up to the cut (a text or an array of
-/// bytes), the cursor if it came before the cut. `None` without a message.
+/// bytes), the cursor if all of it came before the cut (else the reader
+/// keeps the previous one, and a restart reads this entry again). `None`
+/// without a message.
 pub fn salvage_journal_line(line: &str) -> Option<(Option<String>, Option<String>)> {
     // A JSON string's body starting at `s`, up to its closing quote or the
-    // cut, decoded (a partial escape at the cut is dropped).
-    fn string_at(s: &str) -> String {
+    // cut, decoded (a partial escape at the cut is dropped); and whether
+    // its closing quote was read.
+    fn string_at(s: &str) -> (String, bool) {
         let mut end = s.len();
         let mut escaped = false;
         for (i, b) in s.bytes().enumerate() {
@@ -731,20 +734,24 @@ pub fn salvage_journal_line(line: &str) -> Option<(Option<String>, Option<String
         }
         let body = &s[..end];
         // Up to 6 bytes (`\uXXXX`) of a cut escape are dropped.
-        (0..=6.min(body.len()))
+        let text = (0..=6.min(body.len()))
             .filter(|k| body.is_char_boundary(body.len() - k))
             .find_map(|k| {
                 serde_json::from_str::<String>(&format!("\"{}\"", &body[..body.len() - k])).ok()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        (text, end < s.len())
     }
+    // journalctl orders an entry's fields at random (per run): the cursor
+    // may come after the cut, or be cut itself. Only a whole one is taken.
     let cursor = line
         .find("\"__CURSOR\":\"")
-        .map(|i| string_at(&line[i + "\"__CURSOR\":\"".len()..]));
+        .map(|i| string_at(&line[i + "\"__CURSOR\":\"".len()..]))
+        .and_then(|(c, whole)| whole.then_some(c));
     let at = line.find("\"MESSAGE\":")? + "\"MESSAGE\":".len();
     let value = &line[at..];
     let message = if let Some(s) = value.strip_prefix('"') {
-        string_at(s)
+        string_at(s).0
     } else if let Some(a) = value.strip_prefix('[') {
         let bytes: Vec<u8> = a
             .split([',', ']'])
@@ -927,6 +934,10 @@ fn spawn_journalctl(
                         counters.malformed.fetch_add(1, Ordering::Relaxed);
                         continue;
                     };
+                    // An entry without a whole cursor (cut short) keeps the
+                    // last one: a restart reads it again rather than start
+                    // at the journal's end.
+                    let c = c.or_else(|| cursor.clone());
                     if c.is_some() {
                         cursor = c.clone();
                     }
@@ -1549,6 +1560,22 @@ mod tests {
         assert_eq!(
             salvage_journal_line(bytes),
             Some((Some("c".into()), Some("hi \n".into())))
+        );
+        // The cursor cut, or after the message: none is taken.
+        let late = r#"{"MESSAGE":"app hung","__CURSOR":"s=1;i=2"}"#;
+        for n in late.find("__CURSOR").unwrap()..late.len() - 2 {
+            assert_eq!(
+                salvage_journal_line(&late[..n]).unwrap().0,
+                None,
+                "cut at {n}"
+            );
+        }
+        assert_eq!(
+            salvage_journal_line(&late[..late.len() - 1])
+                .unwrap()
+                .0
+                .as_deref(),
+            Some("s=1;i=2")
         );
         // Cut before the message: nothing to match.
         assert_eq!(salvage_journal_line(r#"{"__CURSOR":"c","MESS"#), None);

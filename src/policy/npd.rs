@@ -78,6 +78,26 @@ pub fn go_duration_seconds(s: &str) -> Option<u32> {
     Some(total.ceil().max(1.0) as u32)
 }
 
+/// `base-suffix` as a DNS label, cutting the base rather than the suffix
+/// (which tells imports apart: a cut suffix once made the renaming loop
+/// forever when the base was 63 characters long already).
+fn label_with(base: &str, suffix: &str) -> String {
+    let suffix = label(suffix);
+    let mut base = label(base);
+    base.truncate(62usize.saturating_sub(suffix.len()));
+    match base.trim_end_matches('-') {
+        "" => suffix,
+        b => format!("{b}-{suffix}"),
+    }
+}
+
+/// At most 40 characters of a label, so a counter after it fits in 63.
+fn short(s: &str) -> String {
+    let mut l = label(s);
+    l.truncate(40);
+    l.trim_end_matches('-').to_string()
+}
+
 /// A DNS label from an NPD `source` name.
 fn label(s: &str) -> String {
     let l: String = s
@@ -371,10 +391,10 @@ pub fn combine(imported: Vec<(String, Vec<MonitorSpec>)>) -> (Vec<MonitorSpec>, 
                     .file_stem()
                     .map(|s| s.to_string_lossy().into_owned())
                     .unwrap_or_default();
-                let mut name = label(&format!("{}-{stem}", m.name));
+                let mut name = label_with(&m.name, &stem);
                 let mut n = 2;
                 while out.iter().any(|o| o.name == name) {
-                    name = label(&format!("{}-{stem}-{n}", m.name));
+                    name = label_with(&m.name, &format!("{}-{n}", short(&stem)));
                     n += 1;
                 }
                 notes.push(format!(

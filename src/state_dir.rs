@@ -5,6 +5,7 @@
 //! directory that stops taking writes is said once (a Warning Event, an
 //! error log) and once again when it takes them again, not at every write;
 //! every failed write is counted in `nodeguard_state_write_errors_total`.
+//! [`write_atomic`] also writes the logind drop-in.
 
 use std::io::Write;
 use std::path::Path;

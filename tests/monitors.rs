@@ -448,6 +448,19 @@ async fn a_kernel_record_logged_while_the_agent_was_down_is_read_after_a_restart
     delete_policy(&admin, &policy).await;
 }
 
+/// NPD's docker-monitor rule for a corrupt overlay2 as a journald monitor
+/// of dockerd's entries in the journal directory `dir`.
+fn docker_journal_monitor(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::json!({
+        "name": "docker",
+        "source": {"journald": {"directory": dir.display().to_string(), "identifier": "dockerd"}},
+        "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
+                        "message": "docker overlay2 is functioning properly"}],
+        "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
+                   "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
+    })
+}
+
 /// A journal entry in `dir` at a fixed time of this boot.
 fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str) {
     support::journal_entry(
@@ -474,14 +487,7 @@ async fn journal_entries_of_one_identifier_set_a_condition() {
         &admin,
         &policy,
         &node.name,
-        serde_json::json!([{
-            "name": "docker",
-            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "dockerd"}},
-            "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
-                            "message": "docker overlay2 is functioning properly"}],
-            "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
-                       "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
-        }]),
+        serde_json::json!([docker_journal_monitor(&journal.path)]),
     )
     .await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
@@ -591,24 +597,15 @@ async fn a_journald_monitor_reads_a_new_boots_first_entry() {
         &admin,
         &policy,
         &node.name,
-        serde_json::json!([{
-            "name": "docker",
-            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "dockerd"}},
-            "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
-                            "message": "docker overlay2 is functioning properly"}],
-            "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
-                       "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
-        }]),
+        serde_json::json!([docker_journal_monitor(&journal.path)]),
     )
     .await;
     let state = TempDir::new("journal-boot-state");
-    std::fs::create_dir_all(state.path.join("monitors")).unwrap();
-    std::fs::write(
-        state.path.join("monitors/docker.json"),
-        serde_json::json!({"bootId": "boot-a", "conditions": {}, "cursor": {"journal": cursor}})
-            .to_string(),
-    )
-    .unwrap();
+    write_saved_state(
+        &state.path,
+        "docker",
+        serde_json::json!({"bootId": "boot-a", "conditions": {}, "cursor": {"journal": cursor}}),
+    );
     let state_dir = state.path.clone();
     let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
         c.state_dir = state_dir;
@@ -735,14 +732,7 @@ async fn an_entry_logged_before_journalctl_can_start_is_not_lost() {
         &admin,
         &policy,
         &node.name,
-        serde_json::json!([{
-            "name": "docker",
-            "source": {"journald": {"directory": journal.path.display().to_string(), "identifier": "dockerd"}},
-            "conditions": [{"type": "CorruptDockerOverlay2", "reason": "NoCorruptDockerOverlay2",
-                            "message": "docker overlay2 is functioning properly"}],
-            "rules": [{"type": "permanent", "condition": "CorruptDockerOverlay2", "reason": "CorruptDockerOverlay2",
-                       "pattern": "returned error: readlink /var/lib/docker/overlay2.*: invalid argument.*"}],
-        }]),
+        serde_json::json!([docker_journal_monitor(&journal.path)]),
     )
     .await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
@@ -945,27 +935,23 @@ async fn a_new_boot_resets_kernel_conditions_and_reads_the_kernel_log_from_its_s
     // What boot A's agent left: both conditions True, the kernel taint
     // added by nodeguard, and the cursors.
     let state = TempDir::new("reboot-state");
-    let dir = state.path.join("monitors");
-    std::fs::create_dir_all(&dir).unwrap();
     let active = |reason: &str| {
         serde_json::json!({"active": true, "reason": reason, "message": "in boot A",
                            "since": "2026-11-20T10:00:00Z", "lastMatch": "2026-11-20T10:00:00Z",
                            "taintAdded": reason == "DockerHung"})
     };
-    std::fs::write(
-        dir.join("kernel.json"),
+    write_saved_state(
+        &state.path,
+        "kernel",
         serde_json::json!({"bootId": "boot-a", "conditions": {"KernelDeadlock": active("DockerHung")},
-                           "cursor": {"kmsgSequence": 1000}})
-        .to_string(),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.join("app.json"),
+                           "cursor": {"kmsgSequence": 1000}}),
+    );
+    write_saved_state(
+        &state.path,
+        "app",
         serde_json::json!({"bootId": "boot-a", "conditions": {"AppBroken": active("AppCrashed")},
-                           "cursor": {"file": [app_inode, app_offset]}})
-        .to_string(),
-    )
-    .unwrap();
+                           "cursor": {"file": [app_inode, app_offset]}}),
+    );
     set_taints(
         &admin,
         &node.name,

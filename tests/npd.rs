@@ -823,18 +823,13 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
     );
 }
 
-/// NPD's log-counter never counts what an earlier boot logged, so NPD
-/// starts each boot with its counter conditions False. An imported counter
-/// condition (it has `clearAfterSeconds`, the counter's lookback) was kept
-/// True across a reboot for up to that window, with its taint; it now
-/// resets at the new boot.
-#[tokio::test]
-async fn an_imported_counter_condition_starts_a_new_boot_false_as_in_npd() {
-    let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "counter-boot").await;
-    let tmp = TempDir::new("counter-boot");
-    let journal = tmp.path.join("journal");
-    std::fs::create_dir(&journal).unwrap();
+/// NPD's systemd-monitor-counter.json with its log-counter reading the
+/// journal directory `journal`, written under `dir` and imported: the
+/// policy's YAML and its monitors.
+fn import_systemd_counter(
+    dir: &std::path::Path,
+    journal: &std::path::Path,
+) -> (String, Vec<nodeguard::policy::monitors::MonitorSpec>) {
     let mut config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(npd_configs().join("systemd-monitor-counter.json")).unwrap(),
     )
@@ -853,12 +848,28 @@ async fn an_imported_counter_condition_starts_a_new_boot_false_as_in_npd() {
             .collect();
         rule["args"] = args.into();
     }
-    let path = tmp.path.join("systemd-monitor-counter.json");
+    let path = dir.join("systemd-monitor-counter.json");
     std::fs::write(&path, config.to_string()).unwrap();
     let (code, yaml, notes) = nodeguard(&["import-npd", path.to_str().unwrap()]);
     assert_eq!(code, 0, "{notes}");
     let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
     let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    (yaml, monitors)
+}
+
+/// NPD's log-counter never counts what an earlier boot logged, so NPD
+/// starts each boot with its counter conditions False. An imported counter
+/// condition (it has `clearAfterSeconds`, the counter's lookback) was kept
+/// True across a reboot for up to that window, with its taint; it now
+/// resets at the new boot.
+#[tokio::test]
+async fn an_imported_counter_condition_starts_a_new_boot_false_as_in_npd() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "counter-boot").await;
+    let tmp = TempDir::new("counter-boot");
+    let journal = tmp.path.join("journal");
+    std::fs::create_dir(&journal).unwrap();
+    let (yaml, monitors) = import_systemd_counter(&tmp.path, &journal);
     let kubelet = monitors
         .iter()
         .find(|m| {
@@ -880,17 +891,15 @@ async fn an_imported_counter_condition_starts_a_new_boot_false_as_in_npd() {
     .await;
     // What boot A's agent left: the kubelet restarted five times.
     let state = TempDir::new("counter-boot-state");
-    std::fs::create_dir_all(state.path.join("monitors")).unwrap();
     let now = jiff::Timestamp::now().to_string();
-    std::fs::write(
-        state.path.join(format!("monitors/{}.json", kubelet.name)),
+    write_saved_state(
+        &state.path,
+        &kubelet.name,
         serde_json::json!({"bootId": "boot-a", "conditions": {"FrequentKubeletRestart": {
             "active": true, "reason": "FrequentKubeletRestart",
             "message": "Found 5 matching logs, which meets the threshold of 5",
-            "since": now, "lastMatch": now, "taintAdded": false}}, "cursor": {}})
-        .to_string(),
-    )
-    .unwrap();
+            "since": now, "lastMatch": now, "taintAdded": false}}, "cursor": {}}),
+    );
     let state_dir = state.path.clone();
     let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
         c.state_dir = state_dir;
@@ -922,30 +931,7 @@ async fn an_imported_counter_counts_across_restarts_and_clears_as_log_counter_do
     let tmp = TempDir::new("counter-window");
     let journal = tmp.path.join("journal");
     std::fs::create_dir(&journal).unwrap();
-    let mut config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(npd_configs().join("systemd-monitor-counter.json")).unwrap(),
-    )
-    .unwrap();
-    for rule in config["rules"].as_array_mut().unwrap() {
-        let args: Vec<serde_json::Value> = rule["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| match a.as_str().unwrap() {
-                a if a.starts_with("--log-path=") => {
-                    format!("--log-path={}", journal.display()).into()
-                }
-                a => a.into(),
-            })
-            .collect();
-        rule["args"] = args.into();
-    }
-    let path = tmp.path.join("systemd-monitor-counter.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    let (code, yaml, notes) = nodeguard(&["import-npd", path.to_str().unwrap()]);
-    assert_eq!(code, 0, "{notes}");
-    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
-    let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let (_, monitors) = import_systemd_counter(&tmp.path, &journal);
     let policy = unique_name("counter-window");
     apply_policy(
         &admin,

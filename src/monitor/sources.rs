@@ -937,9 +937,8 @@ fn spawn_journalctl(
                     // An entry without a whole cursor (cut short) keeps the
                     // last one: a restart reads it again rather than start
                     // at the journal's end.
-                    let c = c.or_else(|| cursor.clone());
                     if c.is_some() {
-                        cursor = c.clone();
+                        cursor = c;
                     }
                     let Some(message) = message else {
                         counters.malformed.fetch_add(1, Ordering::Relaxed);
@@ -948,7 +947,7 @@ fn spawn_journalctl(
                     let item = Item {
                         line: message,
                         cursor: Cursor {
-                            journal: c,
+                            journal: cursor.clone(),
                             ..Default::default()
                         },
                     };

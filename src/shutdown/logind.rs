@@ -157,15 +157,12 @@ pub fn write_drop_in(dir: &Path, delay: Duration) -> Result<PathBuf, ShutdownErr
         path: path.clone(),
         source,
     };
-    std::fs::create_dir_all(dir).map_err(err)?;
-    let tmp = dir.join(format!(".{DROP_IN_NAME}.tmp"));
     let text = format!(
         "# Written by nodeguard: its shutdown policy needs this much time to move pods off the node.\n\
          [Login]\nInhibitDelayMaxSec={}\n",
         delay.as_secs().max(1)
     );
-    std::fs::write(&tmp, text).map_err(err)?;
-    std::fs::rename(&tmp, &path).map_err(err)?;
+    crate::state_dir::write_atomic(&path, text.as_bytes(), false).map_err(err)?;
     Ok(path)
 }
 

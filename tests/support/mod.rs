@@ -852,3 +852,11 @@ pub fn node_event_count(node: &str, reason: &str) -> (u64, String) {
         .join("\n");
     (count, notes)
 }
+
+/// Writes what an agent of an earlier run or boot saved for `monitor`
+/// under `state_dir` (the agent's own layout: `monitors/<name>.json`).
+pub fn write_saved_state(state_dir: &std::path::Path, monitor: &str, state: serde_json::Value) {
+    let dir = state_dir.join("monitors");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(format!("{monitor}.json")), state.to_string()).unwrap();
+}

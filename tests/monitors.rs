@@ -771,6 +771,57 @@ async fn an_entry_logged_before_journalctl_can_start_is_not_lost() {
     delete_policy(&admin, &policy).await;
 }
 
+/// The repair cooldown is measured on the monotonic clock: a unit that
+/// started long ago and fails is repaired even when the wall clock was set
+/// back since its start (its realtime start reads as in the future).
+#[tokio::test]
+async fn a_unit_failing_after_the_clock_was_set_back_is_still_repaired() {
+    use support::dbus::{LogindPeer, PrivateBus, UnitState, monotonic_usec, now_usec};
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "service-step").await;
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
+    peer.serve_unit(
+        "kubelet.service",
+        UnitState {
+            active: "failed".into(),
+            sub: "failed".into(),
+            // Started 30 s ago; the wall clock was set back an hour since.
+            started_usec: now_usec() + 3_600_000_000 - 30_000_000,
+            started_monotonic_usec: Some(monotonic_usec() - 30_000_000),
+            ..Default::default()
+        },
+    )
+    .await;
+    let policy = unique_name("service-step");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "kubelet-service",
+            "source": {"systemd": {"unit": "kubelet.service", "intervalSeconds": 1, "repair": {"cooldownSeconds": 10}}},
+            "conditions": [{"type": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsHealthy", "message": "kubelet.service is active"}],
+            "rules": [{"type": "permanent", "condition": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsDown"}],
+        }]),
+    )
+    .await;
+    let address = bus.address.clone();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address)
+    })
+    .await;
+    let kills = || peer.state.lock().unwrap().units["kubelet.service"].kills;
+    eventually(
+        Duration::from_secs(8),
+        "repaired: up 30 s by the monotonic clock, past its 10 s cooldown",
+        || std::future::ready(kills() == 1),
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 #[tokio::test]
 async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_cooldown() {
     use support::dbus::{LogindPeer, PrivateBus, UnitState, now_usec};

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 use serde::{Deserialize, Serialize};
 
 pub use crate::policy::monitors::patterns::BadPattern;
@@ -354,6 +354,38 @@ impl Engine {
         for (t, s) in state {
             if self.conditions.iter().any(|c| c.type_ == t) {
                 self.state.insert(t, s);
+            }
+        }
+    }
+
+    /// The wall clock stepped by `by` (an NTP step, `date -s`): every kept
+    /// time moves with it, so a counting window or a quiet period goes on
+    /// measuring the time that passed, not the jump, and the times kept
+    /// (shown, saved) stay on the clock as it reads now.
+    pub fn shift(&mut self, by: SignedDuration) {
+        let moved = |t: Timestamp| t.checked_add(by).unwrap_or(t);
+        for s in self.state.values_mut() {
+            s.since = moved(s.since);
+            s.last_match = s.last_match.map(moved);
+        }
+        for q in self.counts.values_mut() {
+            for (t, _) in q.iter_mut() {
+                *t = moved(*t);
+            }
+        }
+    }
+
+    /// Restored times later than `now` are taken as `now`: the clock was set
+    /// back while the monitor was stopped (no step to follow), and a time in
+    /// the future would otherwise read as long ago.
+    pub fn clamp_to(&mut self, now: Timestamp) {
+        for s in self.state.values_mut() {
+            s.since = s.since.min(now);
+            s.last_match = s.last_match.map(|m| m.min(now));
+        }
+        for q in self.counts.values_mut() {
+            for (t, _) in q.iter_mut() {
+                *t = (*t).min(now);
             }
         }
     }

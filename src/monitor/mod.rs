@@ -468,6 +468,43 @@ async fn undo<T: TaintPort>(ctx: &MonitorContext<T>, old: &MonitorSpec, new: Opt
     }
 }
 
+/// A monitor's wall clock. The engine keeps wall times (they are saved and
+/// read back after a restart); when the system clock steps (NTP, `date -s`),
+/// the engine's times move by the step, so a counting window or a quiet
+/// period measures the time that passed, not the jump.
+struct EngineClock {
+    clock: WallClock,
+    /// The step the engine's times already follow.
+    followed: jiff::SignedDuration,
+    monitor: String,
+}
+
+/// Steps smaller than this are left alone (a window off by less than a
+/// second does not matter; the readings differ by microseconds).
+const FOLLOWED_STEP: jiff::SignedDuration = jiff::SignedDuration::from_secs(1);
+
+impl EngineClock {
+    fn new(monitor: &str) -> Self {
+        EngineClock {
+            clock: WallClock::new(),
+            followed: jiff::SignedDuration::ZERO,
+            monitor: monitor.to_string(),
+        }
+    }
+
+    /// Wall time now, after moving the engine's times by any new step.
+    fn now(&mut self, engine: &mut Engine) -> jiff::Timestamp {
+        let step = self.clock.step();
+        let by = step - self.followed;
+        if by.abs() >= FOLLOWED_STEP {
+            tracing::info!(monitor = %self.monitor, step_seconds = by.as_secs_f64(), "the wall clock stepped; counting windows and quiet periods go on by elapsed time");
+            engine.shift(by);
+            self.followed = step;
+        }
+        self.clock.now()
+    }
+}
+
 /// Runs until `stop`; `Err` says why it ended otherwise.
 async fn run_monitor<T: TaintPort>(
     spec: MonitorSpec,
@@ -475,7 +512,7 @@ async fn run_monitor<T: TaintPort>(
     handle: Arc<LoopHandle>,
     stop: CancellationToken,
 ) -> Result<(), String> {
-    let clock = WallClock::new();
+    let mut clock = EngineClock::new(&spec.name);
     let mut engine = match Engine::new(&spec, &format!("monitor {}", spec.name)) {
         Ok(e) => e,
         Err(bad) => {
@@ -499,6 +536,8 @@ async fn run_monitor<T: TaintPort>(
     state.boot_id = Some(ctx.boot_id.clone());
     engine.restore(std::mem::take(&mut state.conditions));
     engine.restore_counts(std::mem::take(&mut state.counts));
+    let now = clock.now(&mut engine);
+    engine.clamp_to(now);
     let counters = Arc::new(SourceCounters::default());
     ctx.metrics
         .sources
@@ -602,7 +641,10 @@ async fn run_monitor<T: TaintPort>(
     };
     handle.queued();
     if new_boot {
-        let reset = engine.on_new_boot(clock.now());
+        let reset = {
+            let now = clock.now(&mut engine);
+            engine.on_new_boot(now)
+        };
         apply(
             &reset,
             &mut engine,
@@ -613,7 +655,10 @@ async fn run_monitor<T: TaintPort>(
         )
         .await;
     }
-    let initial = engine.current(clock.now());
+    let initial = {
+        let now = clock.now(&mut engine);
+        engine.current(now)
+    };
     apply(
         &initial,
         &mut engine,
@@ -647,7 +692,7 @@ async fn run_monitor<T: TaintPort>(
                 let mut next = Some(first);
                 let mut taken = 0;
                 while let Some(item) = next {
-                    let actions = engine.on_line(&item.line, clock.now());
+                    let actions = { let now = clock.now(&mut engine); engine.on_line(&item.line, now) };
                     state.cursor = item.cursor;
                     dirty = true;
                     if !actions.is_empty() {
@@ -662,7 +707,7 @@ async fn run_monitor<T: TaintPort>(
             }
             Some((rule, status, output)) = plugin_rx.recv() => {
                 handle.queued();
-                let actions = engine.on_plugin(rule, status, &output, clock.now());
+                let actions = { let now = clock.now(&mut engine); engine.on_plugin(rule, status, &output, now) };
                 if !actions.is_empty() {
                     apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     dirty = !save(&mut state, &engine);
@@ -704,11 +749,11 @@ async fn run_monitor<T: TaintPort>(
                         }
                     };
                     refused_seen = refused_now;
-                    let current = engine.current(clock.now());
+                    let current = { let now = clock.now(&mut engine); engine.current(now) };
                     apply(&current, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     handle.updated();
                 }
-                let mut actions = engine.on_tick(clock.now());
+                let mut actions = { let now = clock.now(&mut engine); engine.on_tick(now) };
                 if last_taint_retry.elapsed() >= TAINT_RETRY {
                     last_taint_retry = tokio::time::Instant::now();
                     actions.extend(engine.taint_retries());
@@ -741,6 +786,11 @@ struct UnitHealth {
     message: String,
     /// Realtime microseconds of the unit's last start (0: never started).
     started_usec: u64,
+    /// The same start on the monotonic clock (0: never started or not
+    /// said): the repair cooldown is measured by it, so a wall-clock step
+    /// neither repairs a unit that just started nor holds back one that
+    /// has been failing for long.
+    started_monotonic_usec: u64,
 }
 
 async fn unit_health(
@@ -763,6 +813,7 @@ async fn unit_health(
                     msg.map(|m| format!(" ({m})")).unwrap_or_default()
                 ),
                 started_usec: 0,
+                started_monotonic_usec: 0,
             });
         }
         Err(e) => return Err(e),
@@ -775,6 +826,7 @@ async fn unit_health(
     let active = unit.active_state().await?;
     let sub = unit.sub_state().await.unwrap_or_default();
     let started_usec = unit.inactive_exit_timestamp().await.unwrap_or(0);
+    let started_monotonic_usec = unit.inactive_exit_timestamp_monotonic().await.unwrap_or(0);
     let restarts = match zbus_systemd::systemd1::ServiceProxy::builder(conn)
         .path(path)
         .cache_properties(CacheProperties::No)
@@ -815,6 +867,7 @@ async fn unit_health(
         healthy,
         message: format!("{message}."),
         started_usec,
+        started_monotonic_usec,
     })
 }
 
@@ -881,8 +934,14 @@ async fn run_service_checks(
             continue;
         }
         let cooldown = Duration::from_secs(repair.cooldown_seconds.into());
-        let now_usec = jiff::Timestamp::now().as_microsecond().max(0) as u64;
-        let up = Duration::from_micros(now_usec.saturating_sub(health.started_usec));
+        let up = if health.started_monotonic_usec > 0 {
+            let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+            let now = Duration::new(now.tv_sec.max(0) as u64, now.tv_nsec.max(0) as u32);
+            now.saturating_sub(Duration::from_micros(health.started_monotonic_usec))
+        } else {
+            let now_usec = jiff::Timestamp::now().as_microsecond().max(0) as u64;
+            Duration::from_micros(now_usec.saturating_sub(health.started_usec))
+        };
         let recent = last_repair.is_some_and(|t| t.elapsed() < cooldown);
         if up < cooldown || recent {
             tracing::info!(unit = %src.unit, up = ?up, cooldown = ?cooldown, "unit unhealthy; within its repair cooldown");

@@ -960,15 +960,27 @@ async fn execute<C: ClusterPort>(
     cancel: CancellationToken,
 ) -> ShutdownRecord {
     let now_wall = ctx.clock.now();
-    // Offsets are from the original start, also when resuming.
-    let start = match record.started_at {
-        Some(s) if resume => {
-            let elapsed: Duration = (now_wall - s).try_into().unwrap_or_default();
-            Instant::now() - elapsed.min(Duration::from_secs(24 * 3600))
-        }
-        _ => Instant::now(),
+    let now_monotonic = ctx.clock.monotonic();
+    // Offsets are from the original start, also when resuming: by the
+    // monotonic clock on the same boot (a wall-clock step between the start
+    // and the restart changes nothing), by the wall clock for a record
+    // written before the monotonic time was kept.
+    let start = if resume {
+        let elapsed = match (record.started_monotonic_ms, record.started_at) {
+            (Some(ms), _) if record.boot_id == ctx.boot_id => {
+                now_monotonic.saturating_sub(Duration::from_millis(ms))
+            }
+            (_, Some(s)) => now_wall.duration_since(s).try_into().unwrap_or_default(),
+            _ => Duration::ZERO,
+        };
+        Instant::now() - elapsed.min(Duration::from_secs(24 * 3600))
+    } else {
+        Instant::now()
     };
-    record.started_at.get_or_insert(now_wall);
+    if record.started_at.is_none() {
+        record.started_at = Some(now_wall);
+        record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
+    }
     record.boot_id = ctx.boot_id.clone();
     ctx.metrics
         .start_time

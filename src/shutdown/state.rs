@@ -18,6 +18,12 @@ pub struct ShutdownRecord {
     /// `/proc/sys/kernel/random/boot_id` when the shutdown started.
     pub boot_id: String,
     pub started_at: Option<Timestamp>,
+    /// The monotonic clock (`CLOCK_MONOTONIC`, milliseconds) when the
+    /// shutdown started: a restart on the same boot measures how far the
+    /// shutdown has gone by it, so a wall-clock step between the start and
+    /// the restart moves nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_monotonic_ms: Option<u64>,
     pub ended_at: Option<Timestamp>,
     /// Priorities of the groups whose window is over.
     #[serde(default)]
@@ -237,6 +243,7 @@ mod tests {
         let r = ShutdownRecord {
             boot_id: "b".into(),
             started_at: Some(ts(1)),
+            started_monotonic_ms: None,
             ended_at: None,
             groups_done: vec![0, 1000],
             taint_added: true,

@@ -643,6 +643,7 @@ fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterSt
         &ShutdownRecord {
             boot_id: "old-boot".into(),
             started_at: Some(start),
+            started_monotonic_ms: None,
             ended_at: Some(start + jiff::SignedDuration::from_secs(took_secs)),
             groups_done: vec![0],
             taint_added: true,
@@ -729,6 +730,7 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
         &ShutdownRecord {
             boot_id: "b1".into(),
             started_at: Some(now - jiff::SignedDuration::from_secs(4)),
+            started_monotonic_ms: None,
             ended_at: None,
             groups_done: vec![0],
             taint_added: true,
@@ -770,6 +772,98 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
     r.task.await.unwrap();
 }
 
+/// A restart on the same boot after the wall clock stepped: how far the
+/// shutdown has gone is measured on the monotonic clock the record keeps.
+/// `wall_step_secs`: how far the wall clock moved between the start and the
+/// restart; `elapsed_secs`: the time that really passed.
+async fn resume_after_a_step(
+    name: &str,
+    wall_step_secs: i64,
+    elapsed_secs: u64,
+) -> Vec<(Duration, Call)> {
+    let dir = tmp(name);
+    let clock = WallClock::new();
+    let started_mono = clock.monotonic() - Duration::from_secs(elapsed_secs);
+    let started_wall = clock.now()
+        - jiff::SignedDuration::from_secs(elapsed_secs as i64)
+        - jiff::SignedDuration::from_secs(wall_step_secs);
+    assert!(state::save(
+        &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
+        &dir,
+        &ShutdownRecord {
+            boot_id: "b1".into(),
+            started_at: Some(started_wall),
+            started_monotonic_ms: Some(started_mono.as_millis() as u64),
+            ended_at: None,
+            groups_done: vec![0],
+            taint_added: true,
+        },
+    ));
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    let logind = FakeLogind::new(Duration::from_secs(30));
+    logind.with(|s| s.preparing = true);
+    let r = rig_in(
+        dir,
+        logind,
+        Some(config(&[(0, 10), (1000, 10)])),
+        vec![pod("a/low", 0, None), pod("b/high", 1000, None)],
+        "b1",
+        pre,
+    );
+    // 30 s of delay, 2 s of margin: 28 s in all from the original start.
+    let elapsed_left = Duration::from_secs(28u64.saturating_sub(elapsed_secs));
+    tokio::time::sleep(elapsed_left + Duration::from_secs(1)).await;
+    assert_eq!(
+        r.logind.held(),
+        0,
+        "released by the original start's window ({elapsed_left:?} after the restart)"
+    );
+    let calls = r.cluster.calls();
+    r.stop.cancel();
+    r.task.await.unwrap();
+    calls
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_after_the_clock_was_set_back_keeps_the_original_window() {
+    // 24 s of 28 gone; the wall clock was set back an hour meanwhile (it
+    // reads as if the shutdown started in the future).
+    let calls = resume_after_a_step("step-back", -3600, 24).await;
+    let graces: Vec<i64> = calls
+        .iter()
+        .filter_map(|(_, c)| match c {
+            Call::Evict(k, g) if k == "b/high" => Some(*g),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !graces.is_empty() && graces.iter().all(|g| *g <= 4),
+        "the last group has 4 s left, not a new window: {calls:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_after_the_clock_was_set_forward_still_runs_the_remaining_group() {
+    // 4 s gone; the wall clock was set forward an hour meanwhile (it reads
+    // as if the window ended long ago).
+    let calls = resume_after_a_step("step-forward", 3600, 4).await;
+    assert!(
+        calls
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, g) if k == "b/high" && *g >= 9)),
+        "the remaining group gets its time: {calls:?}"
+    );
+    assert!(
+        !calls
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        "the done group is not evicted again: {calls:?}"
+    );
+}
+
 /// A record of this boot, as a stopped or crashed agent leaves it.
 fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
     let dir = tmp(name);
@@ -780,6 +874,7 @@ fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
         &ShutdownRecord {
             boot_id: "b1".into(),
             started_at: Some(now - jiff::SignedDuration::from_secs(20)),
+            started_monotonic_ms: None,
             ended_at: ended.then(|| now - jiff::SignedDuration::from_secs(1)),
             groups_done: vec![0],
             taint_added: true,

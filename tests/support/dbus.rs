@@ -119,11 +119,20 @@ pub struct UnitState {
     pub active: String,
     pub sub: String,
     pub started_usec: u64,
+    /// `InactiveExitTimestampMonotonic`; `None`: the same moment as
+    /// `started_usec` on an unstepped clock (what systemd would say).
+    pub started_monotonic_usec: Option<u64>,
     pub restarts: u32,
     /// KillUnit calls for it.
     pub kills: u32,
     /// Their (whom, signal).
     pub signals: Vec<(String, i32)>,
+}
+
+/// `CLOCK_MONOTONIC` in microseconds, as systemd's *Monotonic timestamps.
+pub fn monotonic_usec() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
 }
 
 pub fn now_usec() -> u64 {
@@ -178,6 +187,21 @@ impl UnitIface {
             .units
             .get(&self.1)
             .map(|u| u.started_usec)
+            .unwrap_or(0)
+    }
+    #[zbus(property, name = "InactiveExitTimestampMonotonic")]
+    fn inactive_exit_timestamp_monotonic(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .units
+            .get(&self.1)
+            .filter(|u| u.started_usec > 0)
+            .map(|u| {
+                u.started_monotonic_usec.unwrap_or_else(|| {
+                    monotonic_usec().saturating_sub(now_usec().saturating_sub(u.started_usec))
+                })
+            })
             .unwrap_or(0)
     }
 }

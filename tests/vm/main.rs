@@ -27,9 +27,10 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 17] = [
+const SCENARIOS: [&str; 18] = [
     "inhibit-delay",
     "kernel-problem",
+    "clock-step",
     "systemd-watchdog",
     "poweroff",
     "reboot",
@@ -207,6 +208,7 @@ async fn run(selected: &[&'static str], rows: &Rows) -> bool {
     let shutdown_steps: Vec<&'static str> = [
         "inhibit-delay",
         "kernel-problem",
+        "clock-step",
         "systemd-watchdog",
         "poweroff",
     ]
@@ -579,6 +581,17 @@ async fn shutdown_node(env: &Env, rows: &Rows, steps: &[&'static str], then_rebo
                     {"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
                      "pattern": "task docker:\\w+ blocked for more than \\w+ seconds\\."},
                 ],
+            }, {
+                // clock-step: quiet periods running across wall-clock steps.
+                "name": "clock", "source": {"kmsg": {"path": "/dev/kmsg"}},
+                "conditions": [
+                    {"type": "ClockProbe", "reason": "NoClockProbe", "message": "no probe line", "clearAfterSeconds": 40},
+                    {"type": "ClockShown", "reason": "NoClockShown", "message": "no shown line", "clearAfterSeconds": 60},
+                ],
+                "rules": [
+                    {"type": "permanent", "condition": "ClockProbe", "reason": "ClockProbeSeen", "pattern": "nodeguard clock probe"},
+                    {"type": "permanent", "condition": "ClockShown", "reason": "ClockShownSeen", "pattern": "nodeguard clock shown"},
+                ],
             }],
         }),
     )
@@ -597,6 +610,7 @@ async fn shutdown_node(env: &Env, rows: &Rows, steps: &[&'static str], then_rebo
                     inhibit_delay(&mut vm, &admin, &node.name, rows, &boot_note).await
                 }
                 "kernel-problem" => kernel_problem(&mut vm, &admin, &node.name, rows).await,
+                "clock-step" => clock_step(&mut vm, &admin, &node.name, rows).await,
                 "systemd-watchdog" => systemd_watchdog(&mut vm, &admin, &node.name, rows).await,
                 "poweroff" => poweroff(&mut vm, &admin, &node.name, &dir, rows).await,
                 other => unreachable!("{other}"),
@@ -705,6 +719,111 @@ async fn kernel_problem(vm: &mut Vm, admin: &Client, node: &str, rows: &Rows) {
     rows.pass(
         "kernel-problem",
         format!("/dev/kmsg line → KernelDeadlock=True (DockerHung) in the API after {} (exec round trip {})", secs(seen), secs(written)),
+    );
+}
+
+/// The guest's wall clock stepped an hour forward and back (as an NTP step
+/// or `date -s` does) while quiet periods run, with the agent restarted
+/// after each step: a quiet period measures the time that passed since the
+/// line, and condition times are on the clock as it reads.
+async fn clock_step(vm: &mut Vm, admin: &Client, node: &str, rows: &Rows) {
+    let guest_clock = async |vm: &mut Vm| -> i64 {
+        let out = vm.sh("date +%s").await;
+        out.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("date +%s: {out:?}"))
+    };
+    let transition_of = async |type_: &str| -> i64 {
+        node_conditions(admin, node, type_)
+            .await
+            .first()
+            .and_then(|c| c.last_transition_time.as_ref())
+            .map(|t| t.0.as_second())
+            .unwrap_or_else(|| panic!("{type_} has no lastTransitionTime"))
+    };
+    let restart = async |vm: &mut Vm| {
+        // Type=notify: back when the new agent said READY=1.
+        vm.sh("systemctl restart nodeguard && systemctl is-active nodeguard")
+            .await;
+    };
+    let held_until = async |type_: &str, since: Instant, until: Duration| {
+        while since.elapsed() < until {
+            assert!(
+                condition_is(admin, node, type_, "True").await,
+                "{type_} cleared {} after its line (quiet period not over)",
+                secs(since.elapsed())
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+    let cleared_after = async |type_: &str, since: Instant, at_most: Duration| -> Duration {
+        eventually(
+            at_most.saturating_sub(since.elapsed()),
+            &format!("{type_}=False"),
+            || condition_is(admin, node, type_, "False"),
+        )
+        .await;
+        since.elapsed()
+    };
+
+    assert!(!condition_is(admin, node, "ClockProbe", "True").await);
+    vm.sh("echo '<3>nodeguard clock probe' > /dev/kmsg").await;
+    let probe_line = Instant::now();
+    wait_condition(
+        admin,
+        node,
+        "ClockProbe",
+        "True",
+        Duration::from_secs(10),
+        "ClockProbe=True",
+    )
+    .await;
+
+    // Forward an hour. What is written after the step is on the new clock.
+    vm.sh("date -s @$(( $(date +%s) + 3600 )) >/dev/null").await;
+    vm.sh("echo '<3>nodeguard clock shown' > /dev/kmsg").await;
+    let shown_line = Instant::now();
+    wait_condition(
+        admin,
+        node,
+        "ClockShown",
+        "True",
+        Duration::from_secs(10),
+        "ClockShown=True",
+    )
+    .await;
+    let guest = guest_clock(vm).await;
+    let shown = transition_of("ClockShown").await;
+    assert!(
+        (guest - shown).abs() <= 30,
+        "ClockShown's lastTransitionTime {shown} is not on the guest's clock {guest} (stepped +3600 s)"
+    );
+    // A restart after the step: the probe's quiet period still counts from
+    // its line (the saved time moved with the step), not an hour earlier.
+    restart(vm).await;
+    held_until("ClockProbe", probe_line, Duration::from_secs(34)).await;
+    let probe_cleared = cleared_after("ClockProbe", probe_line, Duration::from_secs(60)).await;
+
+    // Back an hour, to the real time; the shown line's quiet period runs on.
+    vm.sh("date -s @$(( $(date +%s) - 3600 )) >/dev/null").await;
+    let back = guest_clock(vm).await;
+    let host = jiff::Timestamp::now().as_second();
+    assert!((back - host).abs() <= 30, "guest {back} vs host {host}");
+    restart(vm).await;
+    held_until("ClockShown", shown_line, Duration::from_secs(54)).await;
+    let shown_cleared = cleared_after("ClockShown", shown_line, Duration::from_secs(80)).await;
+    let cleared_at = transition_of("ClockShown").await;
+    assert!(
+        (cleared_at - back).abs() <= 120,
+        "the clear's lastTransitionTime {cleared_at} is on the guest's clock ({back} at the step back)"
+    );
+    rows.pass(
+        "clock-step",
+        format!(
+            "+1 h step, restart: 40 s quiet period cleared {} after its line; −1 h step, restart: 60 s one cleared {} after; condition times on the stepped clock (±30 s)",
+            secs(probe_cleared),
+            secs(shown_cleared)
+        ),
     );
 }
 

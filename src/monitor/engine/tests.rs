@@ -1055,3 +1055,51 @@ fn counts_survive_a_restart() {
             .any(|a| matches!(a, Action::Condition { active: false, .. }))
     );
 }
+
+/// A wall-clock step (NTP, `date -s`) moves the kept times with it: a quiet
+/// period and a counting window measure the time that passed.
+#[test]
+fn a_clock_step_moves_quiet_periods_and_windows_with_it() {
+    let active = |e: &Engine| e.state()["AppBroken"].active;
+    // Set back an hour 9 s after the match: the condition clears 60 s after
+    // the match, not at once (an hour "since") and not an hour later.
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.on_line("app crashed: x", t(1));
+    e.shift(jiff::SignedDuration::from_secs(-3600));
+    // Kept times are on the stepped clock (what is saved and shown).
+    assert_eq!(e.state()["AppBroken"].last_match, Some(t(1 - 3600)));
+    assert!(e.on_tick(t(10 - 3600)).is_empty());
+    assert!(active(&e));
+    e.on_tick(t(60 - 3600));
+    assert!(active(&e), "59 s after the match");
+    e.on_tick(t(62 - 3600));
+    assert!(!active(&e), "61 s after the match");
+
+    // Set forward an hour between matches: three in 60 s still count.
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.on_line("app restarted", t(1));
+    e.on_line("app restarted", t(2));
+    e.shift(jiff::SignedDuration::from_secs(3600));
+    let a = e.on_line("app restarted", t(3600 + 5));
+    assert_eq!(events(&a), ["FrequentRestarts"], "{a:?}");
+}
+
+/// Restored times in the future (the clock was set back while the monitor
+/// was stopped) are taken as now: not read as long ago.
+#[test]
+fn restored_times_in_the_future_are_taken_as_now() {
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.on_line("app crashed: x", t(3600));
+    let saved = e.state().clone();
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.restore(saved);
+    e.clamp_to(t(10));
+    e.current(t(10));
+    assert!(e.on_tick(t(11)).is_empty(), "not cleared at once");
+    assert!(e.state()["AppBroken"].active);
+    e.on_tick(t(71));
+    assert!(!e.state()["AppBroken"].active, "cleared 60 s later");
+}

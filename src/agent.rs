@@ -690,6 +690,33 @@ fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[Stri
     }
 }
 
+/// One sentence for what the node's limits leave out, naming a few policies.
+fn over_limit_message(over: &[crate::policy::OverLimit]) -> String {
+    use crate::policy::{MAX_CONDITIONS, MAX_MONITORS, MAX_PROBES};
+    let count =
+        |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+    let probes: usize = over.iter().map(|o| o.probes.len()).sum();
+    let monitors: usize = over.iter().map(|o| o.monitors.len()).sum();
+    let what = match (probes, monitors) {
+        (p, 0) => count(p, "probe", "probes"),
+        (0, m) => count(m, "monitor", "monitors"),
+        (p, m) => format!(
+            "{} and {}",
+            count(p, "probe", "probes"),
+            count(m, "monitor", "monitors")
+        ),
+    };
+    let mut names: Vec<&str> = over.iter().map(|o| o.policy.as_str()).take(3).collect();
+    if over.len() > 3 {
+        names.push("…");
+    }
+    format!(
+        "Policies ask for more than this node runs (at most {MAX_PROBES} probes, {MAX_MONITORS} monitors and {MAX_CONDITIONS} conditions from all policies together): {what} of {} ({}) are not in force here; those of the policies first by name are. Select fewer for this node.",
+        count(over.len(), "policy", "policies"),
+        names.join(", ")
+    )
+}
+
 fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
     for (section, used, ignored) in &selection.conflicts {
         let message = format!(
@@ -758,6 +785,21 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
         };
         problems_here.push(format!("{first}; the rest of the policy applies.{more}"));
         reason.get_or_insert("PolicyRefused");
+    }
+    if !selection.over_limit.is_empty() {
+        let message = over_limit_message(&selection.over_limit);
+        let (probes, monitors) = selection.over_limit.iter().fold((0, 0), |(p, m), o| {
+            (p + o.probes.len(), m + o.monitors.len())
+        });
+        tracing::warn!(%node, probes, monitors, policies = selection.over_limit.len(), "policies ask for more than the node's limits; the rest is not in force");
+        reporter.event(
+            EventKind::Warning,
+            "PolicyOverLimit",
+            "LoadPolicy",
+            message.clone(),
+        );
+        problems_here.push(message);
+        reason.get_or_insert("PolicyOverLimit");
     }
     if let Some(reason) = reason {
         reporter.set(

@@ -23,7 +23,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use load::{PolicyDocument, load_policies};
-pub use select::{Selection, select, select_with_last_good};
+pub use select::{
+    MAX_CONDITIONS, MAX_MONITORS, MAX_PROBES, OverLimit, Selection, select, select_with_last_good,
+};
 pub use selector::Selector;
 pub use trust::{NodeTrust, Refusal};
 pub use validate::{Problem, validate};

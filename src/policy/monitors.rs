@@ -24,8 +24,10 @@ pub struct MonitorSpec {
     pub source: LogSource,
     /// The conditions this monitor owns, with their no-problem state.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
     pub conditions: Vec<ConditionSpec>,
     #[serde(default)]
+    #[schemars(length(max = 256))]
     pub rules: Vec<RuleSpec>,
     /// Match lines the way node-problem-detector's log monitors do (set by
     /// `nodeguard import-npd`); unset: each pattern is searched anywhere in
@@ -395,6 +397,7 @@ pub struct ConditionSpec {
     pub clear_after_seconds: Option<u32>,
     /// Back to False when a line matches this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
     pub clear_pattern: Option<String>,
     /// A taint nodeguard adds while the condition is True.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -440,6 +443,7 @@ pub struct RuleSpec {
     /// Log monitors: a regular expression (Rust `regex` syntax) matched
     /// against each line.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 4096))]
     pub pattern: String,
     /// Plugin monitors: the command (argv) to run.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -463,6 +467,7 @@ pub struct CountSpec {
     /// log-counter's `--revert-pattern`: a clean "Stopping" before a
     /// "Started" is a restart, not a crash).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
     pub revert_pattern: Option<String>,
 }
 

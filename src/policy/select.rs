@@ -38,6 +38,31 @@ pub struct Selection {
     /// (commands, repairs, paths, devices, inhibit delay); each is left out
     /// and the rest of its policy applies.
     pub refused: Vec<Refusal>,
+    /// Probes and monitors past the node's limits ([`MAX_PROBES`],
+    /// [`MAX_MONITORS`] from all policies together): left out, policies
+    /// later by name first.
+    pub over_limit: Vec<OverLimit>,
+}
+
+/// Most probes a node runs from all its policies together (each a task per
+/// target, probing on its period).
+pub const MAX_PROBES: usize = 1024;
+/// Most monitors a node runs from all its policies together (each a reader
+/// thread, a journalctl or a plugin runner, and a state file).
+pub const MAX_MONITORS: usize = 64;
+
+/// Most NodeConditions a node's probes and monitors set, all policies
+/// together (every condition is in each status write of the Node).
+pub const MAX_CONDITIONS: usize = 128;
+
+/// What one policy asks for past the node's limits.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OverLimit {
+    pub policy: String,
+    /// Names of its probes left out.
+    pub probes: Vec<String>,
+    /// Names of its monitors left out.
+    pub monitors: Vec<String>,
 }
 
 /// A section that cannot be merged: the first policy (by name) that sets
@@ -200,6 +225,10 @@ pub fn select<'a>(
     let mut shutdown = FirstWins::default();
     let mut probe_from: BTreeMap<String, String> = BTreeMap::new();
     let mut monitor_from: BTreeMap<String, String> = BTreeMap::new();
+    // NodeConditions the probes and monitors taken so far set.
+    let mut conditions = 0usize;
+    let sets_condition =
+        |p: &super::probes::ProbeSpec| p.pods.is_none() && p.condition_type.is_some();
     let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
     policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     for p in policies {
@@ -246,10 +275,20 @@ pub fn select<'a>(
                         }
                         sd
                     });
+                let mut over = OverLimit {
+                    policy: name.clone(),
+                    ..Default::default()
+                };
                 for probe in probes {
                     match probe_from.get(&probe.name) {
+                        None if out.probes.len() >= MAX_PROBES
+                            || (sets_condition(probe) && conditions >= MAX_CONDITIONS) =>
+                        {
+                            over.probes.push(probe.name.clone())
+                        }
                         None => {
                             probe_from.insert(probe.name.clone(), name.clone());
+                            conditions += usize::from(sets_condition(probe));
                             out.probes.push(probe.clone());
                         }
                         Some(first) => out.conflicts.push((
@@ -261,7 +300,13 @@ pub fn select<'a>(
                 }
                 for monitor in monitors {
                     match monitor_from.get(&monitor.name) {
+                        None if out.monitors.len() >= MAX_MONITORS
+                            || conditions + monitor.conditions.len() > MAX_CONDITIONS =>
+                        {
+                            over.monitors.push(monitor.name.clone())
+                        }
                         None => {
+                            conditions += monitor.conditions.len();
                             monitor_from.insert(monitor.name.clone(), name.clone());
                             out.monitors.push(monitor.clone());
                         }
@@ -271,6 +316,9 @@ pub fn select<'a>(
                             vec![name.clone()],
                         )),
                     }
+                }
+                if !over.probes.is_empty() || !over.monitors.is_empty() {
+                    out.over_limit.push(over);
                 }
                 watchdog.offer(&name, watchdog_section);
                 shutdown.offer(&name, shutdown_section.as_ref());

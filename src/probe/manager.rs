@@ -262,6 +262,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
                 },
             );
         }
+        shared.metrics.workers.set(running.len() as i64);
         {
             let mut h = handle.inner.lock().unwrap_or_else(|e| e.into_inner());
             h.triggers = running

@@ -18,6 +18,7 @@ use kube::{Api, Client};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -44,12 +45,14 @@ struct ProbeLabels {
 
 /// `nodeguard_probe_total{probe,target,result}`,
 /// `nodeguard_probe_duration_seconds{probe}` and
-/// `nodeguard_probe_worker_panics_total{probe}`.
+/// `nodeguard_probe_worker_panics_total{probe}` and
+/// `nodeguard_probe_workers`.
 #[derive(Clone, Debug)]
 pub struct ProbeMetrics {
     total: Family<ResultLabels, Counter>,
     duration: Family<ProbeLabels, Histogram>,
     panics: Family<ProbeLabels, Counter>,
+    workers: Gauge,
 }
 
 impl ProbeMetrics {
@@ -62,6 +65,7 @@ impl ProbeMetrics {
                 ])
             }),
             panics: Family::default(),
+            workers: Gauge::default(),
         };
         registry.register(
             "nodeguard_probe",
@@ -72,6 +76,11 @@ impl ProbeMetrics {
             "nodeguard_probe_duration_seconds",
             "How long probes took, by probe",
             m.duration.clone(),
+        );
+        registry.register(
+            "nodeguard_probe_workers",
+            "Probe workers running: one per probe and target",
+            m.workers.clone(),
         );
         registry.register(
             "nodeguard_probe_worker_panics",

@@ -690,9 +690,9 @@ fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[Stri
     }
 }
 
-/// One sentence for what the node's limits leave out, naming a few policies.
-fn over_limit_message(over: &[crate::policy::OverLimit]) -> String {
-    use crate::policy::{MAX_CONDITIONS, MAX_MONITORS, MAX_PROBES};
+/// What the node's limits leave out, naming the limits reached and a few
+/// policies.
+fn over_limit_message(over: &[crate::policy::OverLimit], reached: &[String]) -> String {
     let count =
         |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
     let probes: usize = over.iter().map(|o| o.probes.len()).sum();
@@ -710,8 +710,10 @@ fn over_limit_message(over: &[crate::policy::OverLimit]) -> String {
     if over.len() > 3 {
         names.push("…");
     }
+    let verb = if probes + monitors == 1 { "is" } else { "are" };
     format!(
-        "Policies ask for more than this node runs (at most {MAX_PROBES} probes, {MAX_MONITORS} monitors and {MAX_CONDITIONS} conditions from all policies together): {what} of {} ({}) are not in force here; those of the policies first by name are. Select fewer for this node.",
+        "Policies ask for more than this node runs: the limit of {} from all policies together is reached, so {what} of {} ({}) {verb} not in force here; the policies created first keep theirs. Select fewer for this node.",
+        reached.join(" and "),
         count(over.len(), "policy", "policies"),
         names.join(", ")
     )
@@ -787,7 +789,7 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
         reason.get_or_insert("PolicyRefused");
     }
     if !selection.over_limit.is_empty() {
-        let message = over_limit_message(&selection.over_limit);
+        let message = over_limit_message(&selection.over_limit, &selection.limits_reached);
         let (probes, monitors) = selection.over_limit.iter().fold((0, 0), |(p, m), o| {
             (p + o.probes.len(), m + o.monitors.len())
         });

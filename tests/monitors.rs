@@ -813,7 +813,7 @@ async fn a_unit_failing_after_the_clock_was_set_back_is_still_repaired() {
     .await;
     let kills = || peer.state.lock().unwrap().units["kubelet.service"].kills;
     eventually(
-        Duration::from_secs(8),
+        Duration::from_secs(20),
         "repaired: up 30 s by the monotonic clock, past its 10 s cooldown",
         || std::future::ready(kills() == 1),
     )
@@ -1812,6 +1812,75 @@ async fn the_agent_starts_on_a_read_only_state_directory_and_says_so() {
     .await;
     let (code, body) = http_get(agent.addr, "/readyz").await;
     assert_eq!(code, 200, "{body}");
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// The wall clock set forward an hour while the agent was stopped (on the
+/// same boot): the saved quiet period goes on from the line, it does not
+/// end at start (the saved times read an hour old).
+#[tokio::test]
+async fn a_clock_set_forward_while_the_agent_was_stopped_keeps_the_quiet_period() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "step-stopped").await;
+    let logs = TempDir::new("step-stopped");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let policy = unique_name("step-stopped");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+            "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.", "clearAfterSeconds": 40}],
+            "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": "app crashed"}],
+        }]),
+    )
+    .await;
+    // The line came 10 s ago and the state was saved 5 s ago, while the
+    // wall clock read an hour behind; it was set forward since.
+    let now = jiff::Timestamp::now();
+    let hour = jiff::SignedDuration::from_secs(3600);
+    let matched = now - hour - jiff::SignedDuration::from_secs(10);
+    let saved = now - hour - jiff::SignedDuration::from_secs(5);
+    let monotonic_ms = support::dbus::monotonic_usec() / 1000 - 5_000;
+    let state = TempDir::new("step-stopped-state");
+    write_saved_state(
+        &state.path,
+        "app",
+        serde_json::json!({
+            "bootId": "boot-step",
+            "conditions": {"AppBroken": {"active": true, "reason": "AppCrashed", "message": "app crashed",
+                                         "since": matched, "lastMatch": matched}},
+            "savedAt": [saved, monotonic_ms],
+        }),
+    );
+    let state_dir = state.path.clone();
+    let started = Instant::now();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir;
+        c.boot_id = "boot-step".into();
+    })
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "True",
+        Duration::from_secs(15),
+        "AppBroken=True from the saved state",
+    )
+    .await;
+    // 40 s from the line, 10 s before the start: True until ~30 s after it.
+    while started.elapsed() < Duration::from_secs(20) {
+        assert!(
+            condition_is(&admin, &node.name, "AppBroken", "True").await,
+            "AppBroken cleared {:?} after the start: the step was taken as time that passed",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }

@@ -217,6 +217,12 @@ pub struct MonitorState {
     /// [`Engine::counts_state`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counts: BTreeMap<String, Vec<(jiff::Timestamp, i64)>>,
+    /// When it was saved, on the wall clock and on `CLOCK_MONOTONIC`
+    /// (milliseconds): a restart on the same boot sees how far the wall
+    /// clock stepped while the monitor was stopped, and moves the saved
+    /// times by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_at: Option<(jiff::Timestamp, u64)>,
 }
 
 /// Whether a saved state belongs to this boot. A state saved before boot
@@ -476,6 +482,8 @@ struct EngineClock {
     clock: WallClock,
     /// The step the engine's times already follow.
     followed: jiff::SignedDuration,
+    /// The engine's times moved since the last save.
+    shifted: bool,
     monitor: String,
 }
 
@@ -488,6 +496,7 @@ impl EngineClock {
         EngineClock {
             clock: WallClock::new(),
             followed: jiff::SignedDuration::ZERO,
+            shifted: false,
             monitor: monitor.to_string(),
         }
     }
@@ -500,8 +509,15 @@ impl EngineClock {
             tracing::info!(monitor = %self.monitor, step_seconds = by.as_secs_f64(), "the wall clock stepped; counting windows and quiet periods go on by elapsed time");
             engine.shift(by);
             self.followed = step;
+            self.shifted = true;
         }
         self.clock.now()
+    }
+
+    /// Whether the engine's times moved since this was last asked: the
+    /// state on disk must follow (a crash would read the old times back).
+    fn take_shifted(&mut self) -> bool {
+        std::mem::take(&mut self.shifted)
     }
 }
 
@@ -537,6 +553,19 @@ async fn run_monitor<T: TaintPort>(
     engine.restore(std::mem::take(&mut state.conditions));
     engine.restore_counts(std::mem::take(&mut state.counts));
     let now = clock.now(&mut engine);
+    if !new_boot && let Some((wall, monotonic_ms)) = state.saved_at {
+        // Wall time passed since the save, less the time that really passed.
+        let really = clock
+            .clock
+            .monotonic()
+            .saturating_sub(Duration::from_millis(monotonic_ms));
+        let stepped =
+            now.duration_since(wall) - jiff::SignedDuration::try_from(really).unwrap_or_default();
+        if stepped.abs() >= FOLLOWED_STEP {
+            tracing::info!(monitor = %spec.name, step_seconds = stepped.as_secs_f64(), "the wall clock stepped while the monitor was stopped; its saved times move with it");
+            engine.shift(stepped);
+        }
+    }
     engine.clamp_to(now);
     let counters = Arc::new(SourceCounters::default());
     ctx.metrics
@@ -634,9 +663,11 @@ async fn run_monitor<T: TaintPort>(
         .iter()
         .map(|c| (c.type_.clone(), c.reason.clone()))
         .collect();
+    let wall = clock.clock;
     let save = |state: &mut MonitorState, engine: &Engine| {
         state.conditions = engine.state().clone();
         state.counts = engine.counts_state();
+        state.saved_at = Some((wall.now(), wall.monotonic().as_millis() as u64));
         save_state(&ctx.state_writes, &ctx.state_dir, &spec.name, state)
     };
     handle.queued();
@@ -754,6 +785,9 @@ async fn run_monitor<T: TaintPort>(
                     handle.updated();
                 }
                 let mut actions = { let now = clock.now(&mut engine); engine.on_tick(now) };
+                if clock.take_shifted() {
+                    dirty = true;
+                }
                 if last_taint_retry.elapsed() >= TAINT_RETRY {
                     last_taint_retry = tokio::time::Instant::now();
                     actions.extend(engine.taint_retries());

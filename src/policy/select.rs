@@ -39,9 +39,11 @@ pub struct Selection {
     /// and the rest of its policy applies.
     pub refused: Vec<Refusal>,
     /// Probes and monitors past the node's limits ([`MAX_PROBES`],
-    /// [`MAX_MONITORS`] from all policies together): left out, policies
-    /// later by name first.
+    /// [`MAX_MONITORS`], [`MAX_CONDITIONS`] from all policies together):
+    /// left out, see [`apply_limits`].
     pub over_limit: Vec<OverLimit>,
+    /// The limits reached, e.g. `"128 conditions"`.
+    pub limits_reached: Vec<String>,
 }
 
 /// Most probes a node runs from all its policies together (each a task per
@@ -168,6 +170,114 @@ fn drop_condition_conflicts(out: &mut Selection) {
     out.conflicts.extend(conflicts);
 }
 
+/// Keeps the node's limits over what selection and conflicts left. Policies
+/// created first keep theirs (then by name): a policy created later never
+/// takes the place of what runs, and a restart or an edit elsewhere keeps
+/// the same order. Once a limit is reached, no later item that needs it is
+/// taken, even a smaller one, so the order holds strictly.
+fn apply_limits(
+    out: &mut Selection,
+    created: &BTreeMap<String, Option<jiff::Timestamp>>,
+    probe_from: &BTreeMap<String, String>,
+    monitor_from: &BTreeMap<String, String>,
+) {
+    let mut order: Vec<&String> = created.keys().collect();
+    // Unknown creation times (files given to `nodeguard check`) go last.
+    order.sort_by_key(|name| (created[*name].is_none(), created[*name], (*name).clone()));
+    let rank: BTreeMap<&str, usize> = order
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i))
+        .collect();
+    let rank_of = |from: &BTreeMap<String, String>, item: &str| {
+        from.get(item)
+            .and_then(|p| rank.get(p.as_str()))
+            .copied()
+            .unwrap_or(usize::MAX)
+    };
+    // (rank, probe?, index): a policy's probes, then its monitors.
+    let mut items: Vec<(usize, bool, usize)> = Vec::new();
+    items.extend(
+        out.probes
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (rank_of(probe_from, &p.name), true, i)),
+    );
+    items.extend(
+        out.monitors
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (rank_of(monitor_from, &m.name), false, i)),
+    );
+    items.sort();
+    let (mut probes, mut monitors, mut conditions) = (0usize, 0usize, 0usize);
+    let (mut probes_full, mut monitors_full, mut conditions_full) = (false, false, false);
+    let mut keep_probe = vec![false; out.probes.len()];
+    let mut keep_monitor = vec![false; out.monitors.len()];
+    for (_, is_probe, i) in items {
+        if is_probe {
+            let p = &out.probes[i];
+            let needs = usize::from(p.pods.is_none() && p.condition_type.is_some());
+            probes_full |= probes >= MAX_PROBES;
+            conditions_full |= needs > 0 && conditions + needs > MAX_CONDITIONS;
+            let blocked = probes_full || (needs > 0 && conditions_full);
+            if !blocked {
+                keep_probe[i] = true;
+                probes += 1;
+                conditions += needs;
+            }
+        } else {
+            let needs = out.monitors[i].conditions.len();
+            monitors_full |= monitors >= MAX_MONITORS;
+            conditions_full |= needs > 0 && conditions + needs > MAX_CONDITIONS;
+            let blocked = monitors_full || (needs > 0 && conditions_full);
+            if !blocked {
+                keep_monitor[i] = true;
+                monitors += 1;
+                conditions += needs;
+            }
+        }
+    }
+    let mut over: BTreeMap<usize, OverLimit> = BTreeMap::new();
+    let mut left_out = |from: &BTreeMap<String, String>, item: &str, probe: bool| {
+        let policy = from.get(item).cloned().unwrap_or_default();
+        let r = rank.get(policy.as_str()).copied().unwrap_or(usize::MAX);
+        let o = over.entry(r).or_insert_with(|| OverLimit {
+            policy,
+            ..Default::default()
+        });
+        if probe {
+            o.probes.push(item.to_string());
+        } else {
+            o.monitors.push(item.to_string());
+        }
+    };
+    for (p, keep) in out.probes.iter().zip(&keep_probe) {
+        if !keep {
+            left_out(probe_from, &p.name, true);
+        }
+    }
+    for (m, keep) in out.monitors.iter().zip(&keep_monitor) {
+        if !keep {
+            left_out(monitor_from, &m.name, false);
+        }
+    }
+    let mut keep = keep_probe.into_iter();
+    out.probes.retain(|_| keep.next().unwrap_or(false));
+    let mut keep = keep_monitor.into_iter();
+    out.monitors.retain(|_| keep.next().unwrap_or(false));
+    out.over_limit = over.into_values().collect();
+    for (full, what) in [
+        (probes_full, format!("{MAX_PROBES} probes")),
+        (monitors_full, format!("{MAX_MONITORS} monitors")),
+        (conditions_full, format!("{MAX_CONDITIONS} conditions")),
+    ] {
+        if full && !out.over_limit.is_empty() {
+            out.limits_reached.push(what);
+        }
+    }
+}
+
 /// Selects the policies for a node with `labels`. Applied policies combine
 /// by union (sorted, without duplicates); issue-specific sections add their
 /// own merge rules.
@@ -225,10 +335,8 @@ pub fn select<'a>(
     let mut shutdown = FirstWins::default();
     let mut probe_from: BTreeMap<String, String> = BTreeMap::new();
     let mut monitor_from: BTreeMap<String, String> = BTreeMap::new();
-    // NodeConditions the probes and monitors taken so far set.
-    let mut conditions = 0usize;
-    let sets_condition =
-        |p: &super::probes::ProbeSpec| p.pods.is_none() && p.condition_type.is_some();
+    // Policy name → when it was created, for the node's limits.
+    let mut created: BTreeMap<String, Option<jiff::Timestamp>> = BTreeMap::new();
     let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
     policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     for p in policies {
@@ -275,20 +383,10 @@ pub fn select<'a>(
                         }
                         sd
                     });
-                let mut over = OverLimit {
-                    policy: name.clone(),
-                    ..Default::default()
-                };
                 for probe in probes {
                     match probe_from.get(&probe.name) {
-                        None if out.probes.len() >= MAX_PROBES
-                            || (sets_condition(probe) && conditions >= MAX_CONDITIONS) =>
-                        {
-                            over.probes.push(probe.name.clone())
-                        }
                         None => {
                             probe_from.insert(probe.name.clone(), name.clone());
-                            conditions += usize::from(sets_condition(probe));
                             out.probes.push(probe.clone());
                         }
                         Some(first) => out.conflicts.push((
@@ -300,13 +398,7 @@ pub fn select<'a>(
                 }
                 for monitor in monitors {
                     match monitor_from.get(&monitor.name) {
-                        None if out.monitors.len() >= MAX_MONITORS
-                            || conditions + monitor.conditions.len() > MAX_CONDITIONS =>
-                        {
-                            over.monitors.push(monitor.name.clone())
-                        }
                         None => {
-                            conditions += monitor.conditions.len();
                             monitor_from.insert(monitor.name.clone(), name.clone());
                             out.monitors.push(monitor.clone());
                         }
@@ -317,9 +409,10 @@ pub fn select<'a>(
                         )),
                     }
                 }
-                if !over.probes.is_empty() || !over.monitors.is_empty() {
-                    out.over_limit.push(over);
-                }
+                created.insert(
+                    name.clone(),
+                    p.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                );
                 watchdog.offer(&name, watchdog_section);
                 shutdown.offer(&name, shutdown_section.as_ref());
                 out.refused.extend(refused);
@@ -334,6 +427,7 @@ pub fn select<'a>(
     out.ineligible_taints.sort();
     out.ineligible_taints.dedup();
     drop_condition_conflicts(&mut out);
+    apply_limits(&mut out, &created, &probe_from, &monitor_from);
     out.shutdown = shutdown.finish("spec.shutdown", &mut out.conflicts);
     out.watchdog = watchdog.finish("spec.watchdog", &mut out.conflicts);
     out

@@ -262,7 +262,11 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
                 },
             );
         }
-        shared.metrics.workers.set(running.len() as i64);
+        // Not those that ended on their own or panicked (restarted later).
+        shared
+            .metrics
+            .workers
+            .set(running.values().filter(|r| !r.task.is_finished()).count() as i64);
         {
             let mut h = handle.inner.lock().unwrap_or_else(|e| e.into_inner());
             h.triggers = running

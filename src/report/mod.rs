@@ -439,7 +439,16 @@ pub async fn run_condition_writer<P: StatusPort>(
             };
             let desired = reporter.desired();
             let now = shared.clock.now();
-            let Some(plan) = conditions::plan(&desired, &obs.state, now, config.heartbeat) else {
+            // A heartbeat is due by the monotonic clock since our last
+            // write, whatever the wall clock did meanwhile (set back, the
+            // Node's heartbeat would read as recent and the timer would
+            // spin until the wall clock caught up).
+            let heartbeat = if last_write.is_some_and(|t| t.elapsed() >= config.heartbeat) {
+                Duration::ZERO
+            } else {
+                config.heartbeat
+            };
+            let Some(plan) = conditions::plan(&desired, &obs.state, now, heartbeat) else {
                 break;
             };
             match port.apply(&plan.conditions).await {

@@ -92,12 +92,18 @@ impl WallClock {
     /// every process on this boot and never stepped, so a record kept across
     /// a restart can say how long ago something started.
     pub fn monotonic(&self) -> std::time::Duration {
-        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        let system = std::time::Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.max(0) as u32);
+        let system = system_monotonic();
         let real = std::time::Instant::now().duration_since(self.anchor_real);
         let tokio = Instant::now().duration_since(self.anchor_instant);
         (system + tokio).saturating_sub(real)
     }
+}
+
+/// The system's `CLOCK_MONOTONIC` now, as systemd's `*Monotonic`
+/// timestamps and logind read it (not moved by a paused test clock).
+pub fn system_monotonic() -> std::time::Duration {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    std::time::Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.max(0) as u32)
 }
 
 #[cfg(test)]

@@ -9,19 +9,9 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use kube::{Api, Client};
+use kube::Api;
 use nodeguard::policy::NodeGuardPolicy;
 use support::*;
-
-async fn condition(admin: &Client, node: &str, t: &str) -> Option<(String, String, String)> {
-    node_conditions(admin, node, t).await.first().map(|c| {
-        (
-            c.status.clone(),
-            c.reason.clone().unwrap_or_default(),
-            c.message.clone().unwrap_or_default(),
-        )
-    })
-}
 
 /// A hundred policies select one node and ask for 10,000 probes (each a
 /// NodeCondition) and 1,000 monitors: the node runs its limits (128

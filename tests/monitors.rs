@@ -771,18 +771,75 @@ async fn an_entry_logged_before_journalctl_can_start_is_not_lost() {
     delete_policy(&admin, &policy).await;
 }
 
+/// A systemd-monitor test's pieces: a node, a private bus serving
+/// `kubelet.service` as `unit`, a policy watching it (repaired past
+/// `cooldown_seconds` of uptime) and an agent on that bus.
+struct UnitRig {
+    node: TestNode,
+    _bus: support::dbus::PrivateBus,
+    peer: support::dbus::LogindPeer,
+    policy: String,
+    agent: nodeguard::agent::RunningAgent,
+    _state: TempDir,
+}
+
+async fn kubelet_unit_rig(
+    admin: &Client,
+    prefix: &str,
+    unit: support::dbus::UnitState,
+    cooldown_seconds: u32,
+) -> UnitRig {
+    use support::dbus::{LogindPeer, PrivateBus};
+    let node = TestNode::selectable(admin, prefix).await;
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
+    peer.serve_unit("kubelet.service", unit).await;
+    let policy = unique_name(prefix);
+    apply_monitors(
+        admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "kubelet-service",
+            "source": {"systemd": {"unit": "kubelet.service", "intervalSeconds": 1, "repair": {"cooldownSeconds": cooldown_seconds}}},
+            "conditions": [{"type": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsHealthy", "message": "kubelet.service is active"}],
+            "rules": [{"type": "permanent", "condition": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsDown"}],
+        }]),
+    )
+    .await;
+    let address = bus.address.clone();
+    let (agent, state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address)
+    })
+    .await;
+    UnitRig {
+        node,
+        _bus: bus,
+        peer,
+        policy,
+        agent,
+        _state: state,
+    }
+}
+
 /// The repair cooldown is measured on the monotonic clock: a unit that
 /// started long ago and fails is repaired even when the wall clock was set
 /// back since its start (its realtime start reads as in the future).
 #[tokio::test]
 async fn a_unit_failing_after_the_clock_was_set_back_is_still_repaired() {
-    use support::dbus::{LogindPeer, PrivateBus, UnitState, monotonic_usec, now_usec};
+    use support::dbus::{UnitState, monotonic_usec, now_usec};
     let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "service-step").await;
-    let bus = PrivateBus::start();
-    let peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
-    peer.serve_unit(
-        "kubelet.service",
+    // Every piece bound till the end (the bus and the node go with theirs).
+    let UnitRig {
+        node: _node,
+        _bus,
+        peer,
+        policy,
+        agent,
+        _state,
+    } = kubelet_unit_rig(
+        &admin,
+        "service-step",
         UnitState {
             active: "failed".into(),
             sub: "failed".into(),
@@ -791,25 +848,8 @@ async fn a_unit_failing_after_the_clock_was_set_back_is_still_repaired() {
             started_monotonic_usec: Some(monotonic_usec() - 30_000_000),
             ..Default::default()
         },
+        10,
     )
-    .await;
-    let policy = unique_name("service-step");
-    apply_monitors(
-        &admin,
-        &policy,
-        &node.name,
-        serde_json::json!([{
-            "name": "kubelet-service",
-            "source": {"systemd": {"unit": "kubelet.service", "intervalSeconds": 1, "repair": {"cooldownSeconds": 10}}},
-            "conditions": [{"type": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsHealthy", "message": "kubelet.service is active"}],
-            "rules": [{"type": "permanent", "condition": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsDown"}],
-        }]),
-    )
-    .await;
-    let address = bus.address.clone();
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
-        c.system_bus_address = Some(address)
-    })
     .await;
     let kills = || peer.state.lock().unwrap().units["kubelet.service"].kills;
     eventually(
@@ -824,38 +864,26 @@ async fn a_unit_failing_after_the_clock_was_set_back_is_still_repaired() {
 
 #[tokio::test]
 async fn an_unhealthy_unit_sets_its_condition_and_is_repaired_once_after_its_cooldown() {
-    use support::dbus::{LogindPeer, PrivateBus, UnitState, now_usec};
+    use support::dbus::{UnitState, now_usec};
     let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "service").await;
-    let bus = PrivateBus::start();
-    let peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
-    peer.serve_unit(
-        "kubelet.service",
+    let UnitRig {
+        node,
+        _bus,
+        peer,
+        policy,
+        agent,
+        _state,
+    } = kubelet_unit_rig(
+        &admin,
+        "service",
         UnitState {
             active: "active".into(),
             sub: "running".into(),
             started_usec: now_usec(),
             ..Default::default()
         },
+        2,
     )
-    .await;
-    let policy = unique_name("service");
-    apply_monitors(
-        &admin,
-        &policy,
-        &node.name,
-        serde_json::json!([{
-            "name": "kubelet-service",
-            "source": {"systemd": {"unit": "kubelet.service", "intervalSeconds": 1, "repair": {"cooldownSeconds": 2}}},
-            "conditions": [{"type": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsHealthy", "message": "kubelet.service is active"}],
-            "rules": [{"type": "permanent", "condition": "KubeletServiceUnhealthy", "reason": "KubeletServiceIsDown"}],
-        }]),
-    )
-    .await;
-    let address = bus.address.clone();
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
-        c.system_bus_address = Some(address)
-    })
     .await;
     wait_condition(
         &admin,

@@ -9,20 +9,10 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
+use kube::Api;
 use kube::api::DeleteParams;
-use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
 use support::*;
-
-async fn condition(admin: &Client, node: &str, t: &str) -> Option<(String, String, String)> {
-    node_conditions(admin, node, t).await.first().map(|c| {
-        (
-            c.status.clone(),
-            c.reason.clone().unwrap_or_default(),
-            c.message.clone().unwrap_or_default(),
-        )
-    })
-}
 
 #[tokio::test]
 async fn an_invalid_regex_keeps_the_last_good_policy_running_until_fixed() {

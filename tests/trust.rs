@@ -9,19 +9,8 @@ mod support;
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use kube::Client;
 use nodeguard::policy::NodeTrust;
 use support::*;
-
-async fn condition(admin: &Client, node: &str, t: &str) -> Option<(String, String, String)> {
-    node_conditions(admin, node, t).await.first().map(|c| {
-        (
-            c.status.clone(),
-            c.reason.clone().unwrap_or_default(),
-            c.message.clone().unwrap_or_default(),
-        )
-    })
-}
 
 fn events_for(node: &str) -> String {
     kubectl(&[

@@ -969,9 +969,8 @@ async fn run_service_checks(
         }
         let cooldown = Duration::from_secs(repair.cooldown_seconds.into());
         let up = if health.started_monotonic_usec > 0 {
-            let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-            let now = Duration::new(now.tv_sec.max(0) as u64, now.tv_nsec.max(0) as u32);
-            now.saturating_sub(Duration::from_micros(health.started_monotonic_usec))
+            crate::clock::system_monotonic()
+                .saturating_sub(Duration::from_micros(health.started_monotonic_usec))
         } else {
             let now_usec = jiff::Timestamp::now().as_microsecond().max(0) as u64;
             Duration::from_micros(now_usec.saturating_sub(health.started_usec))

@@ -539,6 +539,21 @@ pub async fn condition_status(client: &Client, node: &str, type_: &str) -> Optio
         .map(|c| c.status.clone())
 }
 
+/// The Node's condition `type_` as (status, reason, message).
+pub async fn condition(
+    client: &Client,
+    node: &str,
+    type_: &str,
+) -> Option<(String, String, String)> {
+    node_conditions(client, node, type_).await.first().map(|c| {
+        (
+            c.status.clone(),
+            c.reason.clone().unwrap_or_default(),
+            c.message.clone().unwrap_or_default(),
+        )
+    })
+}
+
 /// Waits until the Node's condition `type_` has `status`; panics with `what` after `timeout`.
 pub async fn wait_condition(
     client: &Client,

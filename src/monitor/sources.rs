@@ -1055,6 +1055,28 @@ mod tests {
         std::fs::OpenOptions::new().append(true).open(path).unwrap()
     }
 
+    /// Follows `path` (every path readable) from `resume` with a queue of
+    /// `capacity` lines: the lines, and the reader's counters.
+    fn follow(
+        path: &Path,
+        resume: Option<(u64, u64)>,
+        capacity: usize,
+        counters: Arc<SourceCounters>,
+        stop: &StopFlag,
+    ) -> mpsc::Receiver<Item> {
+        let (tx, rx) = mpsc::channel(capacity);
+        spawn_file(
+            path.to_path_buf(),
+            vec![PathBuf::from("/")],
+            resume,
+            tx,
+            counters,
+            stop.clone(),
+        )
+        .unwrap();
+        rx
+    }
+
     async fn next(rx: &mut mpsc::Receiver<Item>) -> Item {
         tokio::time::timeout(Duration::from_secs(5), rx.recv())
             .await
@@ -1140,17 +1162,8 @@ mod tests {
         let scratch = Scratch::new("not-utf8");
         let path = scratch.0.join("app.log");
         std::fs::write(&path, "").unwrap();
-        let (tx, mut rx) = mpsc::channel(16);
         let stop = StopFlag::default();
-        spawn_file(
-            path.clone(),
-            vec![PathBuf::from("/")],
-            None,
-            tx,
-            Default::default(),
-            stop.clone(),
-        )
-        .unwrap();
+        let mut rx = follow(&path, None, 16, Default::default(), &stop);
         let lines: [&[u8]; 3] = [
             b"before\n",
             b"bad \xff\xfe byte\n",
@@ -1291,18 +1304,9 @@ mod tests {
         let dir = &scratch.0;
         let path = dir.join("app.log");
         std::fs::write(&path, "").unwrap();
-        let (tx, mut rx) = mpsc::channel(4);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
-        spawn_file(
-            path.clone(),
-            vec![PathBuf::from("/")],
-            None,
-            tx,
-            counters.clone(),
-            stop.clone(),
-        )
-        .unwrap();
+        let mut rx = follow(&path, None, 4, counters.clone(), &stop);
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut f = append(&path);
         for i in 0..10_000u64 {
@@ -1335,18 +1339,9 @@ mod tests {
         let scratch = Scratch::new("giant");
         let path = scratch.0.join("app.log");
         std::fs::write(&path, "").unwrap();
-        let (tx, mut rx) = mpsc::channel(16);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
-        spawn_file(
-            path.clone(),
-            vec![PathBuf::from("/")],
-            None,
-            tx,
-            counters.clone(),
-            stop.clone(),
-        )
-        .unwrap();
+        let mut rx = follow(&path, None, 16, counters.clone(), &stop);
         let mut f = append(&path);
         writeln!(f, "before").unwrap();
         assert_eq!(next(&mut rx).await.line, "before");
@@ -1380,18 +1375,9 @@ mod tests {
         let dir = &scratch.0;
         let path = dir.join("app.log");
         std::fs::write(&path, "old line before start\n").unwrap();
-        let (tx, mut rx) = mpsc::channel(16);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
-        spawn_file(
-            path.clone(),
-            vec![PathBuf::from("/")],
-            None,
-            tx,
-            counters.clone(),
-            stop.clone(),
-        )
-        .unwrap();
+        let mut rx = follow(&path, None, 16, counters.clone(), &stop);
         let mut f = append(&path);
         writeln!(f, "first").unwrap();
         write!(f, "half").unwrap();
@@ -1421,16 +1407,13 @@ mod tests {
         writeln!(f, "while away").unwrap();
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!(meta.ino(), cursor.0);
-        let (tx, mut rx) = mpsc::channel(16);
-        spawn_file(
-            path.clone(),
-            vec![PathBuf::from("/")],
+        let mut rx = follow(
+            &path,
             Some((meta.ino(), "after truncation\n".len() as u64)),
-            tx,
+            16,
             counters,
-            StopFlag::default(),
-        )
-        .unwrap();
+            &StopFlag::default(),
+        );
         assert_eq!(next(&mut rx).await.line, "while away");
     }
 
@@ -1505,17 +1488,8 @@ mod tests {
     async fn a_file_that_appears_late_is_read_from_its_start() {
         let scratch = Scratch::new("late");
         let path = scratch.0.join("app.log");
-        let (tx, mut rx) = mpsc::channel(16);
         let stop = StopFlag::default();
-        spawn_file(
-            path.clone(),
-            vec![PathBuf::from("/")],
-            None,
-            tx,
-            Default::default(),
-            stop.clone(),
-        )
-        .unwrap();
+        let mut rx = follow(&path, None, 16, Default::default(), &stop);
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&path, "written before the follower looked\n").unwrap();
         writeln!(append(&path), "and after").unwrap();

@@ -37,6 +37,7 @@ use crate::report::{
 };
 use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
 use crate::shutdown::cluster::KubeCluster;
+use crate::shutdown::keep::Keeper;
 use crate::shutdown::logind::ZbusConnector;
 use crate::shutdown::{self, ShutdownConfig, ShutdownHost, ShutdownMetrics, run_shutdown_manager};
 use crate::state_dir::StateWrites;
@@ -74,6 +75,12 @@ pub struct AgentConfig {
     /// What this node's owner lets policies make the agent do (commands,
     /// repairs, paths, devices, inhibit delay); see `policy::trust`.
     pub trust: NodeTrust,
+    /// Where a copy of logind's delay inhibitor outlives this process
+    /// (systemd's file descriptor store, or `nodeguard keep`).
+    pub keeper: Keeper,
+    /// The inhibitor a previous process left with the keeper, taken back
+    /// before any thread started (so no child process inherits it).
+    pub reclaimed_inhibitor: Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>,
 }
 
 impl AgentConfig {
@@ -94,6 +101,8 @@ impl AgentConfig {
             boot_id: shutdown::state::current_boot_id(),
             lease_namespace: "default".into(),
             trust: NodeTrust::default(),
+            keeper: Keeper::None,
+            reclaimed_inhibitor: Arc::default(),
         }
     }
 }
@@ -389,6 +398,12 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 boot_id: config.boot_id.clone(),
                 node_name: config.node_name.clone(),
                 in_progress: node_shutdown_tx,
+                keeper: config.keeper.clone(),
+                reclaimed: config
+                    .reclaimed_inhibitor
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take(),
             },
             shutdown_rx,
             pod_rx.clone(),

@@ -20,7 +20,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the agent for one node (as a DaemonSet pod or a host service).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the NodeGuardPolicy CustomResourceDefinition generated from the code.
     Crd,
     /// Validate policy files offline, with the same rules the agent applies.
@@ -70,6 +70,22 @@ pub enum Command {
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
+    /// Hold descriptors for the agent beyond its process: the DaemonSet's
+    /// sidecar. The agent leaves a copy of logind's delay inhibitor here, so
+    /// that an agent killed during a shutdown does not let the host go down
+    /// before the remaining priority groups ran; the restarted agent takes
+    /// it back. Runs until killed; its descriptors close with it.
+    Keep {
+        /// The Unix socket to serve (a volume shared with the agent).
+        #[arg(
+            long,
+            env = "NODEGUARD_INHIBITOR_KEEPER",
+            default_value = "/run/nodeguard/keep.sock"
+        )]
+        socket: PathBuf,
+        #[command(flatten)]
+        log: LogArgs,
+    },
     /// Print the default policy shipped with the chart (NPD's standard
     /// monitors, kubelet and kube-proxy probes, kubelet-like shutdown).
     DefaultPolicy,
@@ -107,6 +123,13 @@ pub struct RunArgs {
     #[arg(long, env = "NODEGUARD_CONDITION_HEARTBEAT_SECONDS", default_value_t = 300,
           value_parser = clap::value_parser!(u64).range(10..=86400))]
     pub condition_heartbeat_seconds: u64,
+
+    /// The socket of `nodeguard keep`, which holds a copy of logind's delay
+    /// inhibitor so that a killed agent does not release it (the chart's
+    /// sidecar). Without it, a host service keeps the copy in systemd's
+    /// file descriptor store (the unit's FileDescriptorStoreMax=).
+    #[arg(long, env = "NODEGUARD_INHIBITOR_KEEPER")]
+    pub inhibitor_keeper: Option<PathBuf>,
 
     #[command(flatten)]
     pub trust: TrustArgs,

@@ -11,7 +11,7 @@ use tracing_subscriber::EnvFilter;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run(args),
+        Command::Run(args) => run(*args),
         Command::DefaultPolicy => {
             let mut value = serde_json::to_value(policy::defaults::default_policy())
                 .expect("a policy serializes");
@@ -40,6 +40,12 @@ fn main() -> ExitCode {
             events,
             kubeconfig,
         } => status(&node, output, events, kubeconfig.as_deref()),
+        Command::Keep { socket, log } => {
+            init_logging(log.log_format);
+            nodeguard::shutdown::keep::serve(&socket)
+                .with_context(|| format!("cannot serve {}", socket.display()))
+                .map(|()| ExitCode::SUCCESS)
+        }
         Command::Version => {
             println!("{}", nodeguard::version_string());
             Ok(ExitCode::SUCCESS)
@@ -77,6 +83,47 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         std::process::id(),
     )
     .context("cannot serve the systemd watchdog")?;
+    // A delay inhibitor a killed predecessor left with its keeper: taken
+    // back now, while this is the only thread.
+    use nodeguard::shutdown::keep::{self, Keeper};
+    let (keeper, reclaimed) = match (&args.inhibitor_keeper, &notify_socket) {
+        (Some(path), _) => {
+            let keeper = Keeper::Socket(path.clone());
+            let fd = match keeper.reclaim(keep::INHIBITOR) {
+                Ok(fd) => fd,
+                // The sidecar may still be binding its socket on the pod's
+                // first start, when there is nothing to take back.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                    ) =>
+                {
+                    tracing::info!(%keeper, error = %e, "no keeper yet; nothing to take back");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(%keeper, error = %e, "cannot ask the keeper for a delay inhibitor left by a previous process");
+                    None
+                }
+            };
+            (keeper, fd)
+        }
+        (None, Some(socket)) if !socket.is_empty() => {
+            let env = |k: &str| std::env::var(k).ok();
+            let fd = keep::from_listen_fds(
+                keep::INHIBITOR,
+                env("LISTEN_PID").as_deref(),
+                env("LISTEN_FDS").as_deref(),
+                env("LISTEN_FDNAMES").as_deref(),
+            );
+            let keeper = Keeper::Systemd {
+                notify_socket: socket.clone(),
+            };
+            (keeper, fd)
+        }
+        _ => (Keeper::None, None),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -90,6 +137,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.trust = args.trust.trust();
         config.notify_socket = notify_socket;
         config.systemd_watchdog = systemd_watchdog;
+        config.keeper = keeper;
+        *config.reclaimed_inhibitor.lock().unwrap() = reclaimed;
         if let Ok(ns) = std::env::var("POD_NAMESPACE")
             && !ns.is_empty()
         {

@@ -1036,3 +1036,211 @@ async fn a_full_state_directory_neither_stops_a_shutdown_nor_leaves_its_taint() 
     agent.stop().await;
     s.cleanup().await;
 }
+
+/// An agent process of the real binary, for the tests that kill one.
+struct AgentProcess {
+    child: std::process::Child,
+    listen: std::net::SocketAddr,
+}
+
+impl AgentProcess {
+    fn start(s: &Setup, state: &std::path::Path, keeper: Option<&std::path::Path>) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listen: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"));
+        cmd.args(["run", "--node-name", &s.node.name])
+            .arg(format!("--listen={listen}"))
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .arg("--state-dir")
+            .arg(state)
+            .env("DBUS_SYSTEM_BUS_ADDRESS", &s.bus.address)
+            .env("RUST_LOG", "info")
+            .env_remove("NOTIFY_SOCKET")
+            .stdout(std::process::Stdio::null());
+        if let Some(k) = keeper {
+            cmd.arg("--inhibitor-keeper").arg(k);
+        }
+        AgentProcess {
+            child: cmd.spawn().unwrap(),
+            listen,
+        }
+    }
+
+    async fn ready(&self) {
+        eventually(
+            Duration::from_secs(30),
+            "the agent process ready",
+            || async {
+                tokio::net::TcpStream::connect(self.listen).await.is_ok()
+                    && http_get(self.listen, "/readyz").await.0 == 200
+            },
+        )
+        .await;
+    }
+
+    fn kill(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+/// A child process killed when the test ends, also on a panic.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Issue 18, item 5: the agent SIGKILLed (the OOM killer, a crash) during a
+/// shutdown, its first group evicted. Before, its delay inhibitor went with
+/// its process and logind went on at once: the remaining groups never ran.
+/// Now `nodeguard keep` holds a copy: logind keeps waiting, the restarted
+/// agent takes the lock back, does not evict the first group's pod again
+/// (which would cut its grace), runs the second group and releases the
+/// lock at the end.
+#[tokio::test]
+async fn an_agent_killed_during_a_shutdown_leaves_the_lock_with_its_keeper_and_its_successor_finishes()
+ {
+    let s = setup_with(
+        "killed",
+        Duration::from_secs(60),
+        serde_json::json!([
+            {"priority": 0, "gracePeriodSeconds": 6},
+            {"priority": 1000, "gracePeriodSeconds": 6},
+        ]),
+        false,
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    ensure_priority_class(&s.admin, "nodeguard-test-mid", 1000).await;
+    let (low, mid) = (unique_name("low"), unique_name("mid"));
+    // No kubelet: evicted pods stay (terminating), each group takes its window.
+    for (name, class) in [(&low, "nodeguard-test-low"), (&mid, "nodeguard-test-mid")] {
+        running_pod(&s.admin, &s.node.name, name, class, serde_json::json!({})).await;
+    }
+    let dir = TempDir::new("keep");
+    let socket = dir.path.join("keep.sock");
+    let keeper = Killed(
+        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+            .arg("keep")
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let state = TempDir::new("state");
+    let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
+    first.ready().await;
+    assert_eq!(s.peer.held(), 1, "ready means the inhibitor is held");
+
+    let pods: Api<Pod> = Api::namespaced(s.admin.clone(), TEST_NAMESPACE);
+    let deletion = |p: &Pod| {
+        (
+            p.metadata.deletion_timestamp.clone(),
+            p.metadata.deletion_grace_period_seconds,
+        )
+    };
+    s.peer.prepare_for_shutdown(true).await;
+    let t0 = Instant::now();
+    eventually(Duration::from_secs(5), "the low pod evicted", || async {
+        pods.get(&low)
+            .await
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some()
+    })
+    .await;
+    first.kill();
+    let killed = t0.elapsed();
+    let low_evicted = deletion(&pods.get(&low).await.unwrap());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        s.peer.held(),
+        1,
+        "after the agent was killed, its keeper still holds the delay inhibitor"
+    );
+
+    let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
+    eventually(
+        Duration::from_secs(20),
+        "the mid group evicted by the restarted agent",
+        || async {
+            pods.get(&mid)
+                .await
+                .unwrap()
+                .metadata
+                .deletion_timestamp
+                .is_some()
+        },
+    )
+    .await;
+    let mid_evicted = t0.elapsed();
+    eventually(
+        Duration::from_secs(20),
+        "the lock released after the last group",
+        || std::future::ready(s.peer.held() == 0),
+    )
+    .await;
+    let released = t0.elapsed();
+    assert_eq!(
+        deletion(&pods.get(&low).await.unwrap()),
+        low_evicted,
+        "the low pod was evicted again (its deletion moved)"
+    );
+    // The plan counts from the first start: low's 6 s window, then mid's.
+    assert!(
+        mid_evicted >= Duration::from_secs(5) && mid_evicted < Duration::from_secs(12),
+        "mid evicted {mid_evicted:?} into the shutdown"
+    );
+    assert!(
+        released >= mid_evicted + Duration::from_secs(4) && released < Duration::from_secs(20),
+        "released {released:?} (mid evicted at {mid_evicted:?})"
+    );
+    let metrics = http_get(second.listen, "/metrics").await.1;
+    assert_eq!(
+        sample(
+            &metrics,
+            "nodeguard_shutdown_pods_total{group=\"0\",outcome=\"already_terminating\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(state.path.join("shutdown-state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(!record["endedAt"].is_null(), "{record}");
+    assert!(
+        tainted(
+            &Api::<Node>::all(s.admin.clone())
+                .get(&s.node.name)
+                .await
+                .unwrap()
+        ),
+        "the taint stays while the host goes down"
+    );
+    second.kill();
+    drop(keeper);
+    force_delete(&s.admin, &[&low, &mid]).await;
+    s.cleanup().await;
+    eprintln!(
+        "killed {killed:?} into the shutdown; mid evicted {mid_evicted:?}; released {released:?}"
+    );
+}

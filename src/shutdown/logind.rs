@@ -3,7 +3,7 @@
 //! (SIGHUP through systemd's `KillUnit`).
 
 use std::future::Future;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use zbus_systemd::login1::ManagerProxy as LoginManager;
 use zbus_systemd::systemd1::ManagerProxy as SystemdManager;
 
 use super::ShutdownError;
+use super::keep::{self, Keeper};
 
 /// Something logind told us.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,9 +25,59 @@ pub enum LogindEvent {
     Gone,
 }
 
-/// A held delay inhibitor. Dropping it releases the lock.
+/// A held delay inhibitor. Dropping it releases the lock: it closes this
+/// process's descriptor and takes the copy out of the keeper, if one holds
+/// it. A process killed without dropping it leaves the keeper's copy, so
+/// logind keeps waiting until the restarted agent takes it back.
 #[derive(Debug)]
-pub struct InhibitLock(#[allow(dead_code)] pub(crate) OwnedFd);
+pub struct InhibitLock {
+    fd: OwnedFd,
+    kept: Option<Keeper>,
+}
+
+impl InhibitLock {
+    /// A lock only this process holds.
+    pub fn new(fd: OwnedFd) -> Self {
+        InhibitLock { fd, kept: None }
+    }
+
+    /// Leaves a copy with `keeper` (a failure is logged: the lock is still
+    /// held, only not beyond this process).
+    pub fn kept_by(mut self, keeper: &Keeper) -> Self {
+        if *keeper == Keeper::None {
+            return self;
+        }
+        match keeper.keep(keep::INHIBITOR, self.fd.as_fd()) {
+            Ok(()) => {
+                tracing::debug!(%keeper, "the delay inhibitor is kept beyond this process");
+                self.kept = Some(keeper.clone());
+            }
+            Err(e) => tracing::warn!(
+                %keeper, error = %e,
+                "cannot leave the delay inhibitor with its keeper: should the agent be killed during a shutdown, logind goes on at once"
+            ),
+        }
+        self
+    }
+
+    /// A lock a previous process of the agent left with `keeper`.
+    pub fn reclaimed(fd: OwnedFd, keeper: &Keeper) -> Self {
+        InhibitLock {
+            fd,
+            kept: Some(keeper.clone()),
+        }
+    }
+}
+
+impl Drop for InhibitLock {
+    fn drop(&mut self) {
+        if let Some(k) = self.kept.take()
+            && let Err(e) = k.forget(keep::INHIBITOR)
+        {
+            tracing::warn!(keeper = %k, error = %e, "cannot take the delay inhibitor out of its keeper");
+        }
+    }
+}
 
 /// Port: logind as the shutdown manager needs it.
 pub trait LogindPort: Send + Sync + 'static {
@@ -100,7 +151,7 @@ impl LogindPort for ZbusLogind {
                 "delay".into(),
             )
             .await?;
-        Ok(InhibitLock(fd.into()))
+        Ok(InhibitLock::new(fd.into()))
     }
 
     async fn preparing_for_shutdown(&self) -> Result<bool, ShutdownError> {

@@ -19,6 +19,7 @@
 
 pub mod cluster;
 pub mod core;
+pub mod keep;
 pub mod logind;
 pub mod state;
 
@@ -46,6 +47,7 @@ use crate::server::LoopHandle;
 use crate::state_dir::StateWrites;
 use cluster::{ClusterPort, Evicted, pod_facts};
 use core::{GroupSpec, Include};
+use keep::Keeper;
 use logind::{InhibitLock, LogindConnector, LogindEvent, LogindPort};
 use state::{OnStart, ShutdownRecord};
 
@@ -180,7 +182,7 @@ impl ShutdownMetrics {
         );
         registry.register(
             "nodeguard_shutdown_pods",
-            "Pods handled during shutdown, by priority group and outcome (evicted, escalated, blocked, failed, skipped)",
+            "Pods handled during shutdown, by priority group and outcome (evicted, escalated, blocked, failed, skipped, already_terminating)",
             m.pods.clone(),
         );
         registry.register(
@@ -227,6 +229,10 @@ pub struct ShutdownHost<L, C> {
     /// True while a shutdown runs (from PrepareForShutdown until its
     /// groups are done or it is cancelled): the agent does not stop then.
     pub in_progress: watch::Sender<bool>,
+    /// Where a copy of the delay inhibitor outlives this process.
+    pub keeper: Keeper,
+    /// The inhibitor a previous process left with the keeper.
+    pub reclaimed: Option<std::os::fd::OwnedFd>,
 }
 
 /// Everything the running pieces share.
@@ -241,6 +247,7 @@ struct Ctx<C> {
     clock: WallClock,
     pods: watch::Receiver<Option<Snapshot<Pod>>>,
     in_progress: watch::Sender<bool>,
+    keeper: Keeper,
 }
 
 /// Backoff between reconnects to the bus or logind: short, so the lock is
@@ -274,15 +281,38 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         clock: WallClock::new(),
         pods,
         in_progress: host.in_progress,
+        keeper: host.keeper.clone(),
     });
     let logind = host.logind;
+    // A lock left by a previous process of this agent (killed while it
+    // held one): held from here, so logind keeps waiting for this process.
+    let mut reclaimed = host.reclaimed.map(|fd| {
+        tracing::info!(keeper = %host.keeper, "took back the delay inhibitor a previous process of the agent left with its keeper");
+        InhibitLock::reclaimed(fd, &host.keeper)
+    });
     // The loop counts as synced (so /readyz and systemd's READY=1) only once
     // it has decided for the policy in force: armed (the delay inhibitor
     // held), off, or unavailable and reported. A restarted agent that says
     // it is ready therefore protects the next shutdown.
     tracing::debug!("shutdown manager started");
     let (mut resume, mut last, going_down) = start_up(&ctx, &logind).await;
+    if resume.is_none() && going_down.is_none() && reclaimed.is_some() {
+        // The previous process was killed after PrepareForShutdown but
+        // before it wrote its record: logind still waits on the reclaimed
+        // lock, and will not say PrepareForShutdown again.
+        if preparing_for_shutdown(&logind).await == Some(true) {
+            tracing::warn!(
+                "the host is shutting down and the previous process left no record: starting the shutdown's groups now"
+            );
+            resume = Some(ShutdownRecord {
+                boot_id: ctx.boot_id.clone(),
+                ..Default::default()
+            });
+        }
+    }
     if let Some(taint_added) = going_down {
+        // This boot's shutdown is done: a lock still kept goes now.
+        reclaimed = None;
         // Nothing to arm (logind refuses new delay locks now) and nothing
         // to undo while the machine goes down: the taint goes with it and
         // the next boot reports the shutdown. Should logind's shutdown end
@@ -316,6 +346,8 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 break c;
             }
             if policy_known {
+                // No shutdown wanted: a reclaimed lock goes too.
+                reclaimed = None;
                 handle.updated();
                 ctx.metrics.inhibit_delay_needed.set(0.0);
                 ctx.reporter.remove(UNAVAILABLE);
@@ -335,7 +367,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         // delay locks (OperationInProgress); the remaining groups run in the
         // time left of the plan without one.
         let (port, events, delay_max, lock) =
-            match connect_and_arm(&ctx, &logind, &cfg, resume.is_none()).await {
+            match connect_and_arm(&ctx, &logind, &cfg, resume.is_none(), &mut reclaimed).await {
                 Ok(parts) => parts,
                 Err((reason, message)) => {
                     report_unavailable(&ctx, &mut failing_since, reason, &message);
@@ -355,6 +387,8 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         }
         if lock.is_some() {
             ctx.metrics.inhibitor_held.set(1);
+        }
+        if lock.is_some() && resume.is_none() {
             tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
             report_armed(&ctx, &cfg, delay_max, last.as_ref());
         }
@@ -394,6 +428,7 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
     logind: &L,
     cfg: &ShutdownConfig,
     take_lock: bool,
+    reclaimed: &mut Option<InhibitLock>,
 ) -> Result<
     (
         L::Port,
@@ -418,10 +453,13 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
             "systemd-logind does not answer on the system bus ({e}); a shutdown would not wait for pods."
         ))
     })?;
+    if let Some(lock) = reclaimed.take() {
+        return Ok((port, events, delay_max, Some(lock)));
+    }
     if !take_lock {
         return Ok((port, events, delay_max, None));
     }
-    let lock = port.inhibit(&why(cfg)).await.map_err(|e| {
+    let lock = take_lock_for(ctx, &port, cfg).await.map_err(|e| {
         ("InhibitorRefused", format!(
             "systemd-logind refused nodeguard's delay inhibitor ({e}); a shutdown would not wait for pods."
         ))
@@ -432,6 +470,16 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
 enum Armed {
     Stop,
     Reconnect,
+}
+
+/// A new delay inhibitor, a copy left with the keeper.
+async fn take_lock_for<P: LogindPort, C>(
+    ctx: &Ctx<C>,
+    port: &P,
+    cfg: &ShutdownConfig,
+) -> Result<InhibitLock, ShutdownError> {
+    let lock = port.inhibit(&why(cfg)).await?;
+    Ok(lock.kept_by(&ctx.keeper))
 }
 
 fn why(cfg: &ShutdownConfig) -> String {
@@ -596,7 +644,7 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
                 st.lock = None;
             }
             if st.lock.is_none() {
-                match port.inhibit(&why(&st.cfg)).await {
+                match take_lock_for(ctx, port, &st.cfg).await {
                     Ok(l) => {
                         st.lock = Some(l);
                         ctx.metrics.inhibitor_held.set(1);
@@ -977,6 +1025,19 @@ async fn execute<C: ClusterPort>(
     } else {
         Instant::now()
     };
+    // Pods whose deletion began since this shutdown started: a previous
+    // process of the agent evicted them. Evicting them again would cut
+    // their grace to the shorter window left, so they are only waited for.
+    let already: BTreeSet<String> = if resume {
+        let since = match record.started_at {
+            Some(t) => t - jiff::SignedDuration::from_secs(1),
+            // Killed before its first record: within logind's delay.
+            None => now_wall - jiff::SignedDuration::try_from(delay_max).unwrap_or_default(),
+        };
+        terminating_since(&ctx.pods.borrow(), since)
+    } else {
+        BTreeSet::new()
+    };
     if record.started_at.is_none() {
         record.started_at = Some(now_wall);
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
@@ -1014,7 +1075,31 @@ async fn execute<C: ClusterPort>(
         },
         None,
     );
-    if !resume {
+    if resume {
+        let message = format!(
+            "nodeguard restarted {:.1}s into the shutdown and goes on with the remaining priority groups ({} of {} done{}).",
+            Instant::now()
+                .saturating_duration_since(start)
+                .as_secs_f64(),
+            record.groups_done.len(),
+            cfg.groups.len(),
+            if already.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; {} pod(s) already terminating are not evicted again",
+                    already.len()
+                )
+            }
+        );
+        tracing::warn!("{message}");
+        ctx.reporter.event(
+            EventKind::Warning,
+            "ShutdownResumed",
+            "ResumeShutdown",
+            message,
+        );
+    } else {
         ctx.reporter.event(
             EventKind::Warning,
             "ShutdownStarted",
@@ -1037,7 +1122,7 @@ async fn execute<C: ClusterPort>(
             }
             save(&ctx, &lock_record());
         };
-        let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record);
+        let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already);
         // The record goes to disk (an fsync, which blocks the thread) once
         // the taint request has answered, or after a moment: the taint is
         // what keeps new pods off the node, so its request goes first.
@@ -1117,6 +1202,7 @@ async fn run_groups<C: ClusterPort>(
     timeline: &core::Timeline,
     start: Instant,
     record: &std::sync::Mutex<ShutdownRecord>,
+    already: &BTreeSet<String>,
 ) {
     let lock = || record.lock().unwrap_or_else(|e| e.into_inner());
     for (i, group) in groups.iter().enumerate() {
@@ -1146,11 +1232,19 @@ async fn run_groups<C: ClusterPort>(
             );
         } else {
             tracing::info!(group = priority, pods = group.pods.len(), window = ?window, "terminating priority group");
-            let tasks = group.pods.iter().map(|pod| {
-                let plan =
-                    core::PodPlan::new(window, pod, cfg.escalate, cfg.escalate_after_percent);
-                terminate(ctx, priority, plan, pod, opened)
-            });
+            for pod in group.pods.iter().filter(|p| already.contains(&p.key)) {
+                tracing::info!(pod = %pod.key, "already terminating since this shutdown began; not evicted again");
+                ctx.metrics.pod(priority, "already_terminating");
+            }
+            let tasks = group
+                .pods
+                .iter()
+                .filter(|p| !already.contains(&p.key))
+                .map(|pod| {
+                    let plan =
+                        core::PodPlan::new(window, pod, cfg.escalate, cfg.escalate_after_percent);
+                    terminate(ctx, priority, plan, pod, opened)
+                });
             join_all(tasks).await;
             wait_gone(ctx, &group.pods, opened + window).await;
         }
@@ -1293,6 +1387,23 @@ fn report_pod_end<C>(
             tracing::error!(pod = %pod.key, "the pod could not be evicted before its group's window closed")
         }
     }
+}
+
+/// Keys of the pods whose deletion began at or after `since`.
+fn terminating_since(pods: &Option<Snapshot<Pod>>, since: jiff::Timestamp) -> BTreeSet<String> {
+    pods.as_ref()
+        .map(|s| {
+            s.iter()
+                .filter(|(_, p)| {
+                    p.metadata
+                        .deletion_timestamp
+                        .as_ref()
+                        .is_some_and(|t| t.0 >= since)
+                })
+                .map(|(k, _)| k.to_string())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Waits until the pods have left the node (or are terminal), or `until`.

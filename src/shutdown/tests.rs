@@ -92,7 +92,7 @@ impl LogindPort for FakeLogind {
             s.locks.push((Instant::now(), Held(r)));
             s.whys.push(why.into());
         });
-        Ok(InhibitLock(w))
+        Ok(InhibitLock::new(w))
     }
     async fn preparing_for_shutdown(&self) -> Result<bool, ShutdownError> {
         Ok(self.with(|s| s.preparing))
@@ -325,6 +325,8 @@ fn rig_in(
             boot_id: boot.into(),
             node_name: "n1".into(),
             in_progress: in_progress_tx,
+            keeper: crate::shutdown::keep::Keeper::None,
+            reclaimed: None,
         },
         cfg_rx,
         pods_rx,

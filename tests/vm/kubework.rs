@@ -535,6 +535,9 @@ pub struct Seen {
     stopped: Option<Instant>,
     /// Its container's exit code, when the kubelet reported it.
     exit: Option<i32>,
+    /// Every deletionGracePeriodSeconds seen: a second eviction or delete
+    /// with a shorter grace shows as a second value.
+    graces: Vec<i64>,
 }
 
 /// One shutdown of the real node with the three workload pods.
@@ -597,6 +600,11 @@ fn track(
             let e = s.entry(p.metadata.name.clone().unwrap()).or_default();
             if p.metadata.deletion_timestamp.is_some() {
                 e.marked.get_or_insert(now);
+            }
+            if let Some(g) = p.metadata.deletion_grace_period_seconds
+                && !e.graces.contains(&g)
+            {
+                e.graces.push(g);
             }
             if deleted {
                 e.gone.get_or_insert(now);
@@ -818,6 +826,9 @@ async fn reboot_watched(
     delete_agent_in: Option<&str>,
     dir: &std::path::Path,
 ) -> Observed {
+    // With the agent's namespace (nodeguard's own shutdown), the agent is
+    // also SIGKILLed at the shutdown's start.
+    let kill_agent = delete_agent_in.is_some();
     let t0 = Instant::now() + Duration::from_secs(1);
     let (seen, tracker) = track(admin, work_ns);
     let (signals, node_watch) = watch_node(admin, node, t0);
@@ -859,6 +870,15 @@ async fn reboot_watched(
             tokio::task::spawn_blocking(move || save_view(&dir, &node, "shutting-down")).await
         })
     };
+    if kill_agent {
+        // SIGKILL the agent's process (as the OOM killer would) the moment
+        // logind prepares for the shutdown: between its taint and its
+        // first eviction, or just after. (`[ ]`: not this script itself.)
+        vm.spawn(&format!(
+            "for i in $(seq 1 1200); do [ \"$(busctl get-property {LOGIN1} PreparingForShutdown)\" = 'b true' ] && break; sleep 0.05; done; pkill -9 -f 'nodeguard[ ]run' && echo 'e2e: SIGKILL nodeguard run' > /dev/kmsg"
+        ))
+        .await;
+    }
     tokio::time::sleep_until(t0.into()).await;
     vm.spawn("systemctl reboot").await;
     let (down_at, reason) = vm
@@ -891,6 +911,10 @@ async fn reboot_watched(
 }
 
 const NAMES: [&str; 3] = ["low", "mid", "critical"];
+
+/// logind's manager object, for `busctl get-property`.
+const LOGIN1: &str =
+    "org.freedesktop.login1 /org/freedesktop/login1 org.freedesktop.login1.Manager";
 
 /// `kubectl get pods -o wide` on the node and `kubectl describe node`, as
 /// the operator would look, into the node's artifacts (`<what>` names the
@@ -1034,8 +1058,26 @@ pub async fn graceful_reboot(
         "down {:?} after `systemctl reboot`: the inhibitor was held past logind's limit",
         o.down
     );
+    // Killed at the shutdown's start, the agent was restarted by the
+    // kubelet and went on: each pod deleted once (one grace seen).
+    for (name, p) in NAMES.iter().zip(&o.pods) {
+        assert!(
+            p.graces.len() == 1,
+            "{name} evicted or deleted more than once (graces {:?}): {:?}",
+            p.graces,
+            o.pods
+        );
+    }
     let events = crate::events_for(node).await;
     std::fs::write(dir.join("events-reboot.txt"), &events).unwrap();
+    let resumed = events
+        .lines()
+        .find(|l| l.contains("ShutdownResumed"))
+        .and_then(|l| l.split("nodeguard ").nth(1))
+        .map(|m| format!("nodeguard {}", m.trim()))
+        .unwrap_or_else(|| {
+            panic!("the agent killed at the shutdown's start resumed it:\n{events}")
+        });
     for e in [
         "ShutdownStarted",
         "ShutdownInhibitorReleased",
@@ -1056,8 +1098,9 @@ pub async fn graceful_reboot(
         "the PDB escalation's Event:\n{events}"
     );
     let detail = format!(
-        "logind delay {logind_delay}; `systemctl reboot` → GracefulShutdown=True {}; agent pod deleted at {} (after the first group), the shutdown went on; deleted → stopped: low {}→{}, mid (PDB, escalated) {}→{}, critical {}→{}; exit codes {}; VM down {} ({})",
+        "logind delay {logind_delay}; `systemctl reboot` → GracefulShutdown=True {}; agent SIGKILLed as logind began, restarted by the kubelet, the inhibitor kept by the sidecar ({}); agent pod deleted at {} (after the first group), the shutdown went on; deleted → stopped: low {}→{}, mid (PDB, escalated) {}→{}, critical {}→{}; exit codes {}; VM down {} ({})",
         secs(visible),
+        resumed,
         secs(deleted),
         secs(l_m),
         secs(l_s),

@@ -945,6 +945,10 @@ async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Ro
         .unwrap()
         - t0;
     watching.abort();
+    // SIGKILL (as the OOM killer would): systemd restarts the unit and
+    // hands the new process the inhibitor it kept in its descriptor store.
+    vm.spawn("systemctl kill --signal=KILL nodeguard.service && echo 'e2e: SIGKILL nodeguard.service' > /dev/kmsg")
+        .await;
     let (off_at, reason) = vm
         .wait_exit(Duration::from_secs(NEEDED_DELAY_SECS + 60))
         .await
@@ -993,6 +997,7 @@ async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Ro
             "Priority group 0 done",
             "Priority group 1000 done",
             "Priority group 2000000000 done",
+            "ShutdownResumed",
         ]
         .iter()
         .all(|e| events.contains(e))
@@ -1012,7 +1017,7 @@ async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Ro
     rows.pass(
         "poweroff",
         format!(
-            "condition+taint {}; evicted low {}, mid (PDB, escalated) {}, critical {}; powered off {} after `systemctl poweroff` (InhibitDelayMaxSec {NEEDED_DELAY_SECS} s){}",
+            "condition+taint {}; the agent SIGKILLed then, restarted by systemd with the inhibitor from its descriptor store (ShutdownResumed); evicted low {}, mid (PDB, escalated) {}, critical {}; powered off {} after `systemctl poweroff` (InhibitDelayMaxSec {NEEDED_DELAY_SECS} s){}",
             secs(seen),
             secs(t_low),
             secs(t_mid),

@@ -86,6 +86,17 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     // A delay inhibitor a killed predecessor left with its keeper: taken
     // back now, while this is the only thread.
     use nodeguard::shutdown::keep::{self, Keeper};
+    // Whatever systemd passed (its descriptor store) is taken now, close-
+    // on-exec, so no probe or plugin inherits it.
+    let from_systemd = {
+        let env = |k: &str| std::env::var(k).ok();
+        keep::from_listen_fds(
+            keep::INHIBITOR,
+            env("LISTEN_PID").as_deref(),
+            env("LISTEN_FDS").as_deref(),
+            env("LISTEN_FDNAMES").as_deref(),
+        )
+    };
     let (keeper, reclaimed) = match (&args.inhibitor_keeper, &notify_socket) {
         (Some(path), _) => {
             let keeper = Keeper::Socket(path.clone());
@@ -110,17 +121,10 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             (keeper, fd)
         }
         (None, Some(socket)) if !socket.is_empty() => {
-            let env = |k: &str| std::env::var(k).ok();
-            let fd = keep::from_listen_fds(
-                keep::INHIBITOR,
-                env("LISTEN_PID").as_deref(),
-                env("LISTEN_FDS").as_deref(),
-                env("LISTEN_FDNAMES").as_deref(),
-            );
             let keeper = Keeper::Systemd {
                 notify_socket: socket.clone(),
             };
-            (keeper, fd)
+            (keeper, from_systemd)
         }
         _ => (Keeper::None, None),
     };

@@ -284,6 +284,14 @@ pub fn serve(path: &Path) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
+    // PID 1 of its container: the kernel drops SIGTERM unless a handler is
+    // installed, and the pod's deletion (or the host's shutdown) would wait
+    // out its whole grace. The kubelet signals this sidecar only after the
+    // agent's container has exited, so it just ends.
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only calls _exit, which is async-signal-safe.
+        unsafe { libc::signal(sig, exit_now as *const () as libc::sighandler_t) };
+    }
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     tracing::info!(socket = %path.display(), "keeping descriptors for the agent");
@@ -322,6 +330,11 @@ pub fn serve(path: &Path) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+extern "C" fn exit_now(_: libc::c_int) {
+    // SAFETY: _exit is async-signal-safe; the descriptors close with us.
+    unsafe { libc::_exit(0) }
 }
 
 #[cfg(test)]

@@ -472,14 +472,15 @@ enum Armed {
     Reconnect,
 }
 
-/// A new delay inhibitor, a copy left with the keeper.
+/// A new delay inhibitor. (Its copy goes to the keeper only once a
+/// shutdown starts: an agent crash-looping while armed must not hold every
+/// shutdown of the node for logind's whole delay.)
 async fn take_lock_for<P: LogindPort, C>(
-    ctx: &Ctx<C>,
+    _ctx: &Ctx<C>,
     port: &P,
     cfg: &ShutdownConfig,
 ) -> Result<InhibitLock, ShutdownError> {
-    let lock = port.inhibit(&why(cfg)).await?;
-    Ok(lock.kept_by(&ctx.keeper))
+    port.inhibit(&why(cfg)).await
 }
 
 fn why(cfg: &ShutdownConfig) -> String {
@@ -1001,7 +1002,7 @@ fn save<C>(ctx: &Ctx<C>, record: &ShutdownRecord) {
 async fn execute<C: ClusterPort>(
     ctx: Arc<Ctx<C>>,
     cfg: ShutdownConfig,
-    mut lock: Option<InhibitLock>,
+    lock: Option<InhibitLock>,
     delay_max: Duration,
     mut record: ShutdownRecord,
     resume: bool,
@@ -1043,6 +1044,25 @@ async fn execute<C: ClusterPort>(
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
     }
     record.boot_id = ctx.boot_id.clone();
+    if !resume {
+        // On disk before the copy goes to the keeper and before any
+        // eviction: a process killed from here on leaves a record, so its
+        // successor resumes by the original start.
+        save(&ctx, &record);
+    }
+    // From here until the release, a copy of the lock outlives this
+    // process (an agent killed now does not let logind go on).
+    let mut lock = lock.map(|l| l.kept_by(&ctx.keeper));
+    // A resumed agent may not have its pod list yet: planning without it
+    // would find every group empty and release at once.
+    if resume && ctx.pods.borrow().is_none() {
+        let mut pods = ctx.pods.clone();
+        let _ = timeout(
+            delay_max.saturating_sub(cfg.safety_margin),
+            pods.wait_for(Option::is_some),
+        )
+        .await;
+    }
     ctx.metrics
         .start_time
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
@@ -1123,9 +1143,9 @@ async fn execute<C: ClusterPort>(
             save(&ctx, &lock_record());
         };
         let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already);
-        // The record goes to disk (an fsync, which blocks the thread) once
-        // the taint request has answered, or after a moment: the taint is
-        // what keeps new pods off the node, so its request goes first.
+        // The record (written once before the groups) goes to disk again
+        // once the taint request has answered, or after a moment, so a
+        // successor knows whose taint it is.
         let first_save = sleep(Duration::from_millis(200));
         tokio::pin!(taint, work, first_save);
         let mut taint_done = false;
@@ -1170,8 +1190,12 @@ async fn execute<C: ClusterPort>(
     if outcome == "cancelled" {
         return record;
     }
-    // Release: logind may now proceed.
-    lock.take();
+    // Release: logind may now proceed. The keeper's copy goes too, also
+    // when this process resumed without holding a lock of its own.
+    let kept = lock.take().is_some();
+    if !kept && ctx.keeper != Keeper::None {
+        let _ = ctx.keeper.forget(keep::INHIBITOR);
+    }
     ctx.metrics.inhibitor_held.set(0);
     let end = ctx.clock.now();
     record.ended_at = Some(end);
@@ -1389,16 +1413,18 @@ fn report_pod_end<C>(
     }
 }
 
-/// Keys of the pods whose deletion began at or after `since`.
+/// Keys of the pods whose deletion was asked for at or after `since`. (A
+/// pod's deletionTimestamp is when its grace ends: the request came
+/// deletionGracePeriodSeconds before.)
 fn terminating_since(pods: &Option<Snapshot<Pod>>, since: jiff::Timestamp) -> BTreeSet<String> {
     pods.as_ref()
         .map(|s| {
             s.iter()
                 .filter(|(_, p)| {
-                    p.metadata
-                        .deletion_timestamp
-                        .as_ref()
-                        .is_some_and(|t| t.0 >= since)
+                    let grace = p.metadata.deletion_grace_period_seconds.unwrap_or(0);
+                    p.metadata.deletion_timestamp.as_ref().is_some_and(|t| {
+                        t.0 - jiff::SignedDuration::from_secs(grace.max(0)) >= since
+                    })
                 })
                 .map(|(k, _)| k.to_string())
                 .collect()

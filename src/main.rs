@@ -85,49 +85,10 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     .context("cannot serve the systemd watchdog")?;
     // A delay inhibitor a killed predecessor left with its keeper: taken
     // back now, while this is the only thread.
-    use nodeguard::shutdown::keep::{self, Keeper};
-    // Whatever systemd passed (its descriptor store) is taken now, close-
-    // on-exec, so no probe or plugin inherits it.
-    let from_systemd = {
-        let env = |k: &str| std::env::var(k).ok();
-        keep::from_listen_fds(
-            keep::INHIBITOR,
-            env("LISTEN_PID").as_deref(),
-            env("LISTEN_FDS").as_deref(),
-            env("LISTEN_FDNAMES").as_deref(),
-        )
-    };
-    let (keeper, reclaimed) = match (&args.inhibitor_keeper, &notify_socket) {
-        (Some(path), _) => {
-            let keeper = Keeper::Socket(path.clone());
-            let fd = match keeper.reclaim(keep::INHIBITOR) {
-                Ok(fd) => fd,
-                // The sidecar may still be binding its socket on the pod's
-                // first start, when there is nothing to take back.
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                    ) =>
-                {
-                    tracing::info!(%keeper, error = %e, "no keeper yet; nothing to take back");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(%keeper, error = %e, "cannot ask the keeper for a delay inhibitor left by a previous process");
-                    None
-                }
-            };
-            (keeper, fd)
-        }
-        (None, Some(socket)) if !socket.is_empty() => {
-            let keeper = Keeper::Systemd {
-                notify_socket: socket.clone(),
-            };
-            (keeper, from_systemd)
-        }
-        _ => (Keeper::None, None),
-    };
+    let (keeper, reclaimed) = nodeguard::shutdown::keep::at_start(
+        args.inhibitor_keeper.as_deref(),
+        notify_socket.as_deref(),
+    );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -1039,7 +1039,7 @@ async fn a_full_state_directory_neither_stops_a_shutdown_nor_leaves_its_taint() 
 
 /// An agent process of the real binary, for the tests that kill one.
 struct AgentProcess {
-    child: std::process::Child,
+    process: Killed,
     listen: std::net::SocketAddr,
 }
 
@@ -1066,7 +1066,7 @@ impl AgentProcess {
             cmd.arg("--inhibitor-keeper").arg(k);
         }
         AgentProcess {
-            child: cmd.spawn().unwrap(),
+            process: Killed(cmd.spawn().unwrap()),
             listen,
         }
     }
@@ -1083,24 +1083,23 @@ impl AgentProcess {
         .await;
     }
 
+    /// SIGKILL, as the OOM killer sends it.
     fn kill(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-        let _ = self.child.wait();
+        self.process.kill();
     }
 }
 
-/// A child process killed when the test ends, also on a panic.
+/// A child process SIGKILLed when the test ends, also on a panic.
 struct Killed(std::process::Child);
 
-impl Drop for Killed {
-    fn drop(&mut self) {
+impl Killed {
+    fn kill(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
 }
 
-impl Drop for AgentProcess {
+impl Drop for Killed {
     fn drop(&mut self) {
         self.kill();
     }

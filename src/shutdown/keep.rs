@@ -114,6 +114,52 @@ impl Keeper {
     }
 }
 
+/// The keeper this process uses and the inhibitor a killed predecessor
+/// left with it: `nodeguard keep` at `socket` when given, else systemd's
+/// store when there is a `notify_socket`. Call once, before any other
+/// thread starts: whatever systemd passed is taken close-on-exec (or
+/// closed), so no probe or plugin inherits it.
+pub fn at_start(socket: Option<&Path>, notify_socket: Option<&str>) -> (Keeper, Option<OwnedFd>) {
+    let env = |k: &str| std::env::var(k).ok();
+    let from_systemd = from_listen_fds(
+        INHIBITOR,
+        env("LISTEN_PID").as_deref(),
+        env("LISTEN_FDS").as_deref(),
+        env("LISTEN_FDNAMES").as_deref(),
+    );
+    match (socket, notify_socket) {
+        (Some(path), _) => {
+            let keeper = Keeper::Socket(path.to_path_buf());
+            let fd = match keeper.reclaim(INHIBITOR) {
+                Ok(fd) => fd,
+                // The sidecar may still be binding its socket on the pod's
+                // first start, when there is nothing to take back.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
+                    ) =>
+                {
+                    tracing::info!(%keeper, error = %e, "no keeper yet; nothing to take back");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(%keeper, error = %e, "cannot ask the keeper for a delay inhibitor left by a previous process");
+                    None
+                }
+            };
+            (keeper, fd)
+        }
+        (None, Some(notify_socket)) if !notify_socket.is_empty() => (
+            Keeper::Systemd {
+                notify_socket: notify_socket.to_string(),
+            },
+            from_systemd,
+        ),
+        _ => (Keeper::None, None),
+    }
+}
+
 /// The descriptor systemd passed back under `name` (`LISTEN_FDS`,
 /// `LISTEN_FDNAMES`, for this process by `LISTEN_PID`). Call once, before
 /// any other thread starts: the others are closed.

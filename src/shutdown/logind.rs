@@ -41,10 +41,10 @@ impl InhibitLock {
         InhibitLock { fd, kept: None }
     }
 
-    /// Leaves a copy with `keeper` (a failure is logged: the lock is still
-    /// held, only not beyond this process).
+    /// Leaves a copy with `keeper` unless it holds one already (a failure
+    /// is logged: the lock is still held, only not beyond this process).
     pub fn kept_by(mut self, keeper: &Keeper) -> Self {
-        if *keeper == Keeper::None {
+        if *keeper == Keeper::None || self.kept.is_some() {
             return self;
         }
         match keeper.keep(keep::INHIBITOR, self.fd.as_fd()) {

@@ -459,7 +459,10 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
     if !take_lock {
         return Ok((port, events, delay_max, None));
     }
-    let lock = take_lock_for(ctx, &port, cfg).await.map_err(|e| {
+    // Its copy goes to the keeper only once a shutdown starts: an agent
+    // crash-looping while armed must not hold every shutdown of the node
+    // for logind's whole delay.
+    let lock = port.inhibit(&why(cfg)).await.map_err(|e| {
         ("InhibitorRefused", format!(
             "systemd-logind refused nodeguard's delay inhibitor ({e}); a shutdown would not wait for pods."
         ))
@@ -470,17 +473,6 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
 enum Armed {
     Stop,
     Reconnect,
-}
-
-/// A new delay inhibitor. (Its copy goes to the keeper only once a
-/// shutdown starts: an agent crash-looping while armed must not hold every
-/// shutdown of the node for logind's whole delay.)
-async fn take_lock_for<P: LogindPort, C>(
-    _ctx: &Ctx<C>,
-    port: &P,
-    cfg: &ShutdownConfig,
-) -> Result<InhibitLock, ShutdownError> {
-    port.inhibit(&why(cfg)).await
 }
 
 fn why(cfg: &ShutdownConfig) -> String {
@@ -645,7 +637,7 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
                 st.lock = None;
             }
             if st.lock.is_none() {
-                match take_lock_for(ctx, port, &st.cfg).await {
+                match port.inhibit(&why(&st.cfg)).await {
                     Ok(l) => {
                         st.lock = Some(l);
                         ctx.metrics.inhibitor_held.set(1);
@@ -1044,12 +1036,10 @@ async fn execute<C: ClusterPort>(
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
     }
     record.boot_id = ctx.boot_id.clone();
-    if !resume {
-        // On disk before the copy goes to the keeper and before any
-        // eviction: a process killed from here on leaves a record, so its
-        // successor resumes by the original start.
-        save(&ctx, &record);
-    }
+    // On disk before the copy goes to the keeper and before any eviction:
+    // a process killed from here on leaves a record, so its successor
+    // resumes by the original start.
+    save(&ctx, &record);
     // From here until the release, a copy of the lock outlives this
     // process (an agent killed now does not let logind go on).
     let mut lock = lock.map(|l| l.kept_by(&ctx.keeper));
@@ -1143,24 +1133,15 @@ async fn execute<C: ClusterPort>(
             save(&ctx, &lock_record());
         };
         let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already);
-        // The record (written once before the groups) goes to disk again
-        // once the taint request has answered, or after a moment, so a
-        // successor knows whose taint it is.
-        let first_save = sleep(Duration::from_millis(200));
-        tokio::pin!(taint, work, first_save);
+        // The record (written before the groups) goes to disk again once
+        // the taint request has answered, so a successor knows whose taint
+        // it is.
+        tokio::pin!(taint, work);
         let mut taint_done = false;
-        let mut saved = false;
         let mut outcome = loop {
             tokio::select! {
                 _ = &mut work => break "all groups done",
-                _ = &mut taint, if !taint_done => {
-                    taint_done = true;
-                    saved = true;
-                }
-                _ = &mut first_save, if !saved => {
-                    saved = true;
-                    save(&ctx, &lock_record());
-                }
+                _ = &mut taint, if !taint_done => taint_done = true,
                 _ = sleep_until(release_at) => break "the inhibit window is closing",
                 _ = cancel.cancelled() => break "cancelled",
             }

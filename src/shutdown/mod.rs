@@ -1018,6 +1018,16 @@ async fn execute<C: ClusterPort>(
     } else {
         Instant::now()
     };
+    // A resumed agent may not have its pod list yet: planning without it
+    // would find every group empty and release at once.
+    if resume && ctx.pods.borrow().is_none() {
+        let mut pods = ctx.pods.clone();
+        let _ = timeout(
+            delay_max.saturating_sub(cfg.safety_margin),
+            pods.wait_for(Option::is_some),
+        )
+        .await;
+    }
     // Pods whose deletion began since this shutdown started: a previous
     // process of the agent evicted them. Evicting them again would cut
     // their grace to the shorter window left, so they are only waited for.
@@ -1043,16 +1053,6 @@ async fn execute<C: ClusterPort>(
     // From here until the release, a copy of the lock outlives this
     // process (an agent killed now does not let logind go on).
     let mut lock = lock.map(|l| l.kept_by(&ctx.keeper));
-    // A resumed agent may not have its pod list yet: planning without it
-    // would find every group empty and release at once.
-    if resume && ctx.pods.borrow().is_none() {
-        let mut pods = ctx.pods.clone();
-        let _ = timeout(
-            delay_max.saturating_sub(cfg.safety_margin),
-            pods.wait_for(Option::is_some),
-        )
-        .await;
-    }
     ctx.metrics
         .start_time
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));

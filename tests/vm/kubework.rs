@@ -1477,11 +1477,13 @@ pub async fn device_watchdog(vm: &mut Vm, admin: &Client, node: &str, agent_ns: 
     }
     let pod = agent_pod(admin, agent_ns).await;
     assert!(pod_ready(&pod), "the agent's pod is Ready");
-    let pid = vm.sh("pidof nodeguard").await;
+    // The agent, not the pod's `nodeguard keep` sidecar (`[ ]`: not this
+    // script itself).
+    let pid = vm.sh("pgrep -f 'nodeguard[ ]run'").await;
     let pid = pid.trim();
     assert!(
-        !pid.is_empty() && !pid.contains(' '),
-        "one nodeguard process: {pid:?}"
+        !pid.is_empty() && !pid.contains(char::is_whitespace),
+        "one `nodeguard run` process: {pid:?}"
     );
     // Still petting well past one timeout.
     tokio::time::sleep(WATCHDOG_TIMEOUT + Duration::from_secs(5)).await;

@@ -1,16 +1,24 @@
 //! An API server outage while conditions change: the agent keeps running,
-//! stays live, loses nothing, and converges soon after the API returns.
-//! (Its own test binary: it stops the shared API server for 30 s.)
+//! stays live, loses nothing, and converges soon after the API returns. An
+//! API server restart during a shutdown: the groups go on, each pod ends
+//! once, the inhibitor is released within the plan.
+//! (Its own test binary: it stops the shared API server; its tests take
+//! turns.)
 
 mod support;
 
 use std::time::{Duration, Instant};
 
+use kube::Api;
 use nodeguard::report::Status;
 use support::*;
 
+/// The tests of this binary stop the shared API server: one at a time.
+static API_DOWN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn conditions_converge_within_5s_after_a_30s_api_outage() {
+    let _turn = API_DOWN.lock().await;
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "outage", &[]).await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
@@ -107,4 +115,156 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
         "write errors are counted:\n{metrics}"
     );
     agent.stop().await;
+}
+
+/// The API server restarted in the middle of a shutdown (during the mid
+/// group's wait on its PodDisruptionBudget): the agent stays live, the
+/// escalation and the last group happen once it is back, each pod ends
+/// exactly once, and the inhibitor goes within the plan's window.
+#[tokio::test]
+async fn a_shutdown_goes_on_through_an_api_server_restart() {
+    use support::dbus::{LogindPeer, PrivateBus};
+    use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
+
+    let _turn = API_DOWN.lock().await;
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "api-restart").await;
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
+    let policy = unique_name("api-restart");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "shutdown": {"gracePeriodByPriority": [
+                {"priority": 0, "gracePeriodSeconds": 6},
+                {"priority": 1000, "gracePeriodSeconds": 20},
+                {"priority": 2000000000, "gracePeriodSeconds": 6},
+            ], "safetyMarginSeconds": 2, "escalateAfterPercent": 50},
+        }),
+    )
+    .await;
+    let PodsInThreeGroups {
+        low,
+        mid,
+        high,
+        pdb,
+    } = pods_in_three_groups(&admin, &node.name).await;
+    let (marked, sim) = kubelet_sim(admin.clone(), node.name.clone());
+    let address = bus.address.clone();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "test-boot".into();
+    })
+    .await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(peer.held() == 1)
+    })
+    .await;
+    let mut pods_rx = agent.pods.clone();
+    eventually(Duration::from_secs(10), "agent sees the three pods", || {
+        std::future::ready(
+            pods_rx
+                .borrow_and_update()
+                .as_ref()
+                .is_some_and(|p| p.len() == 3),
+        )
+    })
+    .await;
+
+    peer.prepare_for_shutdown(true).await;
+    let t0 = Instant::now();
+    eventually(Duration::from_secs(5), "the low pod evicted", || {
+        std::future::ready(marked.lock().unwrap().contains_key(&low))
+    })
+    .await;
+    // The mid group has begun (the low pod is gone 300 ms after its
+    // eviction): its pod waits on the PDB until the escalation, half of
+    // its 20 s window in; the API server has until its window ends to be
+    // back.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
+        .await
+        .unwrap();
+    let guard = RestartOnDrop("kube-apiserver");
+    let stopped = t0.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        http_get(agent.addr, "/livez").await.0,
+        200,
+        "an API outage during a shutdown must not fail /livez"
+    );
+    tokio::task::spawn_blocking(|| cluster_ctl("start", "kube-apiserver"))
+        .await
+        .unwrap();
+    std::mem::forget(guard);
+    let back = t0.elapsed();
+    eventually(
+        Duration::from_secs(40),
+        "the inhibitor released after the last group",
+        || std::future::ready(peer.held() == 0),
+    )
+    .await;
+    let released = t0.elapsed();
+    // 6 + 20 + 6 s of windows and the 2 s margin.
+    assert!(
+        released <= Duration::from_secs(34) + Duration::from_millis(500),
+        "released {released:?} into the shutdown: past the plan's 34 s"
+    );
+    let metrics = http_get(agent.addr, "/metrics").await.1;
+    let ends = |group: &str| -> Vec<(String, f64)> {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(&format!("nodeguard_shutdown_pods_total{{group=\"{group}\"")))
+            .filter_map(|l| {
+                let (series, v) = l.rsplit_once(' ')?;
+                Some((series.to_string(), v.parse().ok()?))
+            })
+            .filter(|(_, v)| *v > 0.0)
+            .collect()
+    };
+    for (group, outcome) in [
+        ("0", "evicted"),
+        ("1000", "escalated"),
+        ("2000000000", "evicted"),
+    ] {
+        let e = ends(group);
+        assert_eq!(e.len(), 1, "one outcome in group {group}: {e:?}\n{metrics}");
+        assert!(
+            e[0].0.contains(&format!("outcome=\"{outcome}\"")) && e[0].1 == 1.0,
+            "group {group}: one pod {outcome}: {e:?}"
+        );
+    }
+    let node_now = Api::<k8s_openapi::api::core::v1::Node>::all(admin.clone())
+        .get(&node.name)
+        .await
+        .unwrap();
+    assert!(
+        has_taint(&node_now, "nodeguard.io/shutdown"),
+        "the taint stays while the host goes down"
+    );
+    // The kubelet stand-in's watch ended with the outage: ask the API.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    for p in [&mid, &high] {
+        let deleting = pods
+            .get_opt(p)
+            .await
+            .unwrap()
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some());
+        assert!(deleting, "{p} was never deleted");
+    }
+    eprintln!(
+        "API server stopped {stopped:?} into the shutdown, ready again at {back:?}; inhibitor released at {released:?}"
+    );
+    sim.abort();
+    agent.stop().await;
+    for p in [&low, &mid, &high] {
+        let _ = pods
+            .delete(p, &kube::api::DeleteParams::default().grace_period(0))
+            .await;
+    }
+    delete_pdb(&admin, &pdb).await;
+    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
+    let _ = api.delete(&policy, &Default::default()).await;
 }

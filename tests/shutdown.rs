@@ -414,6 +414,114 @@ async fn the_lock_is_retaken_within_2s_after_logind_restarts() {
     s.cleanup().await;
 }
 
+/// systemd-logind restarted during the delay forgets the shutdown it was
+/// delaying (it keeps no record of it, as the node VM's scenario
+/// logind-restart shows): the host stays up. The agent must not go on
+/// emptying a node that is not going down: it undoes the shutdown as after
+/// a cancel and holds a lock from the new logind.
+#[tokio::test]
+async fn a_logind_restart_during_a_shutdown_undoes_it_when_the_new_logind_forgot_it() {
+    let mut s = setup(
+        "relogind-mid",
+        Duration::from_secs(60),
+        serde_json::json!([
+            {"priority": 0, "gracePeriodSeconds": 12},
+            {"priority": 1000, "gracePeriodSeconds": 6},
+        ]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    ensure_priority_class(&s.admin, "nodeguard-test-mid", 1000).await;
+    let (low, mid) = (unique_name("low"), unique_name("mid"));
+    // No kubelet: the evicted low pod stays (terminating) for its window.
+    for (name, class) in [(&low, "nodeguard-test-low"), (&mid, "nodeguard-test-mid")] {
+        running_pod(&s.admin, &s.node.name, name, class, serde_json::json!({})).await;
+    }
+    let (agent, _state) = s.start_agent().await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let mut pods_rx = agent.pods.clone();
+    eventually(Duration::from_secs(10), "agent sees the two pods", || {
+        std::future::ready(
+            pods_rx
+                .borrow_and_update()
+                .as_ref()
+                .is_some_and(|p| p.len() == 2),
+        )
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(s.admin.clone(), TEST_NAMESPACE);
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    let t0 = Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "tainted, the low pod evicted",
+        || async {
+            tainted(&nodes.get(&s.node.name).await.unwrap())
+                && pods
+                    .get(&low)
+                    .await
+                    .unwrap()
+                    .metadata
+                    .deletion_timestamp
+                    .is_some()
+        },
+    )
+    .await;
+    s.peer.kill().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    s.peer.come_back().await;
+    let restarted = t0.elapsed();
+    eventually(
+        Duration::from_secs(5),
+        "the taint removed, GracefulShutdown=False (ShutdownCancelled) naming logind's restart",
+        || async {
+            let n = nodes.get(&s.node.name).await.unwrap();
+            let c = condition_of(&nodes, &s.node.name, "GracefulShutdown").await;
+            !tainted(&n)
+                && c.is_some_and(|(status, reason, message)| {
+                    status == "False"
+                        && reason == "ShutdownCancelled"
+                        && message.contains("systemd-logind restarted during it")
+                })
+        },
+    )
+    .await;
+    let undone = t0.elapsed();
+    eventually(
+        Duration::from_secs(2),
+        "a lock held from the new logind",
+        || std::future::ready(s.peer.held() == 1),
+    )
+    .await;
+    // Past the low group's 12 s window: the mid pod stays.
+    tokio::time::sleep_until((t0 + Duration::from_secs(14)).into()).await;
+    assert!(
+        pods.get(&mid)
+            .await
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_none(),
+        "the mid pod was evicted after logind's restart had cancelled the shutdown"
+    );
+    assert_eq!(s.peer.held(), 1);
+    let events = events_for(&s.node.name).await;
+    assert!(
+        events
+            .lines()
+            .any(|l| l.contains("ShutdownCancelled") && l.contains("restarted")),
+        "{events}"
+    );
+    eprintln!("logind restarted {restarted:?} into the shutdown; undone at {undone:?}");
+    agent.stop().await;
+    force_delete(&s.admin, &[&low, &mid]).await;
+    s.cleanup().await;
+}
+
 /// The Node's condition `type_` as (status, reason, message).
 async fn condition_of(
     nodes: &Api<Node>,

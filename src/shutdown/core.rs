@@ -435,10 +435,22 @@ pub enum AfterCancel {
     Reconnecting,
 }
 
+/// Who cancelled a shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelCause {
+    /// logind said `PrepareForShutdown(false)` (or no longer prepared for
+    /// it when the agent started).
+    Logind,
+    /// systemd-logind restarted during the delay: the new instance does not
+    /// know the shutdown the old one was delaying, so the host stays up.
+    LogindRestarted,
+}
+
 /// The last shutdown, as the condition reports it until the next one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LastShutdown {
     Cancelled {
+        cause: CancelCause,
         taint: TaintAfter,
         inhibitor: AfterCancel,
     },
@@ -495,7 +507,7 @@ fn taint_text(taint: TaintAfter) -> String {
 }
 
 /// The message of a cancelled shutdown (the condition's and the Event's).
-pub fn cancel_message(taint: TaintAfter, inhibitor: AfterCancel) -> String {
+pub fn cancel_message(cause: CancelCause, taint: TaintAfter, inhibitor: AfterCancel) -> String {
     let then = match inhibitor {
         AfterCancel::Held => "nodeguard holds its inhibitor again",
         AfterCancel::PolicyOff => {
@@ -505,7 +517,16 @@ pub fn cancel_message(taint: TaintAfter, inhibitor: AfterCancel) -> String {
             "nodeguard cannot take its inhibitor again yet and reconnects to systemd-logind"
         }
     };
-    format!("The shutdown was cancelled{}; {then}.", taint_text(taint))
+    let why = match cause {
+        CancelCause::Logind => "",
+        CancelCause::LogindRestarted => {
+            ": systemd-logind restarted during it and no longer shuts the host down"
+        }
+    };
+    format!(
+        "The shutdown was cancelled{why}{}; {then}.",
+        taint_text(taint)
+    )
 }
 
 /// The message of the first start after a reboot (the condition's and the
@@ -537,13 +558,18 @@ pub fn condition(phase: &Phase, last: Option<&LastShutdown>) -> ConditionUpdate 
                 release.as_secs()
             ),
         )),
-        (_, Some(LastShutdown::Cancelled { taint, inhibitor })) => {
-            ConditionUpdate::Urgent(desired(
-                Status::False,
-                "ShutdownCancelled",
-                cancel_message(*taint, *inhibitor),
-            ))
-        }
+        (
+            _,
+            Some(LastShutdown::Cancelled {
+                cause,
+                taint,
+                inhibitor,
+            }),
+        ) => ConditionUpdate::Urgent(desired(
+            Status::False,
+            "ShutdownCancelled",
+            cancel_message(*cause, *taint, *inhibitor),
+        )),
         (
             _,
             Some(LastShutdown::Rebooted {
@@ -985,6 +1011,7 @@ mod tests {
             release: Duration::from_secs(22),
         };
         let cancelled = LastShutdown::Cancelled {
+            cause: CancelCause::Logind,
             taint: TaintAfter::Removed,
             inhibitor: AfterCancel::Held,
         };
@@ -1058,23 +1085,32 @@ mod tests {
     fn messages_after_a_shutdown() {
         let cases = [
             (
+                CancelCause::Logind,
                 TaintAfter::NotOurs,
                 AfterCancel::Held,
                 "The shutdown was cancelled; nodeguard holds its inhibitor again.",
             ),
             (
+                CancelCause::LogindRestarted,
+                TaintAfter::Removed,
+                AfterCancel::Held,
+                "The shutdown was cancelled: systemd-logind restarted during it and no longer shuts the host down; nodeguard removed its shutdown taint; nodeguard holds its inhibitor again.",
+            ),
+            (
+                CancelCause::Logind,
                 TaintAfter::Removed,
                 AfterCancel::PolicyOff,
                 "The shutdown was cancelled; nodeguard removed its shutdown taint; graceful shutdown is off by policy now, so nodeguard does not take its inhibitor again.",
             ),
             (
+                CancelCause::Logind,
                 TaintAfter::Left,
                 AfterCancel::Reconnecting,
                 "The shutdown was cancelled; nodeguard could not remove its shutdown taint nodeguard.io/shutdown: remove it with kubectl taint; nodeguard cannot take its inhibitor again yet and reconnects to systemd-logind.",
             ),
         ];
-        for (taint, inhibitor, want) in cases {
-            assert_eq!(cancel_message(taint, inhibitor), want);
+        for (cause, taint, inhibitor, want) in cases {
+            assert_eq!(cancel_message(cause, taint, inhibitor), want);
         }
         assert_eq!(
             rebooted_message("T", None, TaintAfter::NotOurs),

@@ -319,15 +319,9 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         // without the machine going down (a failed or cancelled job), undo
         // it then, as after a cancel.
         handle.updated();
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = sleep(GOING_DOWN_POLL) => {}
-            }
-            if preparing_for_shutdown(&logind).await == Some(false) {
-                last = Some(cancelled_meanwhile(&ctx, taint_added).await);
-                break;
-            }
+        match watch_going_down(&ctx, &logind, &stop, taint_added, core::CancelCause::Logind).await {
+            Some(l) => last = Some(l),
+            None => return,
         }
     }
     let mut backoff = RECONNECT_MIN;
@@ -335,6 +329,10 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     // Until the first policy selection arrives, "no config" means "not known
     // yet", not "off": what start-up reported (NodeRebooted) must stay.
     let mut policy_known = false;
+    // A lock taken from a restarted logind that had forgotten the shutdown
+    // (`Armed::Reconnect(Some(_))`): the subscription is new, so a reboot
+    // asked for in between would go unseen; ask once subscribed.
+    let mut carried = false;
     'outer: loop {
         // Wait for a policy that wants graceful shutdown.
         let cfg = loop {
@@ -388,7 +386,19 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         if lock.is_some() {
             ctx.metrics.inhibitor_held.set(1);
         }
-        if lock.is_some() && resume.is_none() {
+        let mut fresh = false;
+        if std::mem::take(&mut carried)
+            && resume.is_none()
+            && lock.is_some()
+            && matches!(
+                tokio::time::timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                Ok(Ok(true))
+            )
+        {
+            tracing::warn!("a shutdown began while nodeguard reconnected to the restarted logind");
+            fresh = true;
+        }
+        if lock.is_some() && resume.is_none() && !fresh {
             tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
             report_armed(&ctx, &cfg, delay_max, last.as_ref());
         }
@@ -400,19 +410,42 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         };
         match armed(
             &ctx,
+            &logind,
             &port,
             &mut config,
             &mut armed_state,
             events,
             resume.take(),
+            fresh,
             &handle,
             &stop,
         )
         .await
         {
             Armed::Stop => break 'outer,
-            Armed::Reconnect => {
+            Armed::Reconnect(lock) => {
+                if lock.is_some() {
+                    carried = true;
+                    reclaimed = lock;
+                }
                 ctx.metrics.inhibitor_held.set(0);
+                continue;
+            }
+            Armed::GoingDown { taint_added } => {
+                ctx.metrics.inhibitor_held.set(0);
+                handle.updated();
+                match watch_going_down(
+                    &ctx,
+                    &logind,
+                    &stop,
+                    taint_added,
+                    core::CancelCause::LogindRestarted,
+                )
+                .await
+                {
+                    Some(l) => last = Some(l),
+                    None => break 'outer,
+                }
                 continue;
             }
         }
@@ -472,7 +505,14 @@ async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
 
 enum Armed {
     Stop,
-    Reconnect,
+    /// Connect again; with a lock already taken on the new logind (after a
+    /// shutdown a restarted logind forgot), arm with it.
+    Reconnect(Option<InhibitLock>),
+    /// The groups finished while logind was away: the host is taken to be
+    /// going down; watch that it does (undo, as after a cancel, if not).
+    GoingDown {
+        taint_added: bool,
+    },
 }
 
 fn why(cfg: &ShutdownConfig) -> String {
@@ -506,17 +546,34 @@ type Running = (CancellationToken, tokio::task::JoinHandle<ShutdownRecord>);
 /// not cancelled ends with the reboot; the agent starts with the new
 /// policy.)
 #[allow(clippy::too_many_arguments)]
-async fn armed<P: LogindPort, C: ClusterPort>(
+async fn armed<L: LogindConnector, C: ClusterPort>(
     ctx: &Arc<Ctx<C>>,
-    port: &P,
+    logind: &L,
+    port: &L::Port,
     config: &mut watch::Receiver<Option<ShutdownConfig>>,
     st: &mut ArmedState<'_>,
     mut events: mpsc::Receiver<LogindEvent>,
     resume: Option<ShutdownRecord>,
+    fresh: bool,
     handle: &LoopHandle,
     stop: &CancellationToken,
 ) -> Armed {
     let mut running: Option<Running> = None;
+    if fresh {
+        *st.last = None;
+        let record = ShutdownRecord {
+            boot_id: ctx.boot_id.clone(),
+            ..Default::default()
+        };
+        running = Some(spawn_shutdown(
+            ctx,
+            &st.cfg,
+            st.lock.take(),
+            st.delay_max,
+            record,
+            false,
+        ));
+    }
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
     let mut latest = Some(st.cfg.clone());
@@ -556,7 +613,7 @@ async fn armed<P: LogindPort, C: ClusterPort>(
                     None => {
                         tracing::info!("graceful shutdown turned off by policy; releasing the inhibitor");
                         ctx.metrics.inhibitor_held.set(0);
-                        return Armed::Reconnect;
+                        return Armed::Reconnect(None);
                     }
                     Some(new) if *new != st.cfg => {
                         handle.queued();
@@ -587,21 +644,42 @@ async fn armed<P: LogindPort, C: ClusterPort>(
                     }
                     // A stop deferred for the shutdown also waits for the
                     // undo (taint, condition, Event) before it goes on.
-                    let after = cancelled(ctx, port, st, latest.clone(), record, handle).await;
+                    let after = cancelled(ctx, port, st, latest.clone(), record, handle, core::CancelCause::Logind).await;
                     ctx.in_progress.send_replace(false);
-                    match after {
-                        Some(Armed::Reconnect) => return Armed::Reconnect,
-                        Some(Armed::Stop) => return Armed::Stop,
-                        None => {}
+                    if let Some(a) = after {
+                        return a;
                     }
                 }
                 Some(LogindEvent::Gone) | None => {
-                    tracing::warn!("systemd-logind or the system bus went away; reconnecting to take the lock again");
-                    if let Some((_, task)) = running.take() {
-                        // Keep evicting: the host is going down anyway.
-                        let _ = task.await;
+                    let Some((token, task)) = running.take() else {
+                        tracing::warn!("systemd-logind or the system bus went away; reconnecting to take the lock again");
+                        return Armed::Reconnect(None);
+                    };
+                    // The groups go on meanwhile (a spawned task). A logind
+                    // restarted during the delay has forgotten the shutdown
+                    // the old one was delaying (it keeps inhibitors, not a
+                    // pending shutdown): the host stays up, so undo it. On
+                    // the way down, logind is stopped for good and does not
+                    // answer; the groups then finish.
+                    match logind_after_restart(logind).await {
+                        Some((new_port, false)) => {
+                            tracing::warn!("systemd-logind restarted during the shutdown and no longer shuts the host down; cancelling the shutdown");
+                            token.cancel();
+                            let record = task.await.ok();
+                            let after = cancelled(ctx, &new_port, st, latest.clone(), record, handle, core::CancelCause::LogindRestarted).await;
+                            ctx.in_progress.send_replace(false);
+                            // The signals came from the old connection:
+                            // reconnect, keeping the lock just taken.
+                            return match after {
+                                Some(Armed::Stop) => Armed::Stop,
+                                _ => Armed::Reconnect(st.lock.take()),
+                            };
+                        }
+                        Some((_, true)) => tracing::warn!("systemd-logind restarted during the shutdown and still shuts the host down; the groups go on"),
+                        None => tracing::warn!("systemd-logind or the system bus went away during the shutdown; the groups go on"),
                     }
-                    return Armed::Reconnect;
+                    let record = task.await.ok();
+                    return Armed::GoingDown { taint_added: record.is_some_and(|r| r.taint_added) };
                 }
             }
         }
@@ -619,6 +697,7 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
     latest: Option<ShutdownConfig>,
     record: Option<ShutdownRecord>,
     handle: &LoopHandle,
+    cause: core::CancelCause,
 ) -> Option<Armed> {
     let inhibitor = match latest {
         None => {
@@ -662,9 +741,13 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
         EventKind::Normal,
         "ShutdownCancelled",
         "CancelShutdown",
-        core::cancel_message(taint, inhibitor),
+        core::cancel_message(cause, taint, inhibitor),
     );
-    *st.last = Some(core::LastShutdown::Cancelled { taint, inhibitor });
+    *st.last = Some(core::LastShutdown::Cancelled {
+        cause,
+        taint,
+        inhibitor,
+    });
     match inhibitor {
         core::AfterCancel::Held => {
             report_armed(ctx, &st.cfg, st.delay_max, st.last.as_ref());
@@ -672,10 +755,10 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
             None
         }
         // The outer loop finds the policy off and removes the conditions.
-        core::AfterCancel::PolicyOff => Some(Armed::Reconnect),
+        core::AfterCancel::PolicyOff => Some(Armed::Reconnect(None)),
         core::AfterCancel::Reconnecting => {
             report_condition(ctx, &core::Phase::Waiting, st.last.as_ref());
-            Some(Armed::Reconnect)
+            Some(Armed::Reconnect(None))
         }
     }
 }
@@ -868,7 +951,7 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
         }
         OnStart::CancelledMeanwhile { taint_added } => (
             None,
-            Some(cancelled_meanwhile(ctx, taint_added).await),
+            Some(cancelled_meanwhile(ctx, taint_added, core::CancelCause::Logind).await),
             None,
         ),
         OnStart::AfterReboot { took, taint_added } => {
@@ -921,6 +1004,57 @@ async fn preparing_for_shutdown<L: LogindConnector>(logind: &L) -> Option<bool> 
     }
 }
 
+/// How long an agent whose logind left during a shutdown waits for it to
+/// answer again (a restart takes well under a second; activation on the
+/// system bus starts it if needed) before it takes the host as going down.
+const LOGIND_BACK_WAIT: Duration = Duration::from_secs(10);
+
+/// After logind left the bus during a shutdown: a new connection and
+/// whether the logind answering now prepares for a shutdown. `None` when
+/// none answered within `LOGIND_BACK_WAIT`. (Not cut short by a stop: a
+/// stop waits for the shutdown's outcome, and this is bounded.)
+async fn logind_after_restart<L: LogindConnector>(logind: &L) -> Option<(L::Port, bool)> {
+    let deadline = tokio::time::Instant::now() + LOGIND_BACK_WAIT;
+    loop {
+        let ask = async {
+            let port = logind.connect().await?;
+            let preparing = port.preparing_for_shutdown().await?;
+            Ok::<_, ShutdownError>((port, preparing))
+        };
+        match tokio::time::timeout(CALL_TIMEOUT, ask).await {
+            Ok(Ok(answer)) => return Some(answer),
+            Ok(Err(e)) => tracing::debug!(error = %e, "logind does not answer yet"),
+            Err(_) => tracing::debug!("logind does not answer yet"),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The shutdown's groups are done and the host should be going down:
+/// polls logind until it says it is not (a failed or cancelled shutdown
+/// job, a restarted logind), then undoes the shutdown as after a cancel.
+/// `None` when the agent stops first (the machine going down stops it).
+async fn watch_going_down<L: LogindConnector, C: ClusterPort>(
+    ctx: &Ctx<C>,
+    logind: &L,
+    stop: &CancellationToken,
+    taint_added: bool,
+    cause: core::CancelCause,
+) -> Option<core::LastShutdown> {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return None,
+            _ = sleep(GOING_DOWN_POLL) => {}
+        }
+        if preparing_for_shutdown(logind).await == Some(false) {
+            return Some(cancelled_meanwhile(ctx, taint_added, cause).await);
+        }
+    }
+}
+
 /// Undoes a shutdown of this boot that logind no longer prepares for (it
 /// was cancelled while the agent was not running, or failed): nodeguard's
 /// taint, the record, a `ShutdownCancelled` report. The inhibitor is
@@ -928,13 +1062,17 @@ async fn preparing_for_shutdown<L: LogindConnector>(logind: &L) -> Option<bool> 
 async fn cancelled_meanwhile<C: ClusterPort>(
     ctx: &Ctx<C>,
     taint_added: bool,
+    cause: core::CancelCause,
 ) -> core::LastShutdown {
     let taint = undo_taint(ctx, taint_added).await;
     state::clear(&ctx.state_writes, &ctx.state_dir);
-    let message = format!(
-        "{} (cancelled while nodeguard was not running)",
-        core::cancel_message(taint, core::AfterCancel::Held)
-    );
+    let message = core::cancel_message(cause, taint, core::AfterCancel::Held);
+    let message = match cause {
+        core::CancelCause::Logind => {
+            format!("{message} (cancelled while nodeguard was not running)")
+        }
+        core::CancelCause::LogindRestarted => message,
+    };
     tracing::info!("{message}");
     ctx.reporter.event(
         EventKind::Normal,
@@ -943,6 +1081,7 @@ async fn cancelled_meanwhile<C: ClusterPort>(
         message,
     );
     let last = core::LastShutdown::Cancelled {
+        cause,
         taint,
         inhibitor: core::AfterCancel::Held,
     };

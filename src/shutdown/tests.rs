@@ -44,6 +44,10 @@ struct LogindState {
     up: bool,
     /// PreparingForShutdown.
     preparing: bool,
+    /// The next lock granted is followed at once by a shutdown request
+    /// whose signal the agent does not get (`systemctl reboot` while it
+    /// was between subscriptions).
+    reboot_after_next_lock: bool,
 }
 
 #[derive(Clone, Default)]
@@ -91,6 +95,9 @@ impl LogindPort for FakeLogind {
         self.with(|s| {
             s.locks.push((Instant::now(), Held(r)));
             s.whys.push(why.into());
+            if std::mem::take(&mut s.reboot_after_next_lock) {
+                s.preparing = true;
+            }
         });
         Ok(InhibitLock::new(w))
     }
@@ -568,6 +575,158 @@ async fn cancel_midway_restores_the_node_and_retakes_the_lock() {
         "no eviction after the cancel"
     );
     assert_eq!(state::load(&r.state_dir).unwrap(), None, "record cleared");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// logind restarted during the delay (the new instance forgot the shutdown
+/// and is not preparing for one), back after `back_ms`: the shutdown is
+/// undone like a cancel, with a lock taken from the new logind.
+#[tokio::test(start_paused = true)]
+async fn a_logind_restart_that_forgot_the_shutdown_cancels_it() {
+    for back_ms in [0, 800] {
+        let pods = vec![pod("a/blocked", 0, None), pod("b/two", 1000, None)];
+        let logind = FakeLogind::new(Duration::from_secs(120));
+        let r = rig(
+            &format!("logind-restart-{back_ms}"),
+            logind,
+            Some(config(&[(0, 20), (1000, 20)])),
+            pods,
+            "b1",
+        );
+        r.cluster
+            .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
+        ms(100).await;
+        r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+        ms(2000).await;
+        assert!(r.cluster.with(|s| s.tainted));
+        // The restart: the old instance leaves (its signals end), the new
+        // one answers after `back_ms`, not preparing for a shutdown.
+        r.logind.with(|s| {
+            s.up = back_ms == 0;
+            s.preparing = false;
+        });
+        r.logind.signal(LogindEvent::Gone).await;
+        ms(back_ms).await;
+        r.logind.with(|s| s.up = true);
+        ms(1000).await;
+        assert!(
+            !r.cluster.with(|s| s.tainted),
+            "nodeguard's taint removed (back after {back_ms} ms)"
+        );
+        assert!(!*r.in_progress.borrow(), "no shutdown in progress");
+        let c = condition(&r, CONDITION).unwrap();
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (Status::False, "ShutdownCancelled")
+        );
+        assert!(
+            c.message.contains("systemd-logind restarted during it"),
+            "{}",
+            c.message
+        );
+        assert_eq!(r.logind.held(), 1, "a lock held from the new logind");
+        assert_eq!(r.logind.locks_taken(), 2, "taken once, not twice");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(
+            !r.cluster
+                .calls()
+                .iter()
+                .any(|(_, c)| matches!(c, Call::Evict(k, _) | Call::Delete(k, _) if k == "b/two")),
+            "no eviction after the cancel: {:?}",
+            r.cluster.calls()
+        );
+        assert_eq!(state::load(&r.state_dir).unwrap(), None, "record cleared");
+        assert_eq!(r.logind.held(), 1);
+        r.stop.cancel();
+        r.task.await.unwrap();
+    }
+}
+
+/// logind left during the shutdown and either never answers again (the
+/// host is going down and stopped it) or answers still preparing for the
+/// shutdown: the groups go on to the end and the taint stays.
+#[tokio::test(start_paused = true)]
+async fn logind_leaving_during_a_shutdown_that_goes_on_runs_every_group() {
+    for still_preparing in [false, true] {
+        let pods = vec![pod("a/one", 0, None), pod("b/two", 1000, None)];
+        let logind = FakeLogind::new(Duration::from_secs(120));
+        let r = rig(
+            &format!("logind-leaves-{still_preparing}"),
+            logind,
+            Some(config(&[(0, 5), (1000, 5)])),
+            pods,
+            "b1",
+        );
+        r.cluster.with(|s| s.lingering.insert("a/one".into()));
+        ms(100).await;
+        r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+        ms(1000).await;
+        r.logind.with(|s| s.up = still_preparing);
+        r.logind.signal(LogindEvent::Gone).await;
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        let calls = r.cluster.calls();
+        assert!(
+            calls
+                .iter()
+                .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "b/two")),
+            "the second group ran (still preparing: {still_preparing}): {calls:?}"
+        );
+        assert!(
+            !calls.iter().any(|(_, c)| *c == Call::Untaint),
+            "the taint stays while the host goes down: {calls:?}"
+        );
+        // The host did not go down after all (logind back, or its shutdown
+        // cancelled): the shutdown is undone within a poll.
+        r.logind.with(|s| {
+            s.up = true;
+            s.preparing = false;
+        });
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert!(
+            !r.cluster.with(|s| s.tainted),
+            "taint removed once logind says the host is not going down (still preparing: {still_preparing})"
+        );
+        let c = condition(&r, CONDITION).unwrap();
+        assert_eq!(c.reason, "ShutdownCancelled", "{}", c.message);
+        r.stop.cancel();
+        r.task.await.unwrap();
+    }
+}
+
+/// A reboot asked for right after the agent took its lock from a restarted
+/// logind (its PrepareForShutdown sent before the new subscription): the
+/// agent asks once subscribed and runs the shutdown.
+#[tokio::test(start_paused = true)]
+async fn a_reboot_right_after_a_logind_restart_is_not_missed() {
+    let pods = vec![pod("a/blocked", 0, None), pod("b/two", 1000, None)];
+    let logind = FakeLogind::new(Duration::from_secs(120));
+    let r = rig(
+        "logind-restart-reboot",
+        logind,
+        Some(config(&[(0, 5), (1000, 5)])),
+        pods,
+        "b1",
+    );
+    r.cluster
+        .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(1000).await;
+    r.logind.with(|s| {
+        s.preparing = false;
+        s.reboot_after_next_lock = true;
+    });
+    r.logind.signal(LogindEvent::Gone).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let calls = r.cluster.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "b/two")),
+        "the second shutdown ran its groups: {calls:?}"
+    );
+    assert!(r.cluster.with(|s| s.tainted), "tainted again: {calls:?}");
     r.stop.cancel();
     r.task.await.unwrap();
 }

@@ -429,12 +429,15 @@ impl LogindPeer {
         self.login = Some(conn);
     }
 
-    /// logind leaves the bus (killed).
+    /// logind leaves the bus (killed). Like the real one, what it kept in
+    /// memory goes with it: a shutdown it was delaying is forgotten.
     pub async fn kill(&mut self) {
         if let Some(c) = self.login.take() {
             let _ = c.close().await;
         }
-        self.state.lock().unwrap().inhibitors.clear();
+        let mut state = self.state.lock().unwrap();
+        state.inhibitors.clear();
+        state.preparing = false;
     }
 
     pub async fn prepare_for_shutdown(&self, start: bool) {

@@ -27,11 +27,12 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 18] = [
+const SCENARIOS: [&str; 19] = [
     "inhibit-delay",
     "kernel-problem",
     "clock-step",
     "systemd-watchdog",
+    "logind-restart",
     "poweroff",
     "reboot",
     "device-watchdog",
@@ -210,6 +211,7 @@ async fn run(selected: &[&'static str], rows: &Rows) -> bool {
         "kernel-problem",
         "clock-step",
         "systemd-watchdog",
+        "logind-restart",
         "poweroff",
     ]
     .into_iter()
@@ -612,6 +614,7 @@ async fn shutdown_node(env: &Env, rows: &Rows, steps: &[&'static str], then_rebo
                 "kernel-problem" => kernel_problem(&mut vm, &admin, &node.name, rows).await,
                 "clock-step" => clock_step(&mut vm, &admin, &node.name, rows).await,
                 "systemd-watchdog" => systemd_watchdog(&mut vm, &admin, &node.name, rows).await,
+                "logind-restart" => logind_restart(&mut vm, &admin, &node.name, &dir, rows).await,
                 "poweroff" => poweroff(&mut vm, &admin, &node.name, &dir, rows).await,
                 other => unreachable!("{other}"),
             }
@@ -908,6 +911,133 @@ async fn systemd_watchdog(vm: &mut Vm, admin: &Client, node: &str, rows: &Rows) 
         format!("SIGSTOP → \"Watchdog timeout\", NRestarts {restarts}→{new_restarts}, new pid active (READY=1) {} after the freeze, started {} after the last pet (WatchdogSec={UNIT_WATCHDOG_SECS}s, RestartSec=2s)", secs(back), secs(after_pet)),
     );
     let _ = new_pid;
+}
+
+/// How many shutdown delay inhibitors `who` holds (`systemd-inhibit`).
+async fn delay_locks(vm: &mut Vm, who: &str) -> usize {
+    vm.exec("systemd-inhibit --list --no-pager --mode=delay")
+        .await
+        .stdout
+        .lines()
+        .filter(|l| l.contains(who) && l.contains("shutdown"))
+        .count()
+}
+
+/// `systemctl restart systemd-logind` during a shutdown's delay. The new
+/// logind does not know the shutdown the old one was delaying (logind
+/// keeps inhibitors across a restart, not a pending shutdown), so the
+/// machine stays up: the agent must undo the shutdown (taint, record,
+/// `ShutdownCancelled` naming the restart) instead of emptying a node that
+/// is not going down, and hold its inhibitor from the new logind.
+async fn logind_restart(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Rows) {
+    let PodsInThreeGroups {
+        low,
+        mid,
+        high,
+        pdb: pdb_name,
+    } = pods_in_three_groups(admin, node).await;
+    let (marked, sim) = kubelet_sim(admin.clone(), node.to_string());
+    // The agent's pod watch has the three pods well before the signal.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        delay_locks(vm, "nodeguard").await,
+        1,
+        "the agent's inhibitor before the reboot"
+    );
+    let t0 = Instant::now();
+    vm.spawn("systemctl reboot").await;
+    eventually(Duration::from_secs(10), "the low pod evicted", || {
+        std::future::ready(marked.lock().unwrap().contains_key(&low))
+    })
+    .await;
+    let preparing = vm
+        .sh("busctl get-property org.freedesktop.login1 /org/freedesktop/login1 org.freedesktop.login1.Manager PreparingForShutdown")
+        .await;
+    assert_eq!(preparing.trim(), "b true", "logind delays the reboot");
+    vm.sh("systemctl restart systemd-logind && echo 'e2e: restarted systemd-logind' > /dev/kmsg")
+        .await;
+    let restarted = t0.elapsed();
+    let preparing = vm
+        .sh("busctl get-property org.freedesktop.login1 /org/freedesktop/login1 org.freedesktop.login1.Manager PreparingForShutdown")
+        .await;
+    assert_eq!(
+        preparing.trim(),
+        "b false",
+        "the restarted logind forgot the reboot it was delaying"
+    );
+    let nodes: Api<Node> = Api::all(admin.clone());
+    eventually(
+        Duration::from_secs(10),
+        "the taint removed and GracefulShutdown=False (ShutdownCancelled) naming logind's restart",
+        || async {
+            let n = nodes.get(node).await.unwrap();
+            !has_taint(&n, "nodeguard.io/shutdown")
+                && n.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| {
+                        cs.iter().any(|c| {
+                            c.type_ == "GracefulShutdown"
+                                && c.status == "False"
+                                && c.reason.as_deref() == Some("ShutdownCancelled")
+                                && c.message
+                                    .as_deref()
+                                    .is_some_and(|m| m.contains("systemd-logind restarted"))
+                        })
+                    })
+        },
+    )
+    .await;
+    let undone = t0.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // One: the old lock (which the new logind kept) released, a new one
+    // taken.
+    while delay_locks(vm, "nodeguard").await != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "exactly one inhibitor of the agent's within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Past the whole plan and logind's limit: the machine is up, the
+    // later groups untouched.
+    tokio::time::sleep_until((t0 + Duration::from_secs(NEEDED_DELAY_SECS + 5)).into()).await;
+    assert!(
+        vm.exited().is_none(),
+        "the machine went down after logind's restart"
+    );
+    let marked = marked.lock().unwrap().clone();
+    for p in [&mid, &high] {
+        assert!(
+            !marked.contains_key(p),
+            "{p} was deleted after the shutdown was undone: {marked:?}"
+        );
+    }
+    let events = events_for(node).await;
+    std::fs::write(dir.join("events-logind-restart.txt"), &events).unwrap();
+    assert!(
+        events
+            .lines()
+            .any(|l| l.contains("ShutdownCancelled") && l.contains("restarted")),
+        "{events}"
+    );
+    sim.abort();
+    delete_pdb(admin, &pdb_name).await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    for p in [&mid, &high] {
+        let _ = pods
+            .delete(p, &kube::api::DeleteParams::default().grace_period(0))
+            .await;
+    }
+    rows.pass(
+        "logind-restart",
+        format!(
+            "`systemctl reboot`, the low pod evicted, then `systemctl restart systemd-logind` {} in: the new logind's PreparingForShutdown {}; the agent removed its taint and reported ShutdownCancelled {} in, held its inhibitor from the new logind; the machine still up {NEEDED_DELAY_SECS} s later, mid and critical pods untouched",
+            secs(restarted),
+            preparing.trim(),
+            secs(undone),
+        ),
+    );
 }
 
 async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Rows) {

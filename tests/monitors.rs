@@ -1912,3 +1912,128 @@ async fn a_clock_set_forward_while_the_agent_was_stopped_keeps_the_quiet_period(
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// A policy edited while the agent was not running (stopped for an
+/// upgrade, or killed while it applied the edit): the restarted agent never
+/// saw the old spec, so what it added under it is known only from its saved
+/// state. The taint of a removed monitor and the old taint of a condition
+/// whose taint changed go; the new taint comes; someone else's stays.
+#[tokio::test]
+async fn taints_of_a_policy_edited_while_the_agent_was_down_are_not_left_behind() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "edit-down").await;
+    let logs = TempDir::new("logs");
+    let (app_log, disk_log) = (logs.path.join("app.log"), logs.path.join("disk.log"));
+    std::fs::write(&app_log, "").unwrap();
+    std::fs::write(&disk_log, "").unwrap();
+    let monitor = |name: &str, log: &std::path::Path, type_: &str, taint: &str| {
+        serde_json::json!({
+            "name": name, "source": {"file": {"path": log.display().to_string()}},
+            "conditions": [{"type": type_, "reason": "Fine", "message": "fine",
+                            "taint": {"key": taint, "effect": "NoSchedule"}}],
+            "rules": [{"type": "permanent", "condition": type_, "reason": "Broken", "pattern": "broken"}],
+        })
+    };
+    let policy = unique_name("edit-down");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            monitor("app", &app_log, "AppBroken", "example.com/app-broken"),
+            monitor("disk", &disk_log, "DiskBroken", "example.com/disk-broken"),
+        ]),
+    )
+    .await;
+    set_taints(
+        &admin,
+        &node.name,
+        serde_json::json!([{"key": "example.com/operators", "effect": "NoSchedule"}]),
+    )
+    .await;
+    let state = TempDir::new("persistent-state");
+    let state_path = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_path.clone()
+    })
+    .await;
+    eventually(Duration::from_secs(15), "both monitors running", || async {
+        condition_is(&admin, &node.name, "AppBroken", "False").await
+            && condition_is(&admin, &node.name, "DiskBroken", "False").await
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    append(&app_log, "app broken");
+    append(&disk_log, "disk broken");
+    eventually(
+        Duration::from_secs(10),
+        "both tainted by nodeguard",
+        || async {
+            node_tainted(&admin, &node.name, "example.com/app-broken").await
+                && node_tainted(&admin, &node.name, "example.com/disk-broken").await
+        },
+    )
+    .await;
+    agent.stop().await;
+
+    // The edit the agent never applied: "disk" removed, "app" taints
+    // another key.
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([monitor(
+            "app",
+            &app_log,
+            "AppBroken",
+            "example.com/app-broken-v2"
+        )]),
+    )
+    .await;
+    let state_path = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_path.clone()
+    })
+    .await;
+    let t0 = Instant::now();
+    eventually(
+        Duration::from_secs(10),
+        "the removed monitor's taint and the old taint gone, the new one there",
+        || async {
+            let n = Api::<Node>::all(admin.clone())
+                .get(&node.name)
+                .await
+                .unwrap();
+            !has_taint(&n, "example.com/disk-broken")
+                && !has_taint(&n, "example.com/app-broken")
+                && has_taint(&n, "example.com/app-broken-v2")
+        },
+    )
+    .await;
+    let converged = t0.elapsed();
+    eventually(
+        Duration::from_secs(10),
+        "DiskBroken removed from the Node, AppBroken still True",
+        || async {
+            node_conditions(&admin, &node.name, "DiskBroken")
+                .await
+                .is_empty()
+                && condition_is(&admin, &node.name, "AppBroken", "True").await
+        },
+    )
+    .await;
+    assert!(
+        node_tainted(&admin, &node.name, "example.com/operators").await,
+        "someone else's taint stays"
+    );
+    assert!(
+        saved_state(&state.path, "disk").is_none(),
+        "the removed monitor's state is gone"
+    );
+    assert_eq!(
+        saved_state(&state.path, "app").unwrap()["conditions"]["AppBroken"]["taint"]["key"],
+        "example.com/app-broken-v2"
+    );
+    eprintln!("converged {converged:?} after the restart");
+    agent.stop().await;
+}

@@ -65,6 +65,19 @@ pub struct ConditionState {
     /// remove it (on clear, on a policy edit, when the monitor goes).
     #[serde(default)]
     pub taint_added: bool,
+    /// Which taint it added (key and effect): an agent that starts with a
+    /// policy edited meanwhile (or killed while applying an edit) removes
+    /// it even though the policy no longer names it. Absent in state saved
+    /// before it was recorded: the policy's taint is taken then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taint: Option<OwnedTaint>,
+}
+
+/// A taint nodeguard added, as the Node lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnedTaint {
+    pub key: String,
+    pub effect: String,
 }
 
 #[derive(Clone, Debug)]
@@ -349,13 +362,37 @@ impl Engine {
         })
     }
 
-    /// Restores persisted state for the conditions that still exist.
-    pub fn restore(&mut self, state: BTreeMap<String, ConditionState>) {
-        for (t, s) in state {
-            if self.conditions.iter().any(|c| c.type_ == t) {
+    /// Restores persisted state for the conditions that still exist, and
+    /// returns the taints nodeguard added that this spec no longer has (the
+    /// condition gone, or its taint changed): the saved state is all that
+    /// is left of the spec that added them, after a restart.
+    pub fn restore(&mut self, state: BTreeMap<String, ConditionState>) -> Vec<OwnedTaint> {
+        let mut stale = Vec::new();
+        for (t, mut s) in state {
+            let cond = self.conditions.iter().find(|c| c.type_ == t);
+            if s.taint_added {
+                let now = cond
+                    .and_then(|c| c.taint.as_ref())
+                    .map(|(key, _, effect)| OwnedTaint {
+                        key: key.clone(),
+                        effect: effect.clone(),
+                    });
+                match (&s.taint, &now) {
+                    // Saved before the taint was recorded: the spec's.
+                    (None, _) => s.taint = now,
+                    (Some(had), Some(now)) if had == now => {}
+                    (Some(had), _) => {
+                        stale.push(had.clone());
+                        s.taint_added = false;
+                        s.taint = None;
+                    }
+                }
+            }
+            if cond.is_some() {
                 self.state.insert(t, s);
             }
         }
+        stale
     }
 
     /// The wall clock stepped by `by` (an NTP step, `date -s`): every kept
@@ -472,6 +509,7 @@ impl Engine {
                     since: now,
                     last_match: None,
                     taint_added: false,
+                    taint: None,
                 });
             out.push(Action::Condition {
                 type_: c.type_.clone(),
@@ -506,8 +544,22 @@ impl Engine {
             return;
         };
         match outcome {
-            TaintOutcome::Added => s.taint_added = true,
-            TaintOutcome::Removed => s.taint_added = false,
+            TaintOutcome::Added => {
+                s.taint_added = true;
+                s.taint = self
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == condition)
+                    .and_then(|c| c.taint.as_ref())
+                    .map(|(key, _, effect)| OwnedTaint {
+                        key: key.clone(),
+                        effect: effect.clone(),
+                    });
+            }
+            TaintOutcome::Removed => {
+                s.taint_added = false;
+                s.taint = None;
+            }
             TaintOutcome::AlreadyPresent | TaintOutcome::Failed => {}
         }
     }
@@ -725,6 +777,7 @@ impl Engine {
                         since: now,
                         last_match: None,
                         taint_added: false,
+                        taint: None,
                     });
                 s.last_match = Some(now);
                 let was_active = s.active;

@@ -37,7 +37,7 @@ use crate::policy::monitors::MonitorSpec;
 use crate::report::{Desired, EventKind, Reporter, Status};
 use crate::server::{Health, LoopHandle};
 use crate::state_dir::StateWrites;
-use engine::{Action, ConditionState, Engine, PluginStatus, TaintOutcome};
+use engine::{Action, ConditionState, Engine, OwnedTaint, PluginStatus, TaintOutcome};
 use sources::{Cursor, Resume, SourceCounters, StopFlag};
 
 #[derive(Debug, thiserror::Error)]
@@ -335,12 +335,35 @@ pub async fn run_monitors<T: TaintPort>(
 ) {
     let ctx = Arc::new(ctx);
     let mut running: HashMap<String, Running> = HashMap::new();
+    // The channel's first value stands for "policy not known yet"; the
+    // first one sent is the policy (perhaps sent already).
+    let mut known = specs.has_changed().unwrap_or(false);
+    let mut swept = false;
     loop {
         let desired: HashMap<String, MonitorSpec> = specs
             .borrow_and_update()
             .iter()
             .map(|m| (m.name.clone(), m.clone()))
             .collect();
+        if known && !swept {
+            // An invalid policy selects nothing at start (no last good
+            // version yet): its monitors would look removed. Wait until
+            // every policy is valid.
+            let invalid = ctx
+                .reporter
+                .desired()
+                .get(crate::agent::POLICY_CONDITION)
+                .and_then(|d| d.as_ref())
+                .is_some_and(|d| d.status == crate::report::Status::True);
+            if invalid {
+                tracing::info!(
+                    "a policy is invalid: state of monitors not in the selection is kept until every policy is valid"
+                );
+            } else {
+                swept = true;
+                sweep_orphans(&ctx, &desired).await;
+            }
+        }
         let changed: Vec<String> = running
             .iter()
             .filter(|(name, r)| desired.get(*name) != Some(&r.spec))
@@ -398,6 +421,7 @@ pub async fn run_monitors<T: TaintPort>(
             _ = stop.cancelled() => break,
             r = specs.changed() => if r.is_err() { break },
         }
+        known = true;
     }
     for r in running.values() {
         r.stop.cancel();
@@ -437,6 +461,78 @@ async fn supervise(
     health.fail(&loop_name(&name), reason);
 }
 
+/// Removes a taint nodeguard added for a condition the policy no longer
+/// has (or no longer taints), saying so either way.
+async fn remove_stale_taint<T: TaintPort>(
+    ctx: &MonitorContext<T>,
+    monitor: &str,
+    t: &OwnedTaint,
+) -> bool {
+    match ctx.taints.remove(&t.key, &t.effect).await {
+        Ok(()) => {
+            tracing::info!(monitor, taint = %t.key, effect = %t.effect, "removed the taint nodeguard added for a condition the policy no longer taints (edited while the agent was not running)");
+            true
+        }
+        Err(e) => {
+            tracing::warn!(monitor, taint = %t.key, effect = %t.effect, error = %e, "cannot remove the taint nodeguard added for a condition the policy no longer taints; remove it with kubectl taint");
+            false
+        }
+    }
+}
+
+/// The first time the policy is known: state files of monitors that are
+/// no longer in it (removed while the agent was not running, or while it
+/// was removing them). Their taints go, then the file.
+async fn sweep_orphans<T: TaintPort>(
+    ctx: &MonitorContext<T>,
+    desired: &HashMap<String, MonitorSpec>,
+) {
+    let dir = ctx.state_dir.join("monitors");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    let wanted: std::collections::HashSet<PathBuf> = desired
+        .keys()
+        .map(|n| state_path(&ctx.state_dir, n))
+        .collect();
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().and_then(|e| e.to_str()) != Some("json") || wanted.contains(&path) {
+            continue;
+        }
+        let state: MonitorState = match std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+        {
+            Some(s) => s,
+            None => {
+                tracing::warn!(path = %path.display(), "unreadable state of a monitor no longer in the policy; removed");
+                ctx.state_writes.remove(&path);
+                continue;
+            }
+        };
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("?")
+            .to_string();
+        tracing::info!(monitor = %name, "state of a monitor no longer in the policy: removing its taints and state");
+        let mut failed = false;
+        for s in state.conditions.values().filter(|s| s.taint_added) {
+            match &s.taint {
+                Some(t) => failed |= !remove_stale_taint(ctx, &name, t).await,
+                None => {
+                    tracing::warn!(monitor = %name, "a taint this monitor added is not recorded in its state (saved by an older nodeguard); remove it with kubectl taint if it is still there")
+                }
+            }
+        }
+        // Kept when a removal failed: the next start tries again.
+        if !failed {
+            ctx.state_writes.remove(&path);
+        }
+    }
+}
+
 /// After `old`'s task has finished: removes what `new` (`None`: the monitor
 /// is gone) no longer has, per the state the task left.
 async fn undo<T: TaintPort>(ctx: &MonitorContext<T>, old: &MonitorSpec, new: Option<&MonitorSpec>) {
@@ -444,21 +540,37 @@ async fn undo<T: TaintPort>(ctx: &MonitorContext<T>, old: &MonitorSpec, new: Opt
         .map(|(s, _)| s)
         .unwrap_or_default();
     let plan = engine::cleanup(old, new, &state.conditions);
-    if new.is_none() {
-        // First, so that nothing can bring it back.
-        ctx.state_writes
-            .remove(&state_path(&ctx.state_dir, &old.name));
-    }
+    let mut kept = false;
     for (type_, key, effect) in &plan.taints {
         match ctx.taints.remove(key, effect).await {
             Ok(()) => {
                 if let Some(s) = state.conditions.get_mut(type_) {
                     s.taint_added = false;
+                    s.taint = None;
                 }
             }
             Err(e) => {
-                tracing::warn!(monitor = %old.name, taint = %key, error = %e, "cannot remove the monitor's taint")
+                kept = true;
+                if let Some(s) = state.conditions.get_mut(type_) {
+                    s.taint = Some(OwnedTaint {
+                        key: key.clone(),
+                        effect: effect.clone(),
+                    });
+                }
+                tracing::warn!(monitor = %old.name, taint = %key, error = %e, "cannot remove the monitor's taint; the next start of the agent tries again")
             }
+        }
+    }
+    if new.is_none() {
+        // After its taints: an agent killed in between finds the file and
+        // removes them on its next start. Kept (with what is still
+        // owned) when a removal failed, for the same reason.
+        let path = state_path(&ctx.state_dir, &old.name);
+        if kept {
+            state.conditions.retain(|_, s| s.taint_added);
+            save_state(&ctx.state_writes, &ctx.state_dir, &old.name, &state);
+        } else {
+            ctx.state_writes.remove(&path);
         }
     }
     for type_ in &plan.conditions {
@@ -550,7 +662,12 @@ async fn run_monitor<T: TaintPort>(
         state.cursor.kmsg_sequence = None;
     }
     state.boot_id = Some(ctx.boot_id.clone());
-    engine.restore(std::mem::take(&mut state.conditions));
+    for t in engine.restore(std::mem::take(&mut state.conditions)) {
+        // The policy was edited while the agent was not running (or while
+        // it was applying the edit): the old spec is gone, the state says
+        // which taint nodeguard added.
+        remove_stale_taint(&ctx, &spec.name, &t).await;
+    }
     engine.restore_counts(std::mem::take(&mut state.counts));
     let now = clock.now(&mut engine);
     if !new_boot && let Some((wall, monotonic_ms)) = state.saved_at {

@@ -325,10 +325,70 @@ fn restore_ignores_conditions_no_longer_owned() {
             since: t(0),
             last_match: None,
             taint_added: false,
+            taint: None,
         },
     );
     e.restore(state);
     assert!(!e.state().contains_key("Gone"));
+}
+
+/// After a restart, the saved state is all that names the taints
+/// nodeguard added: those the spec no longer has (condition gone, taint
+/// changed) come back from `restore` to be removed; the same taint stays
+/// owned; state saved before taints were recorded takes the spec's.
+#[test]
+fn restore_returns_the_owned_taints_the_spec_no_longer_has() {
+    let owned = |key: &str| OwnedTaint {
+        key: key.into(),
+        effect: "NoSchedule".into(),
+    };
+    let saved = |taint: Option<OwnedTaint>| ConditionState {
+        active: true,
+        reason: "X".into(),
+        message: "x".into(),
+        since: t(0),
+        last_match: None,
+        taint_added: true,
+        taint,
+    };
+    let spec_key = "example.com/app-broken";
+    let cases: [(&str, Option<OwnedTaint>, Vec<OwnedTaint>, bool); 4] = [
+        // The same taint: still owned, nothing to remove.
+        ("AppBroken", Some(owned(spec_key)), vec![], true),
+        // The condition's taint changed: the old one goes.
+        (
+            "AppBroken",
+            Some(owned("example.com/old")),
+            vec![owned("example.com/old")],
+            false,
+        ),
+        // Saved by an older nodeguard: the spec's is taken as the one added.
+        ("AppBroken", None, vec![], true),
+        // The condition is gone from the spec: its taint goes.
+        (
+            "Gone",
+            Some(owned("example.com/gone")),
+            vec![owned("example.com/gone")],
+            false,
+        ),
+    ];
+    for (type_, taint, want, still_owned) in cases {
+        let mut e = Engine::new(&monitor(), "m").unwrap();
+        let stale = e.restore(BTreeMap::from([(type_.to_string(), saved(taint.clone()))]));
+        assert_eq!(stale, want, "{type_} {taint:?}");
+        if type_ == "AppBroken" {
+            let s = &e.state()["AppBroken"];
+            assert_eq!(s.taint_added, still_owned, "{taint:?}");
+            assert_eq!(s.taint, still_owned.then(|| owned(spec_key)), "{taint:?}");
+        }
+    }
+    // An add records which taint; a removal forgets it.
+    let mut e = Engine::new(&monitor(), "m").unwrap();
+    e.current(t(0));
+    e.taint_result("AppBroken", TaintOutcome::Added);
+    assert_eq!(e.state()["AppBroken"].taint, Some(owned(spec_key)));
+    e.taint_result("AppBroken", TaintOutcome::Removed);
+    assert_eq!(e.state()["AppBroken"].taint, None);
 }
 
 #[test]
@@ -571,6 +631,7 @@ fn owned(active: bool) -> BTreeMap<String, ConditionState> {
             since: t(0),
             last_match: None,
             taint_added: true,
+            taint: None,
         },
     )])
 }

@@ -162,16 +162,7 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
         std::future::ready(peer.held() == 1)
     })
     .await;
-    let mut pods_rx = agent.pods.clone();
-    eventually(Duration::from_secs(10), "agent sees the three pods", || {
-        std::future::ready(
-            pods_rx
-                .borrow_and_update()
-                .as_ref()
-                .is_some_and(|p| p.len() == 3),
-        )
-    })
-    .await;
+    agent_sees_pods(&agent, 3).await;
 
     peer.prepare_for_shutdown(true).await;
     let t0 = Instant::now();

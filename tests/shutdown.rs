@@ -107,6 +107,16 @@ impl Setup {
         .await
     }
 
+    /// The agent, once it holds its delay inhibitor.
+    async fn start_armed(&self) -> (nodeguard::agent::RunningAgent, TempDir) {
+        let started = self.start_agent().await;
+        eventually(Duration::from_secs(15), "inhibitor taken", || {
+            std::future::ready(self.peer.held() == 1)
+        })
+        .await;
+        started
+    }
+
     async fn cleanup(self) {
         let api: Api<NodeGuardPolicy> = Api::all(self.admin.clone());
         let _ = api.delete(&self.policy, &DeleteParams::default()).await;
@@ -172,16 +182,7 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     )
     .await;
     // Pods must be in the agent's view before the signal.
-    let mut pods_rx = agent.pods.clone();
-    eventually(Duration::from_secs(10), "agent sees the three pods", || {
-        std::future::ready(
-            pods_rx
-                .borrow_and_update()
-                .as_ref()
-                .is_some_and(|p| p.len() == 3),
-        )
-    })
-    .await;
+    agent_sees_pods(&agent, 3).await;
 
     // Timestamp the Node's versions as the API server sends them (a watch),
     // rather than by polling, so the measurement adds no load or delay.
@@ -291,11 +292,7 @@ async fn a_cancelled_shutdown_restores_the_node() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 20}]),
     )
     .await;
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
     s.peer.prepare_for_shutdown(true).await;
     eventually(
@@ -381,11 +378,7 @@ async fn the_lock_is_retaken_within_2s_after_logind_restarts() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 10}]),
     )
     .await;
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
     s.peer.kill().await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
     eventually(
@@ -437,21 +430,8 @@ async fn a_logind_restart_during_a_shutdown_undoes_it_when_the_new_logind_forgot
     for (name, class) in [(&low, "nodeguard-test-low"), (&mid, "nodeguard-test-mid")] {
         running_pod(&s.admin, &s.node.name, name, class, serde_json::json!({})).await;
     }
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
-    let mut pods_rx = agent.pods.clone();
-    eventually(Duration::from_secs(10), "agent sees the two pods", || {
-        std::future::ready(
-            pods_rx
-                .borrow_and_update()
-                .as_ref()
-                .is_some_and(|p| p.len() == 2),
-        )
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
+    agent_sees_pods(&agent, 2).await;
     let pods: Api<Pod> = Api::namespaced(s.admin.clone(), TEST_NAMESPACE);
     let nodes: Api<Node> = Api::all(s.admin.clone());
     s.peer.prepare_for_shutdown(true).await;
@@ -590,11 +570,7 @@ async fn a_too_short_inhibit_delay_is_reported_on_graceful_shutdown() {
         false,
     )
     .await;
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
     eventually(
         Duration::from_secs(10),
@@ -686,21 +662,8 @@ async fn a_short_window_keeps_the_critical_groups_time_and_clips_pod_grace() {
         .expect("the pod watch delivers the pods")
         .expect("watch ran");
 
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
-    let mut pods_rx = agent.pods.clone();
-    eventually(Duration::from_secs(10), "agent sees the two pods", || {
-        std::future::ready(
-            pods_rx
-                .borrow_and_update()
-                .as_ref()
-                .is_some_and(|p| p.len() == 2),
-        )
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
+    agent_sees_pods(&agent, 2).await;
     let t0 = Instant::now();
     s.peer.prepare_for_shutdown(true).await;
     eventually(Duration::from_secs(15), "inhibitor released", || {
@@ -768,21 +731,8 @@ async fn shutdown_turned_off_during_a_shutdown_is_not_re_armed_after_the_cancel(
         serde_json::json!({"app": "slow"}),
     )
     .await;
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
-    let mut pods_rx = agent.pods.clone();
-    eventually(Duration::from_secs(10), "agent sees the pod", || {
-        std::future::ready(
-            pods_rx
-                .borrow_and_update()
-                .as_ref()
-                .is_some_and(|p| p.len() == 1),
-        )
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
+    agent_sees_pods(&agent, 1).await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
     s.peer.prepare_for_shutdown(true).await;
     eventually(Duration::from_secs(5), "GracefulShutdown=True", || async {
@@ -853,11 +803,7 @@ async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 30}]),
     )
     .await;
-    let (agent, _state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
+    let (agent, _state) = s.start_armed().await;
     assert_eq!(
         held_whys(&s.peer),
         vec!["nodeguard moves pods off the node in 1 priority group(s) within 30s".to_string()]
@@ -946,11 +892,7 @@ async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_t
         serde_json::json!({"app": "low"}),
     )
     .await;
-    let (agent, state) = s.start_agent().await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(s.peer.held() == 1)
-    })
-    .await;
+    let (agent, state) = s.start_armed().await;
     // The agent knows the pod before the signal (else its plan is empty).
     let key = format!("{TEST_NAMESPACE}/{low}");
     eventually(

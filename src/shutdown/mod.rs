@@ -558,22 +558,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     handle: &LoopHandle,
     stop: &CancellationToken,
 ) -> Armed {
-    let mut running: Option<Running> = None;
-    if fresh {
-        *st.last = None;
-        let record = ShutdownRecord {
-            boot_id: ctx.boot_id.clone(),
-            ..Default::default()
-        };
-        running = Some(spawn_shutdown(
-            ctx,
-            &st.cfg,
-            st.lock.take(),
-            st.delay_max,
-            record,
-            false,
-        ));
-    }
+    let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st));
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
     let mut latest = Some(st.cfg.clone());
@@ -631,9 +616,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     if running.is_some() { continue; }
                     tracing::warn!("PrepareForShutdown(true): the host is shutting down");
-                    *st.last = None;
-                    let record = ShutdownRecord { boot_id: ctx.boot_id.clone(), ..Default::default() };
-                    running = Some(spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false));
+                    running = Some(begin_shutdown(ctx, st));
                 }
                 Some(LogindEvent::PrepareForShutdown(false)) => {
                     tracing::warn!("PrepareForShutdown(false): the shutdown was cancelled");
@@ -761,6 +744,16 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
             Some(Armed::Reconnect(None))
         }
     }
+}
+
+/// A shutdown logind has just begun: a new record, the lock handed to it.
+fn begin_shutdown<C: ClusterPort>(ctx: &Arc<Ctx<C>>, st: &mut ArmedState<'_>) -> Running {
+    *st.last = None;
+    let record = ShutdownRecord {
+        boot_id: ctx.boot_id.clone(),
+        ..Default::default()
+    };
+    spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false)
 }
 
 fn spawn_shutdown<C: ClusterPort>(
@@ -990,17 +983,27 @@ const GOING_DOWN_POLL: Duration = Duration::from_secs(5);
 
 /// logind's `PreparingForShutdown` (`None`: logind unreachable or slow).
 async fn preparing_for_shutdown<L: LogindConnector>(logind: &L) -> Option<bool> {
-    let ask = async { logind.connect().await?.preparing_for_shutdown().await };
+    match ask_logind(logind).await {
+        Ok((_, p)) => Some(p),
+        Err(why) => {
+            tracing::warn!("cannot ask logind whether the host is shutting down: {why}");
+            None
+        }
+    }
+}
+
+/// A new connection to logind and its `PreparingForShutdown`, within
+/// `CALL_TIMEOUT`.
+async fn ask_logind<L: LogindConnector>(logind: &L) -> Result<(L::Port, bool), String> {
+    let ask = async {
+        let port = logind.connect().await?;
+        let preparing = port.preparing_for_shutdown().await?;
+        Ok::<_, ShutdownError>((port, preparing))
+    };
     match tokio::time::timeout(CALL_TIMEOUT, ask).await {
-        Ok(Ok(p)) => Some(p),
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "cannot ask logind whether the host is shutting down");
-            None
-        }
-        Err(_) => {
-            tracing::warn!("logind did not say in time whether the host is shutting down");
-            None
-        }
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
     }
 }
 
@@ -1016,15 +1019,9 @@ const LOGIND_BACK_WAIT: Duration = Duration::from_secs(10);
 async fn logind_after_restart<L: LogindConnector>(logind: &L) -> Option<(L::Port, bool)> {
     let deadline = tokio::time::Instant::now() + LOGIND_BACK_WAIT;
     loop {
-        let ask = async {
-            let port = logind.connect().await?;
-            let preparing = port.preparing_for_shutdown().await?;
-            Ok::<_, ShutdownError>((port, preparing))
-        };
-        match tokio::time::timeout(CALL_TIMEOUT, ask).await {
-            Ok(Ok(answer)) => return Some(answer),
-            Ok(Err(e)) => tracing::debug!(error = %e, "logind does not answer yet"),
-            Err(_) => tracing::debug!("logind does not answer yet"),
+        match ask_logind(logind).await {
+            Ok(answer) => return Some(answer),
+            Err(why) => tracing::debug!("logind does not answer yet: {why}"),
         }
         if tokio::time::Instant::now() >= deadline {
             return None;

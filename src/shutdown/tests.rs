@@ -579,25 +579,31 @@ async fn cancel_midway_restores_the_node_and_retakes_the_lock() {
     r.task.await.unwrap();
 }
 
+/// A shutdown signalled 100 ms after the start: `a/blocked` (refused by
+/// a PDB) in group 0, `b/two` in group 1000, each group `window_secs`.
+async fn shutting_down_with_a_blocked_pod(name: &str, window_secs: u64) -> Rig {
+    let pods = vec![pod("a/blocked", 0, None), pod("b/two", 1000, None)];
+    let r = rig(
+        name,
+        FakeLogind::new(Duration::from_secs(120)),
+        Some(config(&[(0, window_secs), (1000, window_secs)])),
+        pods,
+        "b1",
+    );
+    r.cluster
+        .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    r
+}
+
 /// logind restarted during the delay (the new instance forgot the shutdown
 /// and is not preparing for one), back after `back_ms`: the shutdown is
 /// undone like a cancel, with a lock taken from the new logind.
 #[tokio::test(start_paused = true)]
 async fn a_logind_restart_that_forgot_the_shutdown_cancels_it() {
     for back_ms in [0, 800] {
-        let pods = vec![pod("a/blocked", 0, None), pod("b/two", 1000, None)];
-        let logind = FakeLogind::new(Duration::from_secs(120));
-        let r = rig(
-            &format!("logind-restart-{back_ms}"),
-            logind,
-            Some(config(&[(0, 20), (1000, 20)])),
-            pods,
-            "b1",
-        );
-        r.cluster
-            .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
-        ms(100).await;
-        r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+        let r = shutting_down_with_a_blocked_pod(&format!("logind-restart-{back_ms}"), 20).await;
         ms(2000).await;
         assert!(r.cluster.with(|s| s.tainted));
         // The restart: the old instance leaves (its signals end), the new
@@ -699,19 +705,7 @@ async fn logind_leaving_during_a_shutdown_that_goes_on_runs_every_group() {
 /// agent asks once subscribed and runs the shutdown.
 #[tokio::test(start_paused = true)]
 async fn a_reboot_right_after_a_logind_restart_is_not_missed() {
-    let pods = vec![pod("a/blocked", 0, None), pod("b/two", 1000, None)];
-    let logind = FakeLogind::new(Duration::from_secs(120));
-    let r = rig(
-        "logind-restart-reboot",
-        logind,
-        Some(config(&[(0, 5), (1000, 5)])),
-        pods,
-        "b1",
-    );
-    r.cluster
-        .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
-    ms(100).await;
-    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    let r = shutting_down_with_a_blocked_pod("logind-restart-reboot", 5).await;
     ms(1000).await;
     r.logind.with(|s| {
         s.preparing = false;

@@ -424,6 +424,24 @@ pub async fn start_agent_with(
     (agent, state)
 }
 
+/// Waits until the agent's pod view holds `n` pods (a shutdown plans from
+/// it, so a test signals only after).
+pub async fn agent_sees_pods(agent: &nodeguard::agent::RunningAgent, n: usize) {
+    let mut pods = agent.pods.clone();
+    eventually(
+        Duration::from_secs(10),
+        &format!("the agent sees {n} pod(s)"),
+        || {
+            std::future::ready(
+                pods.borrow_and_update()
+                    .as_ref()
+                    .is_some_and(|p| p.len() == n),
+            )
+        },
+    )
+    .await;
+}
+
 /// The Node's conditions of `type_` (a list, to catch duplicates).
 pub async fn node_conditions(
     client: &Client,

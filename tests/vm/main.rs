@@ -970,20 +970,16 @@ async fn logind_restart(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, row
         Duration::from_secs(10),
         "the taint removed and GracefulShutdown=False (ShutdownCancelled) naming logind's restart",
         || async {
-            let n = nodes.get(node).await.unwrap();
-            !has_taint(&n, "nodeguard.io/shutdown")
-                && n.status
-                    .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|cs| {
-                        cs.iter().any(|c| {
-                            c.type_ == "GracefulShutdown"
-                                && c.status == "False"
-                                && c.reason.as_deref() == Some("ShutdownCancelled")
-                                && c.message
-                                    .as_deref()
-                                    .is_some_and(|m| m.contains("systemd-logind restarted"))
-                        })
+            !has_taint(&nodes.get(node).await.unwrap(), "nodeguard.io/shutdown")
+                && node_conditions(admin, node, "GracefulShutdown")
+                    .await
+                    .iter()
+                    .any(|c| {
+                        c.status == "False"
+                            && c.reason.as_deref() == Some("ShutdownCancelled")
+                            && c.message
+                                .as_deref()
+                                .is_some_and(|m| m.contains("systemd-logind restarted"))
                     })
         },
     )

@@ -1293,3 +1293,111 @@ async fn an_agent_killed_during_a_shutdown_leaves_the_lock_with_its_keeper_and_i
         "killed {killed:?} into the shutdown; mid evicted {mid_evicted:?}; released {released:?}"
     );
 }
+
+/// Found on the real node (CI, kube-reboot): the agent SIGKILLed as logind
+/// began, after the API server applied its taint and before its record
+/// said so. The successor's taint request found the taint there and took
+/// it for someone else's; after the reboot the node kept
+/// `nodeguard.io/shutdown` and no pod could be scheduled on it. A record
+/// saved before the taint request was answered now leaves the taint
+/// nodeguard's.
+#[tokio::test]
+async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_reboot() {
+    let mut s = setup_with(
+        "killed-taint",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
+        false,
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let dir = TempDir::new("keep");
+    let socket = dir.path.join("keep.sock");
+    let keeper = Killed(
+        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+            .arg("keep")
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let state = TempDir::new("state");
+    let record_path = state.path.join("shutdown-state.json");
+    let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
+    first.ready().await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(5), "the node tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    first.kill();
+    // The record as the first process saved it before sending the taint
+    // request (a kill between the API server's answer and the next save
+    // leaves exactly this): the shutdown started, no answer recorded.
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    assert!(!record["startedAt"].is_null(), "{record}");
+    let fields = record.as_object_mut().unwrap();
+    fields.insert("taintAdded".into(), serde_json::json!(false));
+    fields.remove("taintAnswered");
+    std::fs::write(&record_path, record.to_string()).unwrap();
+
+    let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
+    eventually(
+        Duration::from_secs(20),
+        "the successor finished the shutdown and released the lock",
+        || async {
+            s.peer.held() == 0
+                && std::fs::read_to_string(&record_path)
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                    .is_some_and(|r| !r["endedAt"].is_null())
+        },
+    )
+    .await;
+    second.kill();
+    drop(keeper);
+
+    // The reboot: a new boot id, a logind that knows no shutdown.
+    s.peer.kill().await;
+    s.peer.come_back().await;
+    let dir_after = state.path.clone();
+    let address = s.bus.address.clone();
+    let (agent, _state) = start_agent_with(s.admin.clone(), &s.node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "the-next-boot".into();
+        c.state_dir = dir_after;
+    })
+    .await;
+    eventually(
+        Duration::from_secs(15),
+        "GracefulShutdown=False (NodeRebooted) and nodeguard's taint removed",
+        || async {
+            let n = nodes.get(&s.node.name).await.unwrap();
+            node_has(&n, "GracefulShutdown", "False") && !tainted(&n)
+        },
+    )
+    .await;
+    let (_, reason, message) = condition_of(&nodes, &s.node.name, "GracefulShutdown")
+        .await
+        .unwrap();
+    assert_eq!(reason, "NodeRebooted", "{message}");
+    assert!(
+        message.contains("removed its shutdown taint"),
+        "the report says whose taint it was: {message}"
+    );
+    agent.stop().await;
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}

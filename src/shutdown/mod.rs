@@ -662,7 +662,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                         None => tracing::warn!("systemd-logind or the system bus went away during the shutdown; the groups go on"),
                     }
                     let record = task.await.ok();
-                    return Armed::GoingDown { taint_added: record.is_some_and(|r| r.taint_added) };
+                    return Armed::GoingDown { taint_added: record.is_some_and(|r| r.taint_ours()) };
                 }
             }
         }
@@ -718,7 +718,7 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
     if inhibitor != core::AfterCancel::Held {
         ctx.metrics.inhibitor_held.set(0);
     }
-    let taint = undo_taint(ctx, record.as_ref().is_some_and(|r| r.taint_added)).await;
+    let taint = undo_taint(ctx, record.as_ref().is_some_and(|r| r.taint_ours())).await;
     state::clear(&ctx.state_writes, &ctx.state_dir);
     ctx.reporter.event(
         EventKind::Normal,
@@ -939,7 +939,7 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
             tracing::info!(
                 "restarted after this boot's shutdown was done; the host is going down: the taint and the record stay for the next boot"
             );
-            let taint_added = record.is_some_and(|r| r.taint_added);
+            let taint_added = record.is_some_and(|r| r.taint_ours());
             (None, None, Some(taint_added))
         }
         OnStart::CancelledMeanwhile { taint_added } => (
@@ -1261,12 +1261,22 @@ async fn execute<C: ClusterPort>(
     let release_at = start + timeline.release;
     let (outcome, taint_done) = {
         let lock_record = || record.lock().unwrap_or_else(|e| e.into_inner());
+        // A process before this one may have had its request applied and
+        // been killed before it recorded the answer: the taint found is
+        // then its, not a taint someone else put there before the shutdown.
+        let unanswered_before = resume && !lock_record().taint_answered;
         let taint = async {
-            match ctx.cluster.add_taint().await {
-                Ok(added) => lock_record().taint_added |= added,
-                Err(e) => tracing::error!(error = %e, "cannot taint the node; evicting anyway"),
+            let answer = ctx.cluster.add_taint().await;
+            let mut r = lock_record();
+            match answer {
+                Ok(added) => r.taint_added |= added || unanswered_before,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot taint the node; evicting anyway");
+                    r.taint_added |= unanswered_before;
+                }
             }
-            save(&ctx, &lock_record());
+            r.taint_answered = true;
+            save(&ctx, &r);
         };
         let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already);
         // The record (written before the groups) goes to disk again once

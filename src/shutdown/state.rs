@@ -31,6 +31,20 @@ pub struct ShutdownRecord {
     /// nodeguard added the shutdown taint (so it may remove it).
     #[serde(default)]
     pub taint_added: bool,
+    /// The API server answered the taint request, so `taint_added` is
+    /// known. A record saved before the answer (the agent killed with the
+    /// request in flight) leaves the taint nodeguard's: the request may
+    /// have been applied.
+    #[serde(default)]
+    pub taint_answered: bool,
+}
+
+impl ShutdownRecord {
+    /// Whether the shutdown taint is (or may be) nodeguard's, so a cancel
+    /// or the next boot removes it.
+    pub fn taint_ours(&self) -> bool {
+        self.taint_added || !self.taint_answered
+    }
 }
 
 /// What to do with a record found at start-up.
@@ -70,7 +84,7 @@ pub fn on_start(
         match (preparing, r.ended_at.is_some()) {
             (Some(false), _) => {
                 return OnStart::CancelledMeanwhile {
-                    taint_added: r.taint_added,
+                    taint_added: r.taint_ours(),
                 };
             }
             (_, false) => return OnStart::Resume,
@@ -86,7 +100,7 @@ pub fn on_start(
     };
     OnStart::AfterReboot {
         took,
-        taint_added: r.taint_added,
+        taint_added: r.taint_ours(),
     }
 }
 
@@ -236,6 +250,62 @@ mod tests {
     }
 
     #[test]
+    fn a_taint_request_never_answered_leaves_the_taint_nodeguards() {
+        // (taint_added, taint_answered) → whether the next boot removes it
+        let cases = [
+            (true, true, true, "added, and the record says so"),
+            (
+                false,
+                true,
+                false,
+                "the API server said it was there before: someone else's",
+            ),
+            (
+                false,
+                false,
+                true,
+                "killed with the request in flight: it may have been applied",
+            ),
+            (
+                true,
+                false,
+                true,
+                "unanswered, counted as added after the release",
+            ),
+        ];
+        for (added, answered, ours, why) in cases {
+            let r = ShutdownRecord {
+                boot_id: "b1".into(),
+                started_at: Some(ts(0)),
+                ended_at: Some(ts(20)),
+                taint_added: added,
+                taint_answered: answered,
+                ..Default::default()
+            };
+            assert_eq!(r.taint_ours(), ours, "{why}");
+            assert_eq!(
+                on_start(Some(&r), "b2", None),
+                OnStart::AfterReboot {
+                    took: Some(std::time::Duration::from_secs(20)),
+                    taint_added: ours
+                },
+                "{why}"
+            );
+            assert_eq!(
+                on_start(Some(&r), "b1", Some(false)),
+                OnStart::CancelledMeanwhile { taint_added: ours },
+                "{why}"
+            );
+        }
+        // A record written before the field existed reads as unanswered.
+        let old: ShutdownRecord = serde_json::from_str(
+            r#"{"bootId":"b1","startedAt":"2026-11-25T00:00:00Z","endedAt":null,"taintAdded":false}"#,
+        )
+        .unwrap();
+        assert!(old.taint_ours());
+    }
+
+    #[test]
     fn save_load_clear_and_corruption() {
         let dir = std::env::temp_dir().join(format!("ng-state-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -247,6 +317,7 @@ mod tests {
             ended_at: None,
             groups_done: vec![0, 1000],
             taint_added: true,
+            taint_answered: true,
         };
         let (reporter, _events) = crate::report::Reporter::new(
             &Default::default(),

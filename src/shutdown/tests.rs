@@ -802,6 +802,7 @@ fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterSt
             ended_at: Some(start + jiff::SignedDuration::from_secs(took_secs)),
             groups_done: vec![0],
             taint_added: true,
+            taint_answered: true,
         },
     ));
     let pre = ClusterState {
@@ -889,6 +890,7 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
             ended_at: None,
             groups_done: vec![0],
             taint_added: true,
+            taint_answered: true,
         },
     ));
     let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
@@ -952,6 +954,7 @@ async fn resume_after_a_step(
             ended_at: None,
             groups_done: vec![0],
             taint_added: true,
+            taint_answered: true,
         },
     ));
     let pre = ClusterState {
@@ -1033,6 +1036,7 @@ fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
             ended_at: ended.then(|| now - jiff::SignedDuration::from_secs(1)),
             groups_done: vec![0],
             taint_added: true,
+            taint_answered: true,
         },
     ));
     let pre = ClusterState {

@@ -1375,21 +1375,22 @@ pub async fn after_reboot(
     .await;
     let rebooted = t0.elapsed();
     let nodes: Api<Node> = Api::all(admin.clone());
-    eventually(
-        Duration::from_secs(30),
-        "the shutdown taint removed, the node schedulable",
-        || async {
-            nodes.get(node).await.is_ok_and(|n| {
-                !has_taint(&n, "nodeguard.io/shutdown")
-                    && !n
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.unschedulable)
-                        .unwrap_or(false)
-            })
-        },
-    )
-    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = nodes.get(node).await.unwrap();
+        let spec = n.spec.clone().unwrap_or_default();
+        if !has_taint(&n, "nodeguard.io/shutdown") && !spec.unschedulable.unwrap_or(false) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the shutdown taint removed, the node schedulable, within 30 s of NodeRebooted: taints {:?}, unschedulable {:?}, GracefulShutdown {:?}",
+            spec.taints,
+            spec.unschedulable,
+            node_conditions(admin, node, "GracefulShutdown").await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     // The pod deleted during the shutdown was replaced (by the DaemonSet
     // controller, once it was gone): exactly one, Ready, on this boot.
     let agent_pods: Api<Pod> = Api::namespaced(admin.clone(), agent_ns);

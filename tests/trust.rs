@@ -557,3 +557,80 @@ async fn a_rotation_to_a_link_leading_out_makes_the_monitor_blind_until_a_file_r
     agent.stop().await;
     delete_policy(&admin, &name).await;
 }
+
+/// A probe whose command prints more than an Event note may hold: the
+/// note ("Probe … failed … : <output>. It clears …") went past the API
+/// server's 1024-byte limit, the Event was refused, and the failure was
+/// never seen in `kubectl describe node`. Every note is now cut to fit.
+#[tokio::test]
+async fn a_probe_with_a_long_output_still_gets_its_event() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "long-output").await;
+    let dir = TempDir::new("long-output");
+    let noisy = dir.path.join("noisy.sh");
+    std::fs::write(
+        &noisy,
+        format!(
+            "#!/bin/sh\necho '{}'\nexit 1\n",
+            "disk check failed; ".repeat(150)
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&noisy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let name = unique_name("long-output");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "probes": [
+                {"name": "noisy", "exec": {"command": [noisy.display().to_string()]},
+                 "conditionType": "NoisyBroken", "periodSeconds": 1, "failureThreshold": 1},
+            ],
+        }),
+    )
+    .await;
+    let trust = NodeTrust {
+        commands: vec![format!("{}/", dir.path.display())],
+        ..NodeTrust::default()
+    };
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(admin.clone(), "default");
+    let failed = || async {
+        events
+            .list(&kube::api::ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.name.as_str())
+                    && e.reason.as_deref() == Some("NoisyProbeFailed")
+            })
+    };
+    eventually(
+        Duration::from_secs(20),
+        "a NoisyProbeFailed Event on the node",
+        || async { failed().await.is_some() },
+    )
+    .await;
+    let note = failed().await.unwrap().note.unwrap_or_default();
+    assert!(note.len() <= 1024, "a note of {} bytes", note.len());
+    assert!(note.contains("disk check failed"), "{note}");
+    eventually(Duration::from_secs(10), "NoisyBroken=True", || async {
+        condition(&admin, &node.name, "NoisyBroken")
+            .await
+            .is_some_and(|c| c.0 == "True")
+    })
+    .await;
+    let (_, _, message) = condition(&admin, &node.name, "NoisyBroken").await.unwrap();
+    // The output is cut to 1 KiB; the sentence around it is short.
+    assert!(
+        message.contains("…. It clears") && message.len() <= 1024 + 256,
+        "a condition message of {} bytes: {message}",
+        message.len()
+    );
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}

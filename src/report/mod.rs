@@ -17,12 +17,19 @@ pub fn clip(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }
-    let mut end = max;
+    // The mark counts: the result, `…` and all, is at most `max` bytes.
+    let mut end = max.saturating_sub(ELLIPSIS.len());
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}…", &s[..end])
+    format!("{}{ELLIPSIS}", &s[..end])
 }
+
+const ELLIPSIS: &str = "…";
+
+/// The API server refuses an Event whose note is longer (422, "can have at
+/// most 1024 characters", counted in bytes).
+pub const NOTE_LIMIT: usize = 1024;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -336,7 +343,7 @@ impl Reporter {
             kind,
             reason: reason.to_string(),
             action: action.to_string(),
-            note: note.into(),
+            note: clip(&note.into(), NOTE_LIMIT),
         };
         if self.shared.events.try_send(req).is_err() {
             self.shared.metrics.dropped(reason, "queue_full");

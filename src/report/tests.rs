@@ -467,3 +467,23 @@ async fn a_change_right_before_stop_is_written() {
         "nothing changed: no write"
     );
 }
+
+#[test]
+fn clip_keeps_the_mark_within_the_limit() {
+    // (input, max) → the result is at most max bytes, a prefix plus `…`
+    let cases = [
+        ("short", 10, "short"),
+        ("exactly10!", 10, "exactly10!"),
+        ("eleven char", 10, "eleven …"),
+        ("ééééé", 7, "éé…"),
+        ("ééééé", 8, "éé…"),
+        ("abc", 2, "…"),
+    ];
+    for (input, max, want) in cases {
+        let got = crate::report::clip(input, max);
+        assert_eq!(got, want, "{input:?} at {max}");
+        assert!(got.len() <= max.max(3), "{got:?} is {} bytes", got.len());
+    }
+    let long = "x".repeat(5000);
+    assert_eq!(crate::report::clip(&long, 1024).len(), 1024);
+}

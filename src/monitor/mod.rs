@@ -845,8 +845,16 @@ async fn run_monitor<T: TaintPort>(
                     dirty = true;
                     if !actions.is_empty() {
                         apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
-                        dirty = !save(&mut state, &engine);
-                        last_save = tokio::time::Instant::now();
+                        // Whose taint it is goes to disk at once: a restart
+                        // that replayed the line would find the taint there
+                        // and take it for someone else's. The rest (Events,
+                        // condition changes the replay recomputes) waits for
+                        // the once-a-second save: a rule matching every line
+                        // of a flood is not an fsync per line.
+                        if actions.iter().any(|a| matches!(a, Action::Taint { .. })) {
+                            dirty = !save(&mut state, &engine);
+                            last_save = tokio::time::Instant::now();
+                        }
                     }
                     taken += 1;
                     next = if taken < BATCH { rx.try_recv().ok() } else { None };

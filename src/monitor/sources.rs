@@ -115,6 +115,86 @@ impl Resume {
 pub struct Item {
     pub line: String,
     pub cursor: Cursor,
+    /// The line's share of the queue's bytes, given back when the item is
+    /// dropped (the engine is done with it).
+    _held: Held,
+}
+
+/// The most bytes of lines (and their cursors) that may wait for one
+/// monitor's rules. Beyond, file and journal readers wait and kmsg records
+/// are dropped and counted, as when the queue's count is reached: a flood
+/// of long lines meeting a slow engine (a taint request retried, a large
+/// NPD buffer) holds 4 MiB, not `QUEUE` lines of up to 256 KiB each.
+/// One line alone is always let through.
+pub const QUEUE_BYTES: usize = 4 << 20;
+
+/// The bytes a queue holds now, and a reader waiting for room.
+#[derive(Debug, Default)]
+pub struct QueuedBytes {
+    bytes: std::sync::Mutex<usize>,
+    room: std::sync::Condvar,
+}
+
+impl QueuedBytes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes `n` bytes when they fit now.
+    fn try_take(&self, n: usize) -> bool {
+        let mut b = self.lock();
+        if *b > 0 && *b + n > QUEUE_BYTES {
+            return false;
+        }
+        *b += n;
+        true
+    }
+
+    /// Takes `n` bytes, waiting for room; false once `gone` says the
+    /// engine is gone.
+    fn take(&self, n: usize, gone: impl Fn() -> bool) -> bool {
+        let mut b = self.lock();
+        while *b > 0 && *b + n > QUEUE_BYTES {
+            if gone() {
+                return false;
+            }
+            b = self
+                .room
+                .wait_timeout(b, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *b += n;
+        true
+    }
+
+    fn give_back(&self, n: usize) {
+        let mut b = self.lock();
+        *b = b.saturating_sub(n);
+        drop(b);
+        self.room.notify_one();
+    }
+
+    /// The bytes held now.
+    pub fn held(&self) -> usize {
+        *self.lock()
+    }
+}
+
+/// Gives an item's bytes back to its queue when the item goes.
+#[derive(Debug)]
+struct Held(Arc<SourceCounters>, usize);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.queued.give_back(self.1);
+    }
+}
+
+/// What an item counts against the queue's bytes: its line and cursor,
+/// and a little for the item itself.
+fn item_bytes(line: &str, cursor: &Cursor) -> usize {
+    line.len() + cursor.journal.as_ref().map_or(0, String::len) + 64
 }
 
 /// Counters shared with the metrics, and why the reader gave up.
@@ -132,6 +212,8 @@ pub struct SourceCounters {
     /// roots (a link leading out appeared, or a rotation put one there);
     /// cleared when a later open is allowed. The reader keeps running.
     pub refused: std::sync::Mutex<Option<String>>,
+    /// The bytes of lines waiting in the queue ([`QUEUE_BYTES`] at most).
+    pub queued: QueuedBytes,
 }
 
 impl SourceCounters {
@@ -279,14 +361,43 @@ impl StopFlag {
 
 /// Hands a line over, waiting for room (files, the journal). False once the
 /// engine is gone.
-fn deliver(tx: &mpsc::Sender<Item>, counters: &SourceCounters, item: Item) -> bool {
+fn deliver(
+    tx: &mpsc::Sender<Item>,
+    counters: &Arc<SourceCounters>,
+    line: String,
+    cursor: Cursor,
+) -> bool {
     counters.lines.fetch_add(1, Ordering::Relaxed);
+    let n = item_bytes(&line, &cursor);
+    if !counters.queued.take(n, || tx.is_closed()) {
+        return false;
+    }
+    let item = Item {
+        line,
+        cursor,
+        _held: Held(counters.clone(), n),
+    };
     tx.blocking_send(item).is_ok()
 }
 
 /// Hands a kmsg record over, or counts it dropped when the queue is full.
-fn offer(tx: &mpsc::Sender<Item>, counters: &SourceCounters, item: Item) -> bool {
+fn offer(
+    tx: &mpsc::Sender<Item>,
+    counters: &Arc<SourceCounters>,
+    line: String,
+    cursor: Cursor,
+) -> bool {
     counters.lines.fetch_add(1, Ordering::Relaxed);
+    let n = item_bytes(&line, &cursor);
+    if !counters.queued.try_take(n) {
+        counters.dropped.fetch_add(1, Ordering::Relaxed);
+        return !tx.is_closed();
+    }
+    let item = Item {
+        line,
+        cursor,
+        _held: Held(counters.clone(), n),
+    };
     match tx.try_send(item) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
@@ -453,14 +564,11 @@ pub fn spawn_kmsg(
                         if skip_to.is_some_and(|l| rec.sequence <= l) {
                             continue; // seen before the restart
                         }
-                        let item = Item {
-                            line: rec.message,
-                            cursor: Cursor {
-                                kmsg_sequence: Some(rec.sequence),
-                                ..Default::default()
-                            },
+                        let cursor = Cursor {
+                            kmsg_sequence: Some(rec.sequence),
+                            ..Default::default()
                         };
-                        if !offer(&tx, &counters, item) {
+                        if !offer(&tx, &counters, rec.message, cursor) {
                             return;
                         }
                     }
@@ -665,14 +773,11 @@ pub fn spawn_file(
                         if std::mem::take(&mut truncated) {
                             counters.truncated.fetch_add(1, Ordering::Relaxed);
                         }
-                        let item = Item {
-                            line: text(&std::mem::take(&mut line)),
-                            cursor: Cursor {
-                                file: Some((inode, offset)),
-                                ..Default::default()
-                            },
+                        let cursor = Cursor {
+                            file: Some((inode, offset)),
+                            ..Default::default()
                         };
-                        if !deliver(&tx, &counters, item) {
+                        if !deliver(&tx, &counters, text(&std::mem::take(&mut line)), cursor) {
                             return;
                         }
                     }
@@ -944,14 +1049,11 @@ fn spawn_journalctl(
                         counters.malformed.fetch_add(1, Ordering::Relaxed);
                         continue;
                     };
-                    let item = Item {
-                        line: message,
-                        cursor: Cursor {
-                            journal: cursor.clone(),
-                            ..Default::default()
-                        },
+                    let item_cursor = Cursor {
+                        journal: cursor.clone(),
+                        ..Default::default()
                     };
-                    if !deliver(&tx, &counters, item) {
+                    if !deliver(&tx, &counters, message, item_cursor) {
                         let _ = child.kill();
                         return;
                     }
@@ -1326,6 +1428,52 @@ mod tests {
         writeln!(f, "one more").unwrap();
         writeln!(f, "and another").unwrap();
         f.flush().unwrap();
+        drop(rx);
+        stop.stop();
+    }
+
+    /// Long lines meet an engine that does not drain (a slow rule, a taint
+    /// request being retried): the queue holds at most QUEUE_BYTES of
+    /// them, not its count of lines (8,192 lines of 60 KiB are 480 MiB),
+    /// and every line comes whole once the engine drains again.
+    #[tokio::test]
+    async fn a_flood_of_long_lines_is_bounded_by_bytes_and_loses_nothing() {
+        let scratch = Scratch::new("long-flood");
+        let path = scratch.0.join("app.log");
+        std::fs::write(&path, "").unwrap();
+        let counters = Arc::new(SourceCounters::default());
+        let stop = StopFlag::default();
+        let mut rx = follow(&path, None, crate::monitor::QUEUE, counters.clone(), &stop);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let long = 60 * 1024;
+        let lines = 400usize;
+        {
+            let mut f = std::io::BufWriter::new(append(&path));
+            for i in 0..lines {
+                writeln!(f, "{i:05} {}", "x".repeat(long)).unwrap();
+            }
+            f.flush().unwrap();
+        }
+        // Nobody drains: the reader stops at the byte bound.
+        let mut last = usize::MAX;
+        while rx.len() != last {
+            last = rx.len();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let held = counters.queued.held();
+        assert!(
+            held <= QUEUE_BYTES + long + 128 && rx.len() <= QUEUE_BYTES / long + 1,
+            "{} lines ({held} bytes) wait in the queue",
+            rx.len()
+        );
+        assert!(rx.len() > 8, "the queue fills to its bound: {}", rx.len());
+        for i in 0..lines {
+            let item = next(&mut rx).await;
+            assert_eq!(item.line.len(), long + 6);
+            assert!(item.line.starts_with(&format!("{i:05} ")));
+        }
+        assert_eq!(counters.queued.held(), 0, "every line's bytes given back");
+        assert_eq!(counters.dropped.load(Ordering::Relaxed), 0);
         drop(rx);
         stop.stop();
     }

@@ -16,6 +16,15 @@ use support::*;
 /// The tests of this binary stop the shared API server: one at a time.
 static API_DOWN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Starts the API server again, and restarts the controller manager: its
+/// informers back off for up to 30 s after an outage, so the next test's
+/// PDB (here or in tests/shutdown.rs) would wait on that.
+fn api_server_back() {
+    cluster_ctl("start", "kube-apiserver");
+    cluster_ctl("stop", "kube-controller-manager");
+    cluster_ctl("start", "kube-controller-manager");
+}
+
 #[tokio::test]
 async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     let _turn = API_DOWN.lock().await;
@@ -57,13 +66,8 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
         "OutageSecond",
         desired(Status::True, "Late", "set just before the API returned."),
     );
-    cluster_ctl("start", "kube-apiserver");
+    api_server_back();
     std::mem::forget(guard);
-    // The controller manager's informers back off for up to 30 s after an
-    // outage; restart it so the test binaries after this one (the PDB in
-    // tests/shutdown.rs) do not wait on that.
-    cluster_ctl("stop", "kube-controller-manager");
-    cluster_ctl("start", "kube-controller-manager");
     let back = Instant::now();
     eventually(
         Duration::from_secs(5),
@@ -186,9 +190,7 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
         200,
         "an API outage during a shutdown must not fail /livez"
     );
-    tokio::task::spawn_blocking(|| cluster_ctl("start", "kube-apiserver"))
-        .await
-        .unwrap();
+    tokio::task::spawn_blocking(api_server_back).await.unwrap();
     std::mem::forget(guard);
     let back = t0.elapsed();
     eventually(
@@ -256,6 +258,191 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
             .await;
     }
     delete_pdb(&admin, &pdb).await;
+    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
+    let _ = api.delete(&policy, &Default::default()).await;
+}
+
+/// The API server down as the shutdown begins: the taint request fails,
+/// is retried, and lands once the API server is back (the node is not left
+/// open to the scheduler for the whole shutdown); the taint is then
+/// nodeguard's, so a cancel removes it.
+#[tokio::test]
+async fn a_shutdown_that_begins_during_an_api_outage_taints_the_node_once_it_is_back() {
+    use support::dbus::{LogindPeer, PrivateBus};
+    use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
+
+    let _turn = API_DOWN.lock().await;
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "api-down-taint").await;
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
+    let policy = unique_name("api-down-taint");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "shutdown": {"gracePeriodByPriority": [
+                {"priority": 0, "gracePeriodSeconds": 6},
+                {"priority": 1000, "gracePeriodSeconds": 30},
+                {"priority": 2000000000, "gracePeriodSeconds": 6},
+            ], "safetyMarginSeconds": 2, "escalateAfterPercent": 90},
+        }),
+    )
+    .await;
+    let PodsInThreeGroups {
+        low,
+        mid,
+        high,
+        pdb,
+    } = pods_in_three_groups(&admin, &node.name).await;
+    let (_marked, sim) = kubelet_sim(admin.clone(), node.name.clone());
+    let address = bus.address.clone();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "test-boot".into();
+    })
+    .await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(peer.held() == 1)
+    })
+    .await;
+    agent_sees_pods(&agent, 3).await;
+
+    tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
+        .await
+        .unwrap();
+    let guard = RestartOnDrop("kube-apiserver");
+    peer.prepare_for_shutdown(true).await;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::task::spawn_blocking(api_server_back).await.unwrap();
+    std::mem::forget(guard);
+    let back = t0.elapsed();
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(admin.clone());
+    eventually(
+        Duration::from_secs(15),
+        "the node tainted once the API server is back",
+        || async {
+            nodes
+                .get(&node.name)
+                .await
+                .is_ok_and(|n| has_taint(&n, "nodeguard.io/shutdown"))
+        },
+    )
+    .await;
+    let tainted = t0.elapsed();
+    assert_eq!(peer.held(), 1, "the shutdown is still in its groups");
+    // A cancel: the taint is nodeguard's and goes.
+    peer.prepare_for_shutdown(false).await;
+    eventually(
+        Duration::from_secs(15),
+        "the cancel removes nodeguard's taint",
+        || async {
+            nodes
+                .get(&node.name)
+                .await
+                .is_ok_and(|n| !has_taint(&n, "nodeguard.io/shutdown"))
+        },
+    )
+    .await;
+    eprintln!(
+        "API server back {back:?} into the shutdown; node tainted at {tainted:?}; untainted after the cancel"
+    );
+    sim.abort();
+    agent.stop().await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
+    for p in [&low, &mid, &high] {
+        let _ = pods
+            .delete(p, &kube::api::DeleteParams::default().grace_period(0))
+            .await;
+    }
+    delete_pdb(&admin, &pdb).await;
+    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
+    let _ = api.delete(&policy, &Default::default()).await;
+}
+
+/// Review finding: the first start after a reboot, with the API server
+/// away for longer than the taint removal's retries (a whole-cluster or
+/// control-plane reboot). The agent gave up, deleted its record, and the
+/// node kept `nodeguard.io/shutdown` for good. Now it gives up waiting
+/// (about 10 s), arms, and removes the taint in the background once the
+/// API server is back.
+#[tokio::test]
+async fn a_shutdown_taint_the_api_server_was_away_for_is_removed_once_it_is_back() {
+    use support::dbus::{LogindPeer, PrivateBus};
+
+    let _turn = API_DOWN.lock().await;
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "api-away-untaint").await;
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(admin.clone());
+    nodes
+        .patch(
+            &node.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": [
+                {"key": "nodeguard.io/shutdown", "value": "shutting-down", "effect": "NoSchedule"}
+            ]}})),
+        )
+        .await
+        .unwrap();
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
+    let policy = unique_name("api-away-untaint");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "shutdown": {"gracePeriodByPriority": [{"priority": 0, "gracePeriodSeconds": 5}]},
+        }),
+    )
+    .await;
+    tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
+        .await
+        .unwrap();
+    let guard = RestartOnDrop("kube-apiserver");
+    let address = bus.address.clone();
+    // The record of the previous boot's shutdown, whose taint it added.
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "this-boot".into();
+        std::fs::write(
+            c.state_dir.join("shutdown-state.json"),
+            serde_json::json!({
+                "bootId": "previous-boot", "startedAt": "2026-11-01T00:00:00Z",
+                "endedAt": "2026-11-01T00:00:09Z", "groupsDone": [0],
+                "taintAdded": true, "taintAnswered": true,
+            })
+            .to_string(),
+        )
+        .unwrap();
+    })
+    .await;
+    // Longer than the removal's retries at start: about 10 s now, 81 s
+    // before (whose record then went, and the taint stayed).
+    tokio::time::sleep(Duration::from_secs(95)).await;
+    tokio::task::spawn_blocking(api_server_back).await.unwrap();
+    std::mem::forget(guard);
+    let back = Instant::now();
+    eventually(
+        Duration::from_secs(30),
+        "the taint removed once the API server is back",
+        || async {
+            nodes
+                .get(&node.name)
+                .await
+                .is_ok_and(|n| !has_taint(&n, "nodeguard.io/shutdown"))
+        },
+    )
+    .await;
+    let removed = back.elapsed();
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(peer.held() == 1)
+    })
+    .await;
+    eprintln!("taint removed {removed:?} after the API server was back");
+    agent.stop().await;
     let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
     let _ = api.delete(&policy, &Default::default()).await;
 }

@@ -1165,8 +1165,26 @@ impl Drop for Killed {
 #[tokio::test]
 async fn an_agent_killed_during_a_shutdown_leaves_the_lock_with_its_keeper_and_its_successor_finishes()
  {
+    killed_agent_case(false).await;
+}
+
+/// Review finding: the same, with the policy's shutdown section removed
+/// between the kill and the restart. The successor dropped the lock it
+/// took back from the keeper (graceful shutdown "off") and logind went on
+/// with the mid group never evicted; it now finishes with the plan the
+/// shutdown began with, which the record keeps.
+#[tokio::test]
+async fn a_killed_agents_successor_finishes_the_shutdown_after_the_policy_dropped_it() {
+    killed_agent_case(true).await;
+}
+
+async fn killed_agent_case(drop_shutdown_from_policy: bool) {
     let s = setup_with(
-        "killed",
+        if drop_shutdown_from_policy {
+            "killed-nopol"
+        } else {
+            "killed"
+        },
         Duration::from_secs(60),
         serde_json::json!([
             {"priority": 0, "gracePeriodSeconds": 6},
@@ -1225,6 +1243,17 @@ async fn an_agent_killed_during_a_shutdown_leaves_the_lock_with_its_keeper_and_i
         1,
         "after the agent was killed, its keeper still holds the delay inhibitor"
     );
+    if drop_shutdown_from_policy {
+        let policies: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(s.admin.clone());
+        policies
+            .patch(
+                &s.policy,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"spec": {"shutdown": null}})),
+            )
+            .await
+            .unwrap();
+    }
 
     let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
     eventually(

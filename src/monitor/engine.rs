@@ -535,13 +535,21 @@ impl Engine {
     /// Records what a [`Action::Taint`] did: nodeguard owns the taint only
     /// when its add put it there.
     pub fn taint_result(&mut self, condition: &str, outcome: TaintOutcome) {
-        if outcome == TaintOutcome::Failed {
+        let failed_before = if outcome == TaintOutcome::Failed {
             self.taint_failed.insert(condition.to_string());
+            false
         } else {
-            self.taint_failed.remove(condition);
-        }
+            self.taint_failed.remove(condition)
+        };
         let Some(s) = self.state.get_mut(condition) else {
             return;
+        };
+        // A failed add may have been applied with its answer lost: the
+        // taint the retry finds is then nodeguard's (left as someone
+        // else's, it would stay on the node after the condition clears).
+        let outcome = match outcome {
+            TaintOutcome::AlreadyPresent if failed_before && s.active => TaintOutcome::Added,
+            o => o,
         };
         match outcome {
             TaintOutcome::Added => {

@@ -1251,6 +1251,7 @@ async fn apply<T: TaintPort>(
             } => {
                 let mut backoff = Duration::from_millis(200);
                 let mut outcome = TaintOutcome::Failed;
+                let mut failed = false;
                 for attempt in 1..=5 {
                     let r = if *add {
                         ctx.taints.add(key, value, effect).await.map(|added| {
@@ -1267,11 +1268,18 @@ async fn apply<T: TaintPort>(
                             .map(|()| TaintOutcome::Removed)
                     };
                     match r {
+                        // An earlier attempt may have been applied with its
+                        // answer lost: the taint found now is nodeguard's.
+                        Ok(TaintOutcome::AlreadyPresent) if failed => {
+                            outcome = TaintOutcome::Added;
+                            break;
+                        }
                         Ok(o) => {
                             outcome = o;
                             break;
                         }
                         Err(e) => {
+                            failed = true;
                             tracing::warn!(taint = %key, add, attempt, error = %e, "taint update failed");
                             // Waiting on the API is not being stuck.
                             handle.updated();
@@ -1294,7 +1302,7 @@ async fn apply<T: TaintPort>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
+    use std::sync::atomic::{AtomicBool, AtomicU32};
 
     /// A Node's taint through an API that fails its first `fails` calls.
     #[derive(Default)]
@@ -1302,6 +1310,8 @@ mod tests {
         fails: AtomicU32,
         calls: AtomicU32,
         present: std::sync::Mutex<bool>,
+        /// A failing add is applied before its error (the answer lost).
+        applied_before_failing: AtomicBool,
     }
 
     impl Flaky {
@@ -1318,7 +1328,12 @@ mod tests {
 
     impl TaintPort for Arc<Flaky> {
         async fn add(&self, _key: &str, _value: &str, _effect: &str) -> Result<bool, MonitorError> {
-            self.call()?;
+            if let Err(e) = self.call() {
+                if self.applied_before_failing.load(Ordering::SeqCst) {
+                    *self.present.lock().unwrap() = true;
+                }
+                return Err(e);
+            }
             let mut p = self.present.lock().unwrap();
             let added = !*p;
             *p = true;
@@ -1337,7 +1352,22 @@ mod tests {
     /// next agent restart: the condition is True, so the taint gets there.
     #[tokio::test(start_paused = true)]
     async fn a_taint_update_that_failed_is_retried_until_it_succeeds() {
-        let dir = std::env::temp_dir().join(format!("ng-taint-retry-{}", std::process::id()));
+        taint_retry_case(false).await;
+    }
+
+    /// The same with every failing add applied before its error (a PATCH
+    /// whose answer was lost): the retry finds the taint there, and it is
+    /// nodeguard's all the same, so the clear removes it.
+    #[tokio::test(start_paused = true)]
+    async fn a_taint_whose_answer_was_lost_is_owned() {
+        taint_retry_case(true).await;
+    }
+
+    async fn taint_retry_case(applied_before_failing: bool) {
+        let dir = std::env::temp_dir().join(format!(
+            "ng-taint-retry-{applied_before_failing}-{}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("app.log");
@@ -1359,6 +1389,8 @@ mod tests {
         // More failures than one update's attempts.
         let port = Arc::new(Flaky::default());
         port.fails.store(7, Ordering::SeqCst);
+        port.applied_before_failing
+            .store(applied_before_failing, Ordering::SeqCst);
         let (reporter, _events) = Reporter::new(&Default::default(), &mut Registry::default());
         let state_writes = StateWrites::new(reporter.clone());
         save_state(&state_writes, &dir, "m", &saved);
@@ -1377,10 +1409,14 @@ mod tests {
         });
         let stop = CancellationToken::new();
         let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
+        // Until the port has answered a call (the failures are used up) and
+        // the taint is there.
         let tainted = tokio::time::timeout(Duration::from_secs(600), async {
-            while !*port.present.lock().unwrap() {
+            while !(*port.present.lock().unwrap() && port.calls.load(Ordering::SeqCst) > 7) {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            // The state is saved at most once a second.
+            tokio::time::sleep(Duration::from_secs(2)).await;
         })
         .await;
         stop.cancel();

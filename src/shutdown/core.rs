@@ -500,7 +500,7 @@ fn taint_text(taint: TaintAfter) -> String {
         TaintAfter::NotOurs => String::new(),
         TaintAfter::Removed => "; nodeguard removed its shutdown taint".into(),
         TaintAfter::Left => format!(
-            "; nodeguard could not remove its shutdown taint {}: remove it with kubectl taint",
+            "; nodeguard could not remove its shutdown taint {} yet and tries again every 10s",
             TAINT_KEY
         ),
     }
@@ -1106,7 +1106,7 @@ mod tests {
                 CancelCause::Logind,
                 TaintAfter::Left,
                 AfterCancel::Reconnecting,
-                "The shutdown was cancelled; nodeguard could not remove its shutdown taint nodeguard.io/shutdown: remove it with kubectl taint; nodeguard cannot take its inhibitor again yet and reconnects to systemd-logind.",
+                "The shutdown was cancelled; nodeguard could not remove its shutdown taint nodeguard.io/shutdown yet and tries again every 10s; nodeguard cannot take its inhibitor again yet and reconnects to systemd-logind.",
             ),
         ];
         for (cause, taint, inhibitor, want) in cases {

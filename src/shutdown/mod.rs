@@ -248,6 +248,15 @@ struct Ctx<C> {
     pods: watch::Receiver<Option<Snapshot<Pod>>>,
     in_progress: watch::Sender<bool>,
     keeper: Keeper,
+    /// nodeguard's shutdown taint is still on the Node after a cancel or a
+    /// reboot (the API server did not take its removal in time): retried
+    /// in the background every [`TAINT_CLEANUP_EVERY`] until it goes, and
+    /// forgotten the moment a new shutdown begins.
+    taint_left: std::sync::atomic::AtomicBool,
+    /// Held by each background removal attempt, and taken by a new
+    /// shutdown before its taint request, so an attempt in flight never
+    /// removes the new shutdown's taint.
+    taint_cleanup: tokio::sync::Mutex<()>,
 }
 
 /// Backoff between reconnects to the bus or logind: short, so the lock is
@@ -259,6 +268,12 @@ const RECONNECT_MAX: Duration = Duration::from_millis(1000);
 /// the taint after a cancel or a reboot. (Calls during a shutdown end with
 /// their group's window.)
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shutdown taint's request is retried from this delay, doubling up
+/// to [`TAINT_RETRY_MAX`], until the API server answers or the plan ends.
+const TAINT_RETRY_MIN: Duration = Duration::from_millis(250);
+const TAINT_RETRY_MAX: Duration = Duration::from_secs(2);
+/// How often a shutdown taint left behind is tried again.
+const TAINT_CLEANUP_EVERY: Duration = Duration::from_secs(10);
 
 /// The shutdown manager loop. Runs until `stop`; then releases the lock.
 pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
@@ -282,7 +297,10 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         pods,
         in_progress: host.in_progress,
         keeper: host.keeper.clone(),
+        taint_left: Default::default(),
+        taint_cleanup: Default::default(),
     });
+    tokio::spawn(clean_up_left_taint(ctx.clone(), stop.clone()));
     let logind = host.logind;
     // A lock left by a previous process of this agent (killed while it
     // held one): held from here, so logind keeps waiting for this process.
@@ -334,30 +352,42 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     // asked for in between would go unseen; ask once subscribed.
     let mut carried = false;
     'outer: loop {
-        // Wait for a policy that wants graceful shutdown.
-        let cfg = loop {
-            if let Some(c) = config.borrow_and_update().clone() {
-                policy_known = true;
-                ctx.metrics
-                    .inhibit_delay_needed
-                    .set(c.needed_delay().as_secs_f64());
-                break c;
-            }
-            if policy_known {
-                // No shutdown wanted: a reclaimed lock goes too.
-                reclaimed = None;
-                handle.updated();
-                ctx.metrics.inhibit_delay_needed.set(0.0);
-                ctx.reporter.remove(UNAVAILABLE);
-                last = None;
-                report_condition(&ctx, &core::Phase::Off, None);
-                tracing::debug!("graceful shutdown is off; waiting for a policy");
-            }
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                r = config.changed() => {
-                    if r.is_err() { return }
+        // A shutdown resumed goes on with the plan it began with, whatever
+        // the policy says now (edited, invalid, or without a shutdown
+        // section); otherwise, wait for a policy that wants graceful
+        // shutdown.
+        let recorded = resume
+            .as_ref()
+            .and_then(|r| r.plan.as_ref())
+            .map(state::RecordedPlan::config);
+        let cfg = if let Some(c) = recorded {
+            tracing::info!("resuming the shutdown with the plan it began with");
+            c
+        } else {
+            loop {
+                if let Some(c) = config.borrow_and_update().clone() {
                     policy_known = true;
+                    ctx.metrics
+                        .inhibit_delay_needed
+                        .set(c.needed_delay().as_secs_f64());
+                    break c;
+                }
+                if policy_known {
+                    // No shutdown wanted: a reclaimed lock goes too.
+                    reclaimed = None;
+                    handle.updated();
+                    ctx.metrics.inhibit_delay_needed.set(0.0);
+                    ctx.reporter.remove(UNAVAILABLE);
+                    last = None;
+                    report_condition(&ctx, &core::Phase::Off, None);
+                    tracing::debug!("graceful shutdown is off; waiting for a policy");
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = config.changed() => {
+                        if r.is_err() { return }
+                        policy_known = true;
+                    }
                 }
             }
         };
@@ -1097,11 +1127,53 @@ async fn undo_taint<C: ClusterPort>(ctx: &Ctx<C>, taint_added: bool) -> core::Ta
     }
 }
 
-/// Retries removing the taint a while, each call bounded; `false` when it
-/// gave up.
+/// Removes a shutdown taint left behind (see [`Ctx::taint_left`]) while
+/// the manager runs.
+async fn clean_up_left_taint<C: ClusterPort>(ctx: Arc<Ctx<C>>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = sleep(TAINT_CLEANUP_EVERY) => {}
+        }
+        if !ctx.taint_left.load(std::sync::atomic::Ordering::SeqCst) {
+            continue;
+        }
+        let _turn = ctx.taint_cleanup.lock().await;
+        // A shutdown that began meanwhile owns the taint now.
+        if !ctx.taint_left.load(std::sync::atomic::Ordering::SeqCst) {
+            continue;
+        }
+        match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
+            Ok(Ok(())) => {
+                ctx.taint_left
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
+                let message = format!(
+                    "nodeguard removed its shutdown taint {}, left on the node while the API server did not take its removal.",
+                    cluster::TAINT_KEY
+                );
+                tracing::info!("{message}");
+                ctx.reporter.event(
+                    EventKind::Normal,
+                    "ShutdownTaintRemoved",
+                    "RemoveTaint",
+                    message,
+                );
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "cannot remove the shutdown taint left behind yet")
+            }
+            Err(_) => tracing::debug!("the API server did not answer the taint removal"),
+        }
+    }
+}
+
+/// Retries removing the taint a while (about 10 s), each call bounded;
+/// `false` when it gave up, and the removal goes on in the background
+/// ([`clean_up_left_taint`]), so a cancel or a start-up after a reboot
+/// does not wait on the API server to take the inhibitor again.
 async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
     let mut backoff = Duration::from_millis(200);
-    for _ in 0..20 {
+    for _ in 0..6 {
         match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
             Ok(Ok(())) => return true,
             Ok(Err(e)) => {
@@ -1114,7 +1186,9 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
         sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
-    tracing::error!(node = %ctx.node_name, "gave up removing the shutdown taint {}; remove it with kubectl taint", cluster::TAINT_KEY);
+    tracing::error!(node = %ctx.node_name, every = ?TAINT_CLEANUP_EVERY, "cannot remove the shutdown taint {} yet; trying again in the background", cluster::TAINT_KEY);
+    ctx.taint_left
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     false
 }
 
@@ -1182,6 +1256,9 @@ async fn execute<C: ClusterPort>(
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
     }
     record.boot_id = ctx.boot_id.clone();
+    if record.plan.is_none() {
+        record.plan = Some(state::RecordedPlan::of(&cfg));
+    }
     // On disk before the copy goes to the keeper and before any eviction:
     // a process killed from here on leaves a record, so its successor
     // resumes by the original start.
@@ -1265,18 +1342,46 @@ async fn execute<C: ClusterPort>(
         // been killed before it recorded the answer: the taint found is
         // then its, not a taint someone else put there before the shutdown.
         let unanswered_before = resume && !lock_record().taint_answered;
+        // Retried until it answers (or the plan ends): an API server
+        // restarting as the shutdown begins must not leave the node open to
+        // the scheduler for the whole shutdown. A failed request may still
+        // have been applied (the answer lost), so the taint a later attempt
+        // finds is then nodeguard's, as after a predecessor killed with its
+        // request in flight; the record says so until an answer comes.
         let taint = async {
-            let answer = ctx.cluster.add_taint().await;
-            let mut r = lock_record();
-            match answer {
-                Ok(added) => r.taint_added |= added || unanswered_before,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot taint the node; evicting anyway");
-                    r.taint_added |= unanswered_before;
+            // A taint left by an earlier shutdown is this one's now: the
+            // background removal stops, and one in flight is waited out.
+            ctx.taint_left
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            drop(ctx.taint_cleanup.lock().await);
+            let mut maybe_applied = unanswered_before;
+            let mut backoff = TAINT_RETRY_MIN;
+            let mut attempts = 0u32;
+            loop {
+                attempts += 1;
+                match ctx.cluster.add_taint().await {
+                    Ok(added) => {
+                        if attempts > 1 {
+                            tracing::info!(attempts, "the node is tainted");
+                        }
+                        let mut r = lock_record();
+                        r.taint_added |= added || maybe_applied;
+                        r.taint_answered = true;
+                        save(&ctx, &r);
+                        return;
+                    }
+                    Err(e) => {
+                        maybe_applied = true;
+                        if attempts == 1 {
+                            tracing::error!(error = %e, "cannot taint the node; evicting anyway and retrying the taint");
+                        } else {
+                            tracing::debug!(error = %e, attempts, "cannot taint the node yet");
+                        }
+                        sleep(backoff).await;
+                        backoff = (backoff * 2).min(TAINT_RETRY_MAX);
+                    }
                 }
             }
-            r.taint_answered = true;
-            save(&ctx, &r);
         };
         let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already);
         // The record (written before the groups) goes to disk again once

@@ -37,6 +37,70 @@ pub struct ShutdownRecord {
     /// have been applied.
     #[serde(default)]
     pub taint_answered: bool,
+    /// The shutdown section in force when the shutdown began. A restarted
+    /// agent finishes the shutdown with it, whatever the policy says by
+    /// then (edited, made invalid, or without a shutdown section: the lock
+    /// taken back from the keeper is not dropped with the groups left).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<RecordedPlan>,
+}
+
+/// A [`ShutdownConfig`](super::ShutdownConfig) as the record keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedPlan {
+    /// Each group's lowest priority and grace period (milliseconds).
+    pub groups: Vec<(i32, u64)>,
+    pub evict_daemon_set_pods: bool,
+    pub evict_mirror_pods: bool,
+    pub evict_tolerating_pods: bool,
+    pub escalate: bool,
+    pub escalate_after_percent: u8,
+    pub safety_margin_ms: u64,
+}
+
+impl RecordedPlan {
+    pub fn of(c: &super::ShutdownConfig) -> Self {
+        RecordedPlan {
+            groups: c
+                .groups
+                .iter()
+                .map(|g| (g.priority, g.grace.as_millis() as u64))
+                .collect(),
+            evict_daemon_set_pods: c.include.daemonsets,
+            evict_mirror_pods: c.include.mirror,
+            evict_tolerating_pods: c.include.tolerating,
+            escalate: c.escalate,
+            escalate_after_percent: c.escalate_after_percent,
+            safety_margin_ms: c.safety_margin.as_millis() as u64,
+        }
+    }
+
+    /// The configuration to finish the shutdown with. No drop-in: logind's
+    /// delay for a shutdown under way is fixed.
+    pub fn config(&self) -> super::ShutdownConfig {
+        use std::time::Duration;
+        super::ShutdownConfig {
+            groups: super::core::sorted(
+                self.groups
+                    .iter()
+                    .map(|&(priority, ms)| super::core::GroupSpec {
+                        priority,
+                        grace: Duration::from_millis(ms),
+                    })
+                    .collect(),
+            ),
+            include: super::core::Include {
+                daemonsets: self.evict_daemon_set_pods,
+                mirror: self.evict_mirror_pods,
+                tolerating: self.evict_tolerating_pods,
+            },
+            escalate: self.escalate,
+            escalate_after_percent: self.escalate_after_percent,
+            safety_margin: Duration::from_millis(self.safety_margin_ms),
+            drop_in_dir: None,
+        }
+    }
 }
 
 impl ShutdownRecord {
@@ -318,6 +382,7 @@ mod tests {
             groups_done: vec![0, 1000],
             taint_added: true,
             taint_answered: true,
+            plan: None,
         };
         let (reporter, _events) = crate::report::Reporter::new(
             &Default::default(),

@@ -153,6 +153,13 @@ struct ClusterState {
     hung: BTreeSet<String>,
     /// The taint request never gets an answer.
     taint_hangs: bool,
+    /// This many taint requests fail (an API server restarting); with
+    /// `taint_applied_before_failing` each is applied before its error, as
+    /// a PATCH whose answer was lost.
+    taint_fails: u32,
+    taint_applied_before_failing: bool,
+    /// This many taint removals fail (the API server still away).
+    untaint_fails: u32,
 }
 
 #[derive(Clone)]
@@ -192,14 +199,27 @@ impl ClusterPort for FakeCluster {
         }) {
             std::future::pending::<()>().await;
         }
-        Ok(self.with(|s| !std::mem::replace(&mut s.tainted, true)))
+        self.with(|s| {
+            if s.taint_fails > 0 {
+                s.taint_fails -= 1;
+                s.tainted |= s.taint_applied_before_failing;
+                return Err(ShutdownError::Conflict(
+                    "the API server is restarting".into(),
+                ));
+            }
+            Ok(!std::mem::replace(&mut s.tainted, true))
+        })
     }
     async fn remove_taint(&self) -> Result<(), ShutdownError> {
         self.with(|s| {
             s.calls.push((Instant::now(), Call::Untaint));
+            if s.untaint_fails > 0 {
+                s.untaint_fails -= 1;
+                return Err(ShutdownError::Conflict("the API server is away".into()));
+            }
             s.tainted = false;
-        });
-        Ok(())
+            Ok(())
+        })
     }
     async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {
         let (blocked, hung, lingers) = self.with(|s| {
@@ -803,6 +823,7 @@ fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterSt
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            plan: None,
         },
     ));
     let pre = ClusterState {
@@ -891,6 +912,7 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            plan: None,
         },
     ));
     let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
@@ -955,6 +977,7 @@ async fn resume_after_a_step(
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            plan: None,
         },
     ));
     let pre = ClusterState {
@@ -1037,6 +1060,7 @@ fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            plan: None,
         },
     ));
     let pre = ClusterState {
@@ -1536,6 +1560,182 @@ async fn a_hung_taint_request_holds_back_neither_evictions_nor_the_release() {
     );
     let record = state::load(&r.state_dir).unwrap().unwrap();
     assert!(record.ended_at.is_some() && record.taint_added);
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// The API server restarting as the shutdown begins: the taint request is
+/// retried until it lands, and a request applied whose answer was lost
+/// leaves the taint nodeguard's, so the cancel removes it.
+#[tokio::test(start_paused = true)]
+async fn a_failed_taint_request_is_retried_and_a_lost_answer_leaves_the_taint_ours() {
+    for applied in [false, true] {
+        let pods = vec![pod("a/blocked", 0, None)];
+        let r = rig(
+            &format!("taint-fails-{applied}"),
+            FakeLogind::new(Duration::from_secs(120)),
+            Some(config(&[(0, 30)])),
+            pods,
+            "b1",
+        );
+        r.cluster.with(|s| {
+            s.blocked.insert("a/blocked".into(), "pdb".into());
+            s.taint_fails = 3;
+            s.taint_applied_before_failing = applied;
+        });
+        ms(100).await;
+        r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+        ms(5_000).await;
+        let taints = r
+            .cluster
+            .calls()
+            .into_iter()
+            .filter(|(_, c)| *c == Call::Taint)
+            .count();
+        assert_eq!(taints, 4, "three failed taint requests and one answered");
+        assert!(r.cluster.with(|s| s.tainted), "the node is tainted");
+        let record = state::load(&r.state_dir).unwrap().unwrap();
+        assert!(
+            record.taint_answered && record.taint_added,
+            "applied={applied}: the taint is nodeguard's: {record:?}"
+        );
+        r.logind
+            .signal(LogindEvent::PrepareForShutdown(false))
+            .await;
+        ms(500).await;
+        assert!(
+            !r.cluster.with(|s| s.tainted),
+            "applied={applied}: the cancel removes the taint"
+        );
+        r.stop.cancel();
+        r.task.await.unwrap();
+    }
+}
+
+/// Review finding: an agent killed during a shutdown, and its policy
+/// without a shutdown section (edited, or invalid with no last good one)
+/// by the time its successor starts. The successor dropped the lock taken
+/// back from the keeper and never ran the remaining groups: logind went
+/// on at once. The record keeps the plan the shutdown began with, and the
+/// successor finishes with it.
+#[tokio::test(start_paused = true)]
+async fn a_restart_midway_finishes_with_the_recorded_plan_when_the_policy_has_none() {
+    let dir = tmp("resume-no-policy");
+    let now = WallClock::new().now();
+    let plan = state::RecordedPlan::of(&config(&[(0, 10), (1000, 10)]));
+    assert!(state::save(
+        &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
+        &dir,
+        &ShutdownRecord {
+            boot_id: "b1".into(),
+            started_at: Some(now - jiff::SignedDuration::from_secs(4)),
+            groups_done: vec![0],
+            taint_added: true,
+            taint_answered: true,
+            plan: Some(plan),
+            ..Default::default()
+        },
+    ));
+    let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
+    let pre = ClusterState {
+        tainted: true,
+        ..Default::default()
+    };
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind.with(|s| s.preparing = true);
+    let r = rig_in(dir, logind, None, pods, "b1", pre);
+    // The selection says: no shutdown section.
+    r.config.send_replace(None);
+    ms(500).await;
+    let calls = r.cluster.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|(_, c)| *c == Call::Evict("b/high".into(), 10)),
+        "the remaining group runs with the recorded plan: {calls:?}"
+    );
+    assert!(
+        !calls
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        "group 0 was done before the restart"
+    );
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let record = state::load(&r.state_dir).unwrap().unwrap();
+    assert!(record.ended_at.is_some(), "the shutdown ended: {record:?}");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Review finding: after a reboot whose API server took longer to come
+/// back than the removal's retries, the record went and the taint stayed
+/// for good (and arming waited on those retries). Now start-up gives up
+/// after about 10 s, arms, and the removal goes on in the background until
+/// it works; a shutdown that begins meanwhile keeps its own taint.
+#[tokio::test(start_paused = true)]
+async fn a_taint_the_api_did_not_let_go_after_the_reboot_is_removed_in_the_background() {
+    let (dir, mut pre) = shut_down_before_this_boot("reboot-api-away", 9);
+    pre.untaint_fails = 12;
+    let r = rig_in(
+        dir,
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 5)])),
+        vec![],
+        "new-boot",
+        pre,
+    );
+    ms(15_000).await;
+    assert!(r.cluster.with(|s| s.tainted), "still failing");
+    assert_eq!(r.logind.held(), 1, "armed while the taint waits");
+    let c = condition(&r, CONDITION).unwrap();
+    assert!(c.message.contains("tries again"), "{}", c.message);
+    tokio::time::sleep(Duration::from_secs(70)).await;
+    assert!(
+        !r.cluster.with(|s| s.tainted),
+        "the taint removed once the API server took it"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+
+    // A shutdown begins while the taint waits for its removal: the taint
+    // is the new shutdown's and stays.
+    let (dir, mut pre) = shut_down_before_this_boot("reboot-api-away-2", 9);
+    pre.untaint_fails = 1_000;
+    let r = rig_in(
+        dir,
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 30)])),
+        vec![pod("a/blocked", 0, None)],
+        "new-boot",
+        pre,
+    );
+    r.cluster
+        .with(|s| s.blocked.insert("a/blocked".into(), "pdb".into()));
+    ms(15_000).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(1_000).await;
+    r.cluster.with(|s| s.untaint_fails = 0);
+    let removals_before = r
+        .cluster
+        .calls()
+        .iter()
+        .filter(|(_, c)| *c == Call::Untaint)
+        .count();
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    let removals_after = r
+        .cluster
+        .calls()
+        .iter()
+        .filter(|(_, c)| *c == Call::Untaint)
+        .count();
+    assert!(
+        r.cluster.with(|s| s.tainted),
+        "the new shutdown's taint stays"
+    );
+    assert_eq!(
+        removals_before, removals_after,
+        "no removal once the shutdown began"
+    );
     r.stop.cancel();
     r.task.await.unwrap();
 }

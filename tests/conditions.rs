@@ -506,3 +506,46 @@ async fn repeated_events_aggregate_into_a_series() {
     );
     agent.stop().await;
 }
+
+/// Review finding: a Node name over 118 characters (names may have 253)
+/// made every Event's reportingInstance (128 at most) or name (253 at most)
+/// too long: the API server refused them all with 422. Both are cut now.
+#[tokio::test]
+async fn events_reach_a_node_whose_name_is_long() {
+    let admin = admin_client().await;
+    let prefix = format!(
+        "long-{}.{}.{}",
+        "a".repeat(60),
+        "b".repeat(60),
+        "c".repeat(60)
+    );
+    let node = TestNode::create(&admin, &prefix, &[]).await;
+    assert!(node.name.len() > 190, "{}", node.name.len());
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    agent.reporter.event(
+        EventKind::Warning,
+        "FrobnicatorStuck",
+        "Detect",
+        "The frobnicator on /dev/frob0 is stuck.",
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(admin.clone(), "default");
+    eventually(
+        Duration::from_secs(15),
+        "the Event on the long-named node",
+        || async {
+            events
+                .list(&kube::api::ListParams::default())
+                .await
+                .is_ok_and(|l| {
+                    l.items.iter().any(|e| {
+                        e.reason.as_deref() == Some("FrobnicatorStuck")
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                                == Some(node.name.as_str())
+                    })
+                })
+        },
+    )
+    .await;
+    agent.stop().await;
+}

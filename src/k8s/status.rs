@@ -162,7 +162,9 @@ impl KubeEvents {
         KubeEvents {
             client,
             node_name: node_name.to_string(),
-            instance: format!("nodeguard-{node_name}"),
+            // The API server takes at most 128 characters here; a Node's
+            // name may have 253.
+            instance: clip_name(&format!("nodeguard-{node_name}"), 128).to_string(),
             node,
             recent: Default::default(),
         }
@@ -212,7 +214,7 @@ impl EventPort for KubeEvents {
                 Err(e) => return Err(e.into()),
             }
         }
-        let name = format!("{}.{:x}", self.node_name, now.as_nanosecond());
+        let name = event_name(&self.node_name, now.as_nanosecond());
         let event = K8sEvent {
             metadata: ObjectMeta {
                 name: Some(name.clone()),
@@ -251,9 +253,45 @@ impl EventPort for KubeEvents {
     }
 }
 
+/// The first `max` bytes of a name (Kubernetes names are ASCII), without
+/// a `-` or `.` left at the cut, so it stays a valid DNS name.
+fn clip_name(name: &str, max: usize) -> &str {
+    if name.len() <= max {
+        return name;
+    }
+    name[..max].trim_end_matches(['-', '.'])
+}
+
+/// An Event's name: the Node's name and the time, within the 253
+/// characters of a DNS subdomain (a Node's name may use all of them).
+fn event_name(node: &str, nanos: i128) -> String {
+    let suffix = format!(".{nanos:x}");
+    format!("{}{suffix}", clip_name(node, 253 - suffix.len()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_stay_within_the_api_servers_limits() {
+        assert_eq!(clip_name("node-1", 128), "node-1");
+        assert_eq!(clip_name("abc-def", 4), "abc");
+        assert_eq!(clip_name("abc.def", 4), "abc");
+        let node = format!(
+            "{}.{}.{}.{}",
+            "a".repeat(63),
+            "b".repeat(63),
+            "c".repeat(63),
+            "d".repeat(61)
+        );
+        assert_eq!(node.len(), 253);
+        let name = event_name(&node, i128::from(u64::MAX));
+        assert!(name.len() <= 253, "{}", name.len());
+        assert!(name.ends_with(".ffffffffffffffff"), "{name}");
+        assert!(!name.contains(".."), "{name}");
+        assert_eq!(event_name("n1", 255), "n1.ff");
+    }
 
     #[test]
     fn observe_reads_conditions_times_and_only_our_applied_status_fields() {

@@ -51,6 +51,9 @@ pub const LOOP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The condition nodeguard sets about its own policies on each node.
 pub const POLICY_CONDITION: &str = "NodeGuardPolicyInvalid";
+/// [`POLICY_CONDITION`]'s reason while a policy selecting the node is
+/// invalid (beside it: `PolicyRefused`, `PolicyOverLimit`).
+pub const POLICY_INVALID: &str = "PolicyInvalid";
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -780,7 +783,7 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
             message.clone(),
         );
         problems_here.push(message);
-        reason = Some("PolicyInvalid");
+        reason = Some(POLICY_INVALID);
     }
     for r in &selection.refused {
         tracing::warn!(%node, policy = %r.policy, field = %r.field, setting = r.setting.flag(), "policy item refused by the node-local trust");

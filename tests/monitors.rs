@@ -1927,8 +1927,30 @@ async fn a_clock_set_forward_while_the_agent_was_stopped_keeps_the_quiet_period(
 /// whose taint changed go; the new taint comes; someone else's stays.
 #[tokio::test]
 async fn taints_of_a_policy_edited_while_the_agent_was_down_are_not_left_behind() {
+    edited_while_down_case(false).await;
+}
+
+/// Review finding: the same where the node's trust refuses an item of the
+/// edited policy (an exec probe), so NodeGuardPolicyInvalid is True with
+/// reason PolicyRefused. The sweep waited for that condition to clear,
+/// which a refusal never does: the removed monitor's taint stayed for as
+/// long as the refusal. Only an invalid policy holds the sweep back now.
+#[tokio::test]
+async fn taints_of_a_policy_edited_while_the_agent_was_down_go_on_a_node_that_refuses_an_item() {
+    edited_while_down_case(true).await;
+}
+
+async fn edited_while_down_case(refused: bool) {
     let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "edit-down").await;
+    let node = TestNode::selectable(
+        &admin,
+        if refused {
+            "edit-down-ref"
+        } else {
+            "edit-down"
+        },
+    )
+    .await;
     let logs = TempDir::new("logs");
     let (app_log, disk_log) = (logs.path.join("app.log"), logs.path.join("disk.log"));
     std::fs::write(&app_log, "").unwrap();
@@ -1984,24 +2006,40 @@ async fn taints_of_a_policy_edited_while_the_agent_was_down_are_not_left_behind(
     agent.stop().await;
 
     // The edit the agent never applied: "disk" removed, "app" taints
-    // another key.
-    apply_monitors(
-        &admin,
-        &policy,
-        &node.name,
-        serde_json::json!([monitor(
-            "app",
-            &app_log,
-            "AppBroken",
-            "example.com/app-broken-v2"
-        )]),
-    )
-    .await;
+    // another key; with `refused`, a probe this node's trust refuses.
+    let mut edited = serde_json::json!({
+        "nodeSelector": selecting(&node.name),
+        "monitors": [monitor("app", &app_log, "AppBroken", "example.com/app-broken-v2")],
+    });
+    if refused {
+        edited["probes"] = serde_json::json!([{
+            "name": "refused", "exec": {"command": ["/bin/true"]},
+            "conditionType": "RefusedProbe", "periodSeconds": 1, "failureThreshold": 1,
+        }]);
+    }
+    apply_policy(&admin, &policy, edited).await;
     let state_path = state.path.clone();
     let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
-        c.state_dir = state_path.clone()
+        c.state_dir = state_path.clone();
+        if refused {
+            c.trust.commands.clear();
+        }
     })
     .await;
+    if refused {
+        eventually(
+            Duration::from_secs(10),
+            "NodeGuardPolicyInvalid=True (PolicyRefused)",
+            || async {
+                support::condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+                    .await
+                    .is_some_and(|(status, reason, _)| {
+                        status == "True" && reason == "PolicyRefused"
+                    })
+            },
+        )
+        .await;
+    }
     let t0 = Instant::now();
     eventually(
         Duration::from_secs(10),

@@ -348,13 +348,19 @@ pub async fn run_monitors<T: TaintPort>(
         if known && !swept {
             // An invalid policy selects nothing at start (no last good
             // version yet): its monitors would look removed. Wait until
-            // every policy is valid.
+            // every policy is valid. The same condition says an item was
+            // refused by the node's trust or is over the node's limits:
+            // lasting states that leave the selection as it is, so they
+            // do not hold the sweep back.
             let invalid = ctx
                 .reporter
                 .desired()
                 .get(crate::agent::POLICY_CONDITION)
                 .and_then(|d| d.as_ref())
-                .is_some_and(|d| d.status == crate::report::Status::True);
+                .is_some_and(|d| {
+                    d.status == crate::report::Status::True
+                        && d.reason == crate::agent::POLICY_INVALID
+                });
             if invalid {
                 tracing::info!(
                     "a policy is invalid: state of monitors not in the selection is kept until every policy is valid"

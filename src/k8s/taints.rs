@@ -10,10 +10,28 @@ use crate::monitor::{MonitorError, TaintPort};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TaintError {
+    /// Reading the Node failed: nothing was written.
+    #[error("cannot read the Node: {0}")]
+    Read(kube::Error),
+    /// The write failed.
     #[error("API request failed: {0}")]
     Api(#[from] kube::Error),
     #[error("the taints of Node {0} kept changing under us; gave up after retries")]
     Conflict(String),
+}
+
+impl TaintError {
+    /// Whether the write may have been applied though it failed: a request
+    /// sent whose answer was lost, or the server's own error after it took
+    /// it (5xx). A failed read, a refusal (4xx) or conflicts to the last
+    /// attempt wrote nothing.
+    pub fn maybe_applied(&self) -> bool {
+        match self {
+            TaintError::Read(_) | TaintError::Conflict(_) => false,
+            TaintError::Api(kube::Error::Api(s)) => s.code >= 500,
+            TaintError::Api(_) => true,
+        }
+    }
 }
 
 /// Applies `edit` (which returns whether it changed anything); returns
@@ -25,7 +43,7 @@ pub async fn edit(
 ) -> Result<bool, TaintError> {
     let nodes: Api<Node> = Api::all(client.clone());
     for _ in 0..10 {
-        let n = nodes.get(node).await?;
+        let n = nodes.get(node).await.map_err(TaintError::Read)?;
         let mut taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
         if !edit(&mut taints) {
             return Ok(false);

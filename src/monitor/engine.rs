@@ -123,6 +123,9 @@ pub struct Engine {
     /// Conditions whose last taint update failed: retried by
     /// [`Engine::taint_retries`] until the Node matches.
     taint_failed: BTreeSet<String>,
+    /// Conditions whose failed taint add may have been applied: the taint
+    /// is then nodeguard's, also to remove once the condition clears.
+    taint_maybe_added: BTreeSet<String>,
 }
 
 /// The last lines of an NPD-matching monitor (see
@@ -359,6 +362,7 @@ impl Engine {
             failing: BTreeMap::new(),
             npd,
             taint_failed: BTreeSet::new(),
+            taint_maybe_added: BTreeSet::new(),
         })
     }
 
@@ -534,21 +538,27 @@ impl Engine {
 
     /// Records what a [`Action::Taint`] did: nodeguard owns the taint only
     /// when its add put it there.
+    /// A taint add failed in a way that may have been applied (its answer
+    /// lost): the taint a later attempt finds there is nodeguard's.
+    pub fn taint_maybe_added(&mut self, condition: &str) {
+        self.taint_maybe_added.insert(condition.to_string());
+    }
+
     pub fn taint_result(&mut self, condition: &str, outcome: TaintOutcome) {
-        let failed_before = if outcome == TaintOutcome::Failed {
+        let maybe_added = if outcome == TaintOutcome::Failed {
             self.taint_failed.insert(condition.to_string());
             false
         } else {
-            self.taint_failed.remove(condition)
+            self.taint_failed.remove(condition);
+            self.taint_maybe_added.remove(condition)
         };
         let Some(s) = self.state.get_mut(condition) else {
             return;
         };
-        // A failed add may have been applied with its answer lost: the
-        // taint the retry finds is then nodeguard's (left as someone
-        // else's, it would stay on the node after the condition clears).
+        // Left as someone else's, a taint nodeguard's failed add put there
+        // would stay on the node after the condition clears.
         let outcome = match outcome {
-            TaintOutcome::AlreadyPresent if failed_before && s.active => TaintOutcome::Added,
+            TaintOutcome::AlreadyPresent if maybe_added && s.active => TaintOutcome::Added,
             o => o,
         };
         match outcome {
@@ -586,7 +596,7 @@ impl Engine {
             let (Some((key, value, effect)), Some(s)) = (&c.taint, self.state.get(&type_)) else {
                 continue;
             };
-            if !s.active && !s.taint_added {
+            if !s.active && !s.taint_added && !self.taint_maybe_added.contains(&type_) {
                 continue;
             }
             out.push(Action::Taint {

@@ -53,6 +53,19 @@ pub enum MonitorError {
     Taint(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
+impl MonitorError {
+    /// Whether a failed taint update may have been applied (its answer
+    /// lost); an adapter that cannot tell counts as "may have".
+    pub fn maybe_applied(&self) -> bool {
+        match self {
+            MonitorError::Taint(e) => e
+                .downcast_ref::<crate::k8s::taints::TaintError>()
+                .is_none_or(|t| t.maybe_applied()),
+            MonitorError::Source { .. } => false,
+        }
+    }
+}
+
 /// Port: the monitor's taints on this Node (implemented by `k8s::taints`).
 pub trait TaintPort: Send + Sync + 'static {
     /// Adds the taint unless one with this key and effect is there; `true`
@@ -1257,7 +1270,7 @@ async fn apply<T: TaintPort>(
             } => {
                 let mut backoff = Duration::from_millis(200);
                 let mut outcome = TaintOutcome::Failed;
-                let mut failed = false;
+                let mut maybe_applied = false;
                 for attempt in 1..=5 {
                     let r = if *add {
                         ctx.taints.add(key, value, effect).await.map(|added| {
@@ -1276,7 +1289,7 @@ async fn apply<T: TaintPort>(
                     match r {
                         // An earlier attempt may have been applied with its
                         // answer lost: the taint found now is nodeguard's.
-                        Ok(TaintOutcome::AlreadyPresent) if failed => {
+                        Ok(TaintOutcome::AlreadyPresent) if maybe_applied => {
                             outcome = TaintOutcome::Added;
                             break;
                         }
@@ -1285,7 +1298,7 @@ async fn apply<T: TaintPort>(
                             break;
                         }
                         Err(e) => {
-                            failed = true;
+                            maybe_applied |= *add && e.maybe_applied();
                             tracing::warn!(taint = %key, add, attempt, error = %e, "taint update failed");
                             // Waiting on the API is not being stuck.
                             handle.updated();
@@ -1294,6 +1307,9 @@ async fn apply<T: TaintPort>(
                             backoff *= 2;
                         }
                     }
+                }
+                if outcome == TaintOutcome::Failed && maybe_applied {
+                    engine.taint_maybe_added(condition);
                 }
                 engine.taint_result(condition, outcome);
                 let owned = engine.state().get(condition).is_some_and(|s| s.taint_added);
@@ -1318,6 +1334,8 @@ mod tests {
         present: std::sync::Mutex<bool>,
         /// A failing add is applied before its error (the answer lost).
         applied_before_failing: AtomicBool,
+        /// Failures say nothing was written (a failed read, conflicts).
+        definite: AtomicBool,
     }
 
     impl Flaky {
@@ -1326,6 +1344,9 @@ mod tests {
             let left = self.fails.load(Ordering::SeqCst);
             if left > 0 {
                 self.fails.store(left - 1, Ordering::SeqCst);
+                if self.definite.load(Ordering::SeqCst) {
+                    return Err(crate::k8s::taints::TaintError::Conflict("n1".into()).into());
+                }
                 return Err(MonitorError::Taint("the API server is down".into()));
             }
             Ok(())
@@ -1441,6 +1462,151 @@ mod tests {
         assert!(
             state.is_some_and(|s| s.conditions["AppBroken"].taint_added),
             "the added taint is owned and saved"
+        );
+    }
+
+    /// A monitor with a taint and a clear pattern on `log`, its condition
+    /// True since before this start (its taint not recorded as added).
+    fn clearable(
+        dir: &Path,
+        port: Arc<Flaky>,
+    ) -> (
+        MonitorSpec,
+        Arc<MonitorContext<Arc<Flaky>>>,
+        Arc<LoopHandle>,
+    ) {
+        let log = dir.join("app.log");
+        std::fs::write(&log, "").unwrap();
+        let spec: MonitorSpec = serde_json::from_value(serde_json::json!({
+            "name": "m", "source": {"file": {"path": log.display().to_string()}},
+            "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "app is fine",
+                            "clearPattern": "recovered",
+                            "taint": {"key": "example.com/app-broken", "effect": "NoSchedule"}}],
+            "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": "crashed"}],
+        }))
+        .unwrap();
+        let saved: MonitorState = serde_json::from_value(serde_json::json!({
+            "bootId": "this-boot",
+            "conditions": {"AppBroken": {"active": true, "reason": "AppCrashed", "message": "crashed",
+                                         "since": "2026-01-01T00:00:00Z", "lastMatch": null, "taintAdded": false}},
+        }))
+        .unwrap();
+        let (reporter, _events) = Reporter::new(&Default::default(), &mut Registry::default());
+        let state_writes = StateWrites::new(reporter.clone());
+        save_state(&state_writes, dir, "m", &saved);
+        let health = Health::new();
+        let handle = Arc::new(health.register(loop_name("m"), MONITOR_TIMEOUT));
+        let ctx = Arc::new(MonitorContext {
+            reporter,
+            taints: port,
+            state_dir: dir.to_path_buf(),
+            state_writes,
+            system_bus: None,
+            metrics: MonitorMetrics::default(),
+            health,
+            boot_id: "this-boot".into(),
+            read_roots: vec![PathBuf::from("/")],
+        });
+        (spec, ctx, handle)
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ng-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Review finding: someone else's taint with the same key, and a taint
+    /// add that failed without writing anything (a failed read, conflicts
+    /// to the end): the retry found the taint and took it for nodeguard's,
+    /// so the clear removed the other party's taint.
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_that_wrote_nothing_leaves_someone_elses_taint_alone() {
+        let dir = scratch("taint-theirs");
+        let port = Arc::new(Flaky::default());
+        *port.present.lock().unwrap() = true;
+        port.fails.store(1, Ordering::SeqCst);
+        port.definite.store(true, Ordering::SeqCst);
+        let (spec, ctx, handle) = clearable(&dir, port.clone());
+        let stop = CancellationToken::new();
+        let reporter = ctx.reporter.clone();
+        let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            port.calls.load(Ordering::SeqCst) >= 2,
+            "failed, then found it there"
+        );
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.join("app.log"))
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"app recovered\n").unwrap();
+        // The reader is a real thread: let it hand the line over before
+        // paused time moves on.
+        std::thread::sleep(Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            reporter
+                .desired()
+                .get("AppBroken")
+                .cloned()
+                .flatten()
+                .map(|d| d.status),
+            Some(crate::report::Status::False),
+            "the clear was read"
+        );
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        stop.cancel();
+        let _ = task.await;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(*port.present.lock().unwrap(), "someone else's taint stays");
+    }
+
+    /// Review finding: an add applied with its answer lost, the API server
+    /// away for all five attempts, and the condition clearing before a
+    /// retry worked: nothing removed the taint. It is removed once the API
+    /// server answers.
+    #[tokio::test(start_paused = true)]
+    async fn a_taint_that_may_have_landed_goes_when_the_condition_clears_first() {
+        let dir = scratch("taint-maybe");
+        let port = Arc::new(Flaky::default());
+        port.fails.store(1_000, Ordering::SeqCst);
+        port.applied_before_failing.store(true, Ordering::SeqCst);
+        let (spec, ctx, handle) = clearable(&dir, port.clone());
+        let stop = CancellationToken::new();
+        let reporter = ctx.reporter.clone();
+        let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        assert!(*port.present.lock().unwrap(), "the failed add landed");
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.join("app.log"))
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"app recovered\n").unwrap();
+        // The reader is a real thread: let it hand the line over before
+        // paused time moves on.
+        std::thread::sleep(Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            reporter
+                .desired()
+                .get("AppBroken")
+                .cloned()
+                .flatten()
+                .map(|d| d.status),
+            Some(crate::report::Status::False),
+            "the clear was read"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        port.fails.store(0, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        stop.cancel();
+        let _ = task.await;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            !*port.present.lock().unwrap(),
+            "the taint nodeguard may have added is removed"
         );
     }
 }

@@ -233,6 +233,14 @@ impl std::fmt::Debug for Reporter {
 /// The receiving end of the event queue, for [`run_event_publisher`].
 pub struct EventQueue(mpsc::Receiver<EventRequest>);
 
+#[cfg(test)]
+impl EventQueue {
+    /// The Events queued so far (tests that run no publisher).
+    pub fn drain(&mut self) -> Vec<EventRequest> {
+        std::iter::from_fn(|| self.0.try_recv().ok()).collect()
+    }
+}
+
 impl Reporter {
     /// A reporter with its metrics registered; the event queue goes to
     /// [`run_event_publisher`].

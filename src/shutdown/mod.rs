@@ -88,6 +88,17 @@ pub enum ShutdownError {
     },
 }
 
+impl ShutdownError {
+    /// Whether a failed write may have been applied (its answer lost).
+    pub fn maybe_applied(&self) -> bool {
+        match self {
+            ShutdownError::Taint(t) => t.maybe_applied(),
+            ShutdownError::Api(kube::Error::Api(s)) => s.code >= 500,
+            _ => true,
+        }
+    }
+}
+
 /// The policy's shutdown section, resolved.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShutdownConfig {
@@ -300,6 +311,14 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         taint_left: Default::default(),
         taint_cleanup: Default::default(),
     });
+    // A taint a previous process could not remove: removed from here on.
+    if state::taint_left(&ctx.state_dir) {
+        tracing::info!(
+            "nodeguard's shutdown taint was left on the node by a previous process; removing it in the background"
+        );
+        ctx.taint_left
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     tokio::spawn(clean_up_left_taint(ctx.clone(), stop.clone()));
     let logind = host.logind;
     // A lock left by a previous process of this agent (killed while it
@@ -1147,6 +1166,7 @@ async fn clean_up_left_taint<C: ClusterPort>(ctx: Arc<Ctx<C>>, stop: Cancellatio
             Ok(Ok(())) => {
                 ctx.taint_left
                     .store(false, std::sync::atomic::Ordering::SeqCst);
+                state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, false);
                 let message = format!(
                     "nodeguard removed its shutdown taint {}, left on the node while the API server did not take its removal.",
                     cluster::TAINT_KEY
@@ -1175,7 +1195,15 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
     let mut backoff = Duration::from_millis(200);
     for _ in 0..6 {
         match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
-            Ok(Ok(())) => return true,
+            Ok(Ok(())) => {
+                if ctx
+                    .taint_left
+                    .swap(false, std::sync::atomic::Ordering::SeqCst)
+                {
+                    state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, false);
+                }
+                return true;
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot remove the shutdown taint yet; retrying")
             }
@@ -1189,6 +1217,7 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
     tracing::error!(node = %ctx.node_name, every = ?TAINT_CLEANUP_EVERY, "cannot remove the shutdown taint {} yet; trying again in the background", cluster::TAINT_KEY);
     ctx.taint_left
         .store(true, std::sync::atomic::Ordering::SeqCst);
+    state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, true);
     false
 }
 
@@ -1351,10 +1380,16 @@ async fn execute<C: ClusterPort>(
         let taint = async {
             // A taint left by an earlier shutdown is this one's now: the
             // background removal stops, and one in flight is waited out.
-            ctx.taint_left
-                .store(false, std::sync::atomic::Ordering::SeqCst);
+            let took_over = ctx
+                .taint_left
+                .swap(false, std::sync::atomic::Ordering::SeqCst);
             drop(ctx.taint_cleanup.lock().await);
-            let mut maybe_applied = unanswered_before;
+            if took_over {
+                // The taint found there is nodeguard's: this shutdown's
+                // record says so, and the marker goes.
+                state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, false);
+            }
+            let mut maybe_applied = unanswered_before || took_over;
             let mut backoff = TAINT_RETRY_MIN;
             let mut attempts = 0u32;
             loop {
@@ -1371,7 +1406,7 @@ async fn execute<C: ClusterPort>(
                         return;
                     }
                     Err(e) => {
-                        maybe_applied = true;
+                        maybe_applied |= e.maybe_applied();
                         if attempts == 1 {
                             tracing::error!(error = %e, "cannot taint the node; evicting anyway and retrying the taint");
                         } else {

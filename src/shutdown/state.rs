@@ -57,6 +57,8 @@ pub struct RecordedPlan {
     pub escalate: bool,
     pub escalate_after_percent: u8,
     pub safety_margin_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drop_in_dir: Option<PathBuf>,
 }
 
 impl RecordedPlan {
@@ -73,11 +75,12 @@ impl RecordedPlan {
             escalate: c.escalate,
             escalate_after_percent: c.escalate_after_percent,
             safety_margin_ms: c.safety_margin.as_millis() as u64,
+            drop_in_dir: c.drop_in_dir.clone(),
         }
     }
 
-    /// The configuration to finish the shutdown with. No drop-in: logind's
-    /// delay for a shutdown under way is fixed.
+    /// The configuration to finish the shutdown with (as it began, so the
+    /// policy in force compares equal to it when unchanged).
     pub fn config(&self) -> super::ShutdownConfig {
         use std::time::Duration;
         super::ShutdownConfig {
@@ -98,7 +101,7 @@ impl RecordedPlan {
             escalate: self.escalate,
             escalate_after_percent: self.escalate_after_percent,
             safety_margin: Duration::from_millis(self.safety_margin_ms),
-            drop_in_dir: None,
+            drop_in_dir: self.drop_in_dir.clone(),
         }
     }
 }
@@ -201,6 +204,26 @@ pub fn load(dir: &Path) -> Result<Option<ShutdownRecord>, ShutdownError> {
 pub fn save(writes: &StateWrites, dir: &Path, record: &ShutdownRecord) -> bool {
     let bytes = serde_json::to_vec_pretty(record).expect("a record serializes");
     writes.write(&path(dir), &bytes, true)
+}
+
+/// A file that says nodeguard's shutdown taint is still on the Node (its
+/// removal after a cancel or a reboot did not get through), so an agent
+/// restarted before the background removal worked goes on with it.
+pub const TAINT_LEFT_FILE: &str = "shutdown-taint-left";
+
+/// Marks or unmarks the shutdown taint as left on the Node.
+pub fn mark_taint_left(writes: &StateWrites, dir: &Path, left: bool) -> bool {
+    let path = dir.join(TAINT_LEFT_FILE);
+    if left {
+        writes.write(&path, b"nodeguard.io/shutdown\n", true)
+    } else {
+        writes.remove(&path)
+    }
+}
+
+/// Whether the shutdown taint was marked as left.
+pub fn taint_left(dir: &Path) -> bool {
+    dir.join(TAINT_LEFT_FILE).exists()
 }
 
 /// Removes the record (none is fine); a failure is said through `writes`.

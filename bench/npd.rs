@@ -24,6 +24,12 @@
 //!
 //! Each figure is the median over `NODEGUARD_BENCH_RUNS` runs; the peers
 //! alternate which goes first. CPU and RSS include the peer's children.
+//!
+//! nodeguard is the binary the image ships: the static musl release build
+//! `e2e/image` leaves in `target/x86_64-unknown-linux-musl/release/`
+//! (`bench/run` builds it first), or `NODEGUARD_BENCH_BINARY`. The idle RSS
+//! is also split into the agent's own process (and of it, anonymous memory:
+//! heap and stacks) and its children.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -70,6 +76,10 @@ struct Sample {
     startup_ready: Option<f64>,
     idle_cpu_percent: f64,
     idle_rss_mib: f64,
+    /// The peer's own process, without its children.
+    idle_rss_self_mib: f64,
+    /// Of that, anonymous memory (heap, stacks): `RssAnon`.
+    idle_rss_anon_mib: f64,
     idle_writes_per_min: f64,
     idle_lease_writes_per_min: f64,
     latency: f64,
@@ -321,6 +331,12 @@ impl Bench {
                     .args(["--listen", &format!("127.0.0.1:{port}")])
                     .arg("--state-dir")
                     .arg(dir.join("state"))
+                    // The generated kern.log is outside the default read
+                    // roots, which the default policy's sources need.
+                    .arg(format!(
+                        "--allow-read-path={},/dev/kmsg,/var/log/journal",
+                        dir.display()
+                    ))
                     .env("NODE_NAME", node)
                     .env("RUST_LOG", "warn")
                     .stdin(Stdio::null())
@@ -451,6 +467,8 @@ impl Bench {
         let idle = i0.elapsed().as_secs_f64();
         s.idle_cpu_percent = (tree_cpu_seconds(pid) - cpu0) / idle * 100.0;
         s.idle_rss_mib = tree_rss_mib(pid);
+        s.idle_rss_self_mib = status_mib(pid, "VmRSS:");
+        s.idle_rss_anon_mib = status_mib(pid, "RssAnon:");
         let audit = std::fs::read(&self.audit_log).unwrap();
         let window = String::from_utf8_lossy(&audit[audit_start as usize..]);
         s.idle_writes_per_min = audit_writes(&window, p.user_agent, "") as f64 * 60.0 / idle;
@@ -541,6 +559,20 @@ impl Bench {
     }
 }
 
+/// The binary the image ships (see the header); fails, never falls back
+/// to another build.
+fn shipped_binary(repo: &std::path::Path) -> PathBuf {
+    let path = std::env::var_os("NODEGUARD_BENCH_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo.join("target/x86_64-unknown-linux-musl/release/nodeguard"));
+    assert!(
+        path.is_file(),
+        "{} is missing: build the shipped binary with e2e/image (bench/run does)",
+        path.display()
+    );
+    path
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
@@ -564,7 +596,7 @@ fn main() {
     assert!(npd.status.success(), "bench/npd-build failed");
     let npd_dir = PathBuf::from(String::from_utf8(npd.stdout).unwrap().trim());
     let bench = Bench {
-        nodeguard: PathBuf::from(env!("CARGO_BIN_EXE_nodeguard")),
+        nodeguard: shipped_binary(&repo),
         npd_dir,
         work: repo.join("target/bench/npd"),
         audit_log: kubeconfig_path().with_file_name("logs").join("audit.log"),
@@ -612,6 +644,7 @@ fn main() {
         "startup: process start to `/readyz` 200",
         "idle CPU (% of one core)",
         "idle RSS",
+        "… the agent's own process / of it, anonymous (heap, stacks)",
         "idle API writes per minute (audit log)",
         "… of which Lease renewals (the one elected policy-status writer per cluster)",
         "detection latency: line to condition True in the API",
@@ -629,6 +662,11 @@ fn main() {
             },
             format!("{:.2} %", col(p, &|s| s.idle_cpu_percent)),
             format!("{:.1} MiB", col(p, &|s| s.idle_rss_mib)),
+            format!(
+                "{:.1} / {:.1} MiB",
+                col(p, &|s| s.idle_rss_self_mib),
+                col(p, &|s| s.idle_rss_anon_mib)
+            ),
             format!("{:.1}", col(p, &|s| s.idle_writes_per_min)),
             format!("{:.1}", col(p, &|s| s.idle_lease_writes_per_min)),
             format!("{:.3} s", col(p, &|s| s.latency)),
@@ -648,9 +686,9 @@ fn main() {
         cells(Peer::NodeguardDefault),
     );
     for (i, name) in names.iter().enumerate() {
-        // The default-policy run measures startup and idle only (rows 0-5)
+        // The default-policy run measures startup and idle only (rows 0-6)
         // and its peak; its log sources are the host's.
-        let d = if (6..10).contains(&i) {
+        let d = if (7..11).contains(&i) {
             "—"
         } else {
             def[i].as_str()

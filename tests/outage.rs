@@ -121,57 +121,103 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     agent.stop().await;
 }
 
+/// A node with one pod in each of three priority groups (the mid one behind
+/// a PDB allowing no disruption, windows 6 s, `mid_secs`, 6 s), a logind
+/// peer with a 60 s delay, a kubelet stand-in, and the agent armed with its
+/// delay inhibitor and seeing the pods.
+struct ArmedNode {
+    admin: kube::Client,
+    node: TestNode,
+    _bus: support::dbus::PrivateBus,
+    peer: support::dbus::LogindPeer,
+    policy: String,
+    pods: support::pods::PodsInThreeGroups,
+    marked: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, Instant>>>,
+    sim: tokio::task::JoinHandle<()>,
+    agent: nodeguard::agent::RunningAgent,
+    _state: TempDir,
+}
+
+impl ArmedNode {
+    async fn start(prefix: &str, mid_secs: u32, escalate_after_percent: u32) -> ArmedNode {
+        let admin = admin_client().await;
+        let node = TestNode::selectable(&admin, prefix).await;
+        let bus = support::dbus::PrivateBus::start();
+        let peer =
+            support::dbus::LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
+        let policy = unique_name(prefix);
+        apply_policy(
+            &admin,
+            &policy,
+            serde_json::json!({
+                "nodeSelector": selecting(&node.name),
+                "shutdown": {"gracePeriodByPriority": [
+                    {"priority": 0, "gracePeriodSeconds": 6},
+                    {"priority": 1000, "gracePeriodSeconds": mid_secs},
+                    {"priority": 2000000000, "gracePeriodSeconds": 6},
+                ], "safetyMarginSeconds": 2, "escalateAfterPercent": escalate_after_percent},
+            }),
+        )
+        .await;
+        let pods = support::pods::pods_in_three_groups(&admin, &node.name).await;
+        let (marked, sim) = support::pods::kubelet_sim(admin.clone(), node.name.clone());
+        let address = bus.address.clone();
+        let (agent, state) = start_agent_with(admin.clone(), &node.name, move |c| {
+            c.system_bus_address = Some(address);
+            c.boot_id = "test-boot".into();
+        })
+        .await;
+        eventually(Duration::from_secs(15), "inhibitor taken", || {
+            std::future::ready(peer.held() == 1)
+        })
+        .await;
+        agent_sees_pods(&agent, 3).await;
+        ArmedNode {
+            admin,
+            node,
+            _bus: bus,
+            peer,
+            policy,
+            pods,
+            marked,
+            sim,
+            agent,
+            _state: state,
+        }
+    }
+
+    /// Stops the agent and removes the pods, the PDB and the policy.
+    async fn clean_up(self) {
+        self.sim.abort();
+        self.agent.stop().await;
+        let pods: Api<k8s_openapi::api::core::v1::Pod> =
+            Api::namespaced(self.admin.clone(), TEST_NAMESPACE);
+        for p in [&self.pods.low, &self.pods.mid, &self.pods.high] {
+            let _ = pods
+                .delete(p, &kube::api::DeleteParams::default().grace_period(0))
+                .await;
+        }
+        support::pods::delete_pdb(&self.admin, &self.pods.pdb).await;
+        let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(self.admin.clone());
+        let _ = api.delete(&self.policy, &Default::default()).await;
+    }
+}
+
 /// The API server restarted in the middle of a shutdown (during the mid
 /// group's wait on its PodDisruptionBudget): the agent stays live, the
 /// escalation and the last group happen once it is back, each pod ends
 /// exactly once, and the inhibitor goes within the plan's window.
 #[tokio::test]
 async fn a_shutdown_goes_on_through_an_api_server_restart() {
-    use support::dbus::{LogindPeer, PrivateBus};
-    use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
-
     let _turn = API_DOWN.lock().await;
-    let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "api-restart").await;
-    let bus = PrivateBus::start();
-    let peer = LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
-    let policy = unique_name("api-restart");
-    apply_policy(
-        &admin,
-        &policy,
-        serde_json::json!({
-            "nodeSelector": selecting(&node.name),
-            "shutdown": {"gracePeriodByPriority": [
-                {"priority": 0, "gracePeriodSeconds": 6},
-                {"priority": 1000, "gracePeriodSeconds": 20},
-                {"priority": 2000000000, "gracePeriodSeconds": 6},
-            ], "safetyMarginSeconds": 2, "escalateAfterPercent": 50},
-        }),
-    )
-    .await;
-    let PodsInThreeGroups {
-        low,
-        mid,
-        high,
-        pdb,
-    } = pods_in_three_groups(&admin, &node.name).await;
-    let (marked, sim) = kubelet_sim(admin.clone(), node.name.clone());
-    let address = bus.address.clone();
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
-        c.system_bus_address = Some(address);
-        c.boot_id = "test-boot".into();
-    })
-    .await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(peer.held() == 1)
-    })
-    .await;
-    agent_sees_pods(&agent, 3).await;
+    let r = ArmedNode::start("api-restart", 20, 50).await;
+    let (admin, node, peer, agent, marked) = (&r.admin, &r.node, &r.peer, &r.agent, &r.marked);
+    let (low, mid, high) = (&r.pods.low, &r.pods.mid, &r.pods.high);
 
     peer.prepare_for_shutdown(true).await;
     let t0 = Instant::now();
     eventually(Duration::from_secs(5), "the low pod evicted", || {
-        std::future::ready(marked.lock().unwrap().contains_key(&low))
+        std::future::ready(marked.lock().unwrap().contains_key(low))
     })
     .await;
     // The mid group has begun (the low pod is gone 300 ms after its
@@ -250,16 +296,7 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
     eprintln!(
         "API server stopped {stopped:?} into the shutdown, ready again at {back:?}; inhibitor released at {released:?}"
     );
-    sim.abort();
-    agent.stop().await;
-    for p in [&low, &mid, &high] {
-        let _ = pods
-            .delete(p, &kube::api::DeleteParams::default().grace_period(0))
-            .await;
-    }
-    delete_pdb(&admin, &pdb).await;
-    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
-    let _ = api.delete(&policy, &Default::default()).await;
+    r.clean_up().await;
 }
 
 /// The API server down as the shutdown begins: the taint request fails,
@@ -268,46 +305,9 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
 /// nodeguard's, so a cancel removes it.
 #[tokio::test]
 async fn a_shutdown_that_begins_during_an_api_outage_taints_the_node_once_it_is_back() {
-    use support::dbus::{LogindPeer, PrivateBus};
-    use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
-
     let _turn = API_DOWN.lock().await;
-    let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "api-down-taint").await;
-    let bus = PrivateBus::start();
-    let peer = LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
-    let policy = unique_name("api-down-taint");
-    apply_policy(
-        &admin,
-        &policy,
-        serde_json::json!({
-            "nodeSelector": selecting(&node.name),
-            "shutdown": {"gracePeriodByPriority": [
-                {"priority": 0, "gracePeriodSeconds": 6},
-                {"priority": 1000, "gracePeriodSeconds": 30},
-                {"priority": 2000000000, "gracePeriodSeconds": 6},
-            ], "safetyMarginSeconds": 2, "escalateAfterPercent": 90},
-        }),
-    )
-    .await;
-    let PodsInThreeGroups {
-        low,
-        mid,
-        high,
-        pdb,
-    } = pods_in_three_groups(&admin, &node.name).await;
-    let (_marked, sim) = kubelet_sim(admin.clone(), node.name.clone());
-    let address = bus.address.clone();
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
-        c.system_bus_address = Some(address);
-        c.boot_id = "test-boot".into();
-    })
-    .await;
-    eventually(Duration::from_secs(15), "inhibitor taken", || {
-        std::future::ready(peer.held() == 1)
-    })
-    .await;
-    agent_sees_pods(&agent, 3).await;
+    let r = ArmedNode::start("api-down-taint", 30, 90).await;
+    let (admin, node, peer) = (&r.admin, &r.node, &r.peer);
 
     tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
         .await
@@ -349,17 +349,7 @@ async fn a_shutdown_that_begins_during_an_api_outage_taints_the_node_once_it_is_
     eprintln!(
         "API server back {back:?} into the shutdown; node tainted at {tainted:?}; untainted after the cancel"
     );
-    sim.abort();
-    agent.stop().await;
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
-    for p in [&low, &mid, &high] {
-        let _ = pods
-            .delete(p, &kube::api::DeleteParams::default().grace_period(0))
-            .await;
-    }
-    delete_pdb(&admin, &pdb).await;
-    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
-    let _ = api.delete(&policy, &Default::default()).await;
+    r.clean_up().await;
 }
 
 /// Review finding: the first start after a reboot, with the API server

@@ -1510,6 +1510,30 @@ mod tests {
         (spec, ctx, handle)
     }
 
+    /// Appends the clear pattern's line to the [`clearable`] monitor's log
+    /// and waits until the condition is clear.
+    async fn recover(dir: &Path, reporter: &Reporter) {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.join("app.log"))
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"app recovered\n").unwrap();
+        // The reader is a real thread: let it hand the line over before
+        // paused time moves on.
+        std::thread::sleep(Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            reporter
+                .desired()
+                .get("AppBroken")
+                .cloned()
+                .flatten()
+                .map(|d| d.status),
+            Some(crate::report::Status::False),
+            "the clear was read"
+        );
+    }
+
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("ng-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -1537,25 +1561,7 @@ mod tests {
             port.calls.load(Ordering::SeqCst) >= 2,
             "failed, then found it there"
         );
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(dir.join("app.log"))
-            .unwrap();
-        std::io::Write::write_all(&mut f, b"app recovered\n").unwrap();
-        // The reader is a real thread: let it hand the line over before
-        // paused time moves on.
-        std::thread::sleep(Duration::from_millis(500));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(
-            reporter
-                .desired()
-                .get("AppBroken")
-                .cloned()
-                .flatten()
-                .map(|d| d.status),
-            Some(crate::report::Status::False),
-            "the clear was read"
-        );
+        recover(&dir, &reporter).await;
         tokio::time::sleep(Duration::from_secs(30)).await;
         stop.cancel();
         let _ = task.await;
@@ -1579,25 +1585,7 @@ mod tests {
         let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
         tokio::time::sleep(Duration::from_secs(8)).await;
         assert!(*port.present.lock().unwrap(), "the failed add landed");
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(dir.join("app.log"))
-            .unwrap();
-        std::io::Write::write_all(&mut f, b"app recovered\n").unwrap();
-        // The reader is a real thread: let it hand the line over before
-        // paused time moves on.
-        std::thread::sleep(Duration::from_millis(500));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(
-            reporter
-                .desired()
-                .get("AppBroken")
-                .cloned()
-                .flatten()
-                .map(|d| d.status),
-            Some(crate::report::Status::False),
-            "the clear was read"
-        );
+        recover(&dir, &reporter).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         port.fails.store(0, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_secs(60)).await;

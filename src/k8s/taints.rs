@@ -20,16 +20,24 @@ pub enum TaintError {
     Conflict(String),
 }
 
+/// Whether a write that failed with `e` may have been applied all the
+/// same: a request sent whose answer was lost, or the server's own error
+/// after it took it (5xx). A refusal (4xx) wrote nothing.
+pub fn may_have_landed(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => s.code >= 500,
+        _ => true,
+    }
+}
+
 impl TaintError {
-    /// Whether the write may have been applied though it failed: a request
-    /// sent whose answer was lost, or the server's own error after it took
-    /// it (5xx). A failed read, a refusal (4xx) or conflicts to the last
+    /// Whether the write may have been applied though it failed
+    /// ([`may_have_landed`]). A failed read or conflicts to the last
     /// attempt wrote nothing.
     pub fn maybe_applied(&self) -> bool {
         match self {
             TaintError::Read(_) | TaintError::Conflict(_) => false,
-            TaintError::Api(kube::Error::Api(s)) => s.code >= 500,
-            TaintError::Api(_) => true,
+            TaintError::Api(e) => may_have_landed(e),
         }
     }
 }

@@ -536,14 +536,15 @@ impl Engine {
         out
     }
 
-    /// Records what a [`Action::Taint`] did: nodeguard owns the taint only
-    /// when its add put it there.
     /// A taint add failed in a way that may have been applied (its answer
     /// lost): the taint a later attempt finds there is nodeguard's.
     pub fn taint_maybe_added(&mut self, condition: &str) {
         self.taint_maybe_added.insert(condition.to_string());
     }
 
+    /// Records what a [`Action::Taint`] did: nodeguard owns the taint only
+    /// when its add put it there (or may have, see
+    /// [`Engine::taint_maybe_added`]).
     pub fn taint_result(&mut self, condition: &str, outcome: TaintOutcome) {
         let maybe_added = if outcome == TaintOutcome::Failed {
             self.taint_failed.insert(condition.to_string());

@@ -93,7 +93,7 @@ impl ShutdownError {
     pub fn maybe_applied(&self) -> bool {
         match self {
             ShutdownError::Taint(t) => t.maybe_applied(),
-            ShutdownError::Api(kube::Error::Api(s)) => s.code >= 500,
+            ShutdownError::Api(e) => crate::k8s::taints::may_have_landed(e),
             _ => true,
         }
     }
@@ -268,6 +268,28 @@ struct Ctx<C> {
     /// shutdown before its taint request, so an attempt in flight never
     /// removes the new shutdown's taint.
     taint_cleanup: tokio::sync::Mutex<()>,
+}
+
+impl<C> Ctx<C> {
+    /// The shutdown taint is still on the Node: removed in the background
+    /// from now on, by this process or the next.
+    fn remember_left_taint(&self) {
+        self.taint_left
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        state::mark_taint_left(&self.state_writes, &self.state_dir, true);
+    }
+
+    /// The taint left behind is gone or is a new shutdown's: the background
+    /// removal stops. True when one was left.
+    fn forget_left_taint(&self) -> bool {
+        let was = self
+            .taint_left
+            .swap(false, std::sync::atomic::Ordering::SeqCst);
+        if was {
+            state::mark_taint_left(&self.state_writes, &self.state_dir, false);
+        }
+        was
+    }
 }
 
 /// Backoff between reconnects to the bus or logind: short, so the lock is
@@ -1164,9 +1186,7 @@ async fn clean_up_left_taint<C: ClusterPort>(ctx: Arc<Ctx<C>>, stop: Cancellatio
         }
         match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
             Ok(Ok(())) => {
-                ctx.taint_left
-                    .store(false, std::sync::atomic::Ordering::SeqCst);
-                state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, false);
+                ctx.forget_left_taint();
                 let message = format!(
                     "nodeguard removed its shutdown taint {}, left on the node while the API server did not take its removal.",
                     cluster::TAINT_KEY
@@ -1196,12 +1216,7 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
     for _ in 0..6 {
         match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
             Ok(Ok(())) => {
-                if ctx
-                    .taint_left
-                    .swap(false, std::sync::atomic::Ordering::SeqCst)
-                {
-                    state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, false);
-                }
+                ctx.forget_left_taint();
                 return true;
             }
             Ok(Err(e)) => {
@@ -1215,9 +1230,7 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
     tracing::error!(node = %ctx.node_name, every = ?TAINT_CLEANUP_EVERY, "cannot remove the shutdown taint {} yet; trying again in the background", cluster::TAINT_KEY);
-    ctx.taint_left
-        .store(true, std::sync::atomic::Ordering::SeqCst);
-    state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, true);
+    ctx.remember_left_taint();
     false
 }
 
@@ -1380,15 +1393,10 @@ async fn execute<C: ClusterPort>(
         let taint = async {
             // A taint left by an earlier shutdown is this one's now: the
             // background removal stops, and one in flight is waited out.
-            let took_over = ctx
-                .taint_left
-                .swap(false, std::sync::atomic::Ordering::SeqCst);
+            // The taint found there is then nodeguard's: this shutdown's
+            // record says so.
+            let took_over = ctx.forget_left_taint();
             drop(ctx.taint_cleanup.lock().await);
-            if took_over {
-                // The taint found there is nodeguard's: this shutdown's
-                // record says so, and the marker goes.
-                state::mark_taint_left(&ctx.state_writes, &ctx.state_dir, false);
-            }
             let mut maybe_applied = unanswered_before || took_over;
             let mut backoff = TAINT_RETRY_MIN;
             let mut attempts = 0u32;

@@ -17,7 +17,7 @@ pub const SYSTEM_CRITICAL_PRIORITY: i32 = 2_000_000_000;
 
 /// One priority group: pods with priority ≥ `priority` (and below the next
 /// group's) get `grace` to terminate, in order from lowest priority.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GroupSpec {
     pub priority: i32,
     pub grace: Duration,
@@ -81,7 +81,7 @@ pub struct PodFacts {
 }
 
 /// Which kinds of pods the policy wants terminated too.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Include {
     pub daemonsets: bool,
     pub mirror: bool,

@@ -99,8 +99,10 @@ impl ShutdownError {
     }
 }
 
-/// The policy's shutdown section, resolved.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The policy's shutdown section, resolved. The shutdown record keeps the
+/// one a shutdown began with (`ShutdownRecord::plan`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ShutdownConfig {
     pub groups: Vec<GroupSpec>,
     pub include: Include,
@@ -397,10 +399,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         // the policy says now (edited, invalid, or without a shutdown
         // section); otherwise, wait for a policy that wants graceful
         // shutdown.
-        let recorded = resume
-            .as_ref()
-            .and_then(|r| r.plan.as_ref())
-            .map(state::RecordedPlan::config);
+        let recorded = resume.as_ref().and_then(|r| r.plan.clone());
         let cfg = if let Some(c) = recorded {
             tracing::info!("resuming the shutdown with the plan it began with");
             c
@@ -1299,7 +1298,7 @@ async fn execute<C: ClusterPort>(
     }
     record.boot_id = ctx.boot_id.clone();
     if record.plan.is_none() {
-        record.plan = Some(state::RecordedPlan::of(&cfg));
+        record.plan = Some(cfg.clone());
     }
     // On disk before the copy goes to the keeper and before any eviction:
     // a process killed from here on leaves a record, so its successor

@@ -42,68 +42,7 @@ pub struct ShutdownRecord {
     /// then (edited, made invalid, or without a shutdown section: the lock
     /// taken back from the keeper is not dropped with the groups left).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plan: Option<RecordedPlan>,
-}
-
-/// A [`ShutdownConfig`](super::ShutdownConfig) as the record keeps it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RecordedPlan {
-    /// Each group's lowest priority and grace period (milliseconds).
-    pub groups: Vec<(i32, u64)>,
-    pub evict_daemon_set_pods: bool,
-    pub evict_mirror_pods: bool,
-    pub evict_tolerating_pods: bool,
-    pub escalate: bool,
-    pub escalate_after_percent: u8,
-    pub safety_margin_ms: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub drop_in_dir: Option<PathBuf>,
-}
-
-impl RecordedPlan {
-    pub fn of(c: &super::ShutdownConfig) -> Self {
-        RecordedPlan {
-            groups: c
-                .groups
-                .iter()
-                .map(|g| (g.priority, g.grace.as_millis() as u64))
-                .collect(),
-            evict_daemon_set_pods: c.include.daemonsets,
-            evict_mirror_pods: c.include.mirror,
-            evict_tolerating_pods: c.include.tolerating,
-            escalate: c.escalate,
-            escalate_after_percent: c.escalate_after_percent,
-            safety_margin_ms: c.safety_margin.as_millis() as u64,
-            drop_in_dir: c.drop_in_dir.clone(),
-        }
-    }
-
-    /// The configuration to finish the shutdown with (as it began, so the
-    /// policy in force compares equal to it when unchanged).
-    pub fn config(&self) -> super::ShutdownConfig {
-        use std::time::Duration;
-        super::ShutdownConfig {
-            groups: super::core::sorted(
-                self.groups
-                    .iter()
-                    .map(|&(priority, ms)| super::core::GroupSpec {
-                        priority,
-                        grace: Duration::from_millis(ms),
-                    })
-                    .collect(),
-            ),
-            include: super::core::Include {
-                daemonsets: self.evict_daemon_set_pods,
-                mirror: self.evict_mirror_pods,
-                tolerating: self.evict_tolerating_pods,
-            },
-            escalate: self.escalate,
-            escalate_after_percent: self.escalate_after_percent,
-            safety_margin: Duration::from_millis(self.safety_margin_ms),
-            drop_in_dir: self.drop_in_dir.clone(),
-        }
-    }
+    pub plan: Option<super::ShutdownConfig>,
 }
 
 impl ShutdownRecord {

@@ -1622,7 +1622,7 @@ async fn a_failed_taint_request_is_retried_and_a_lost_answer_leaves_the_taint_ou
 async fn a_restart_midway_finishes_with_the_recorded_plan_when_the_policy_has_none() {
     let dir = tmp("resume-no-policy");
     let now = WallClock::new().now();
-    let plan = state::RecordedPlan::of(&config(&[(0, 10), (1000, 10)]));
+    let plan = config(&[(0, 10), (1000, 10)]);
     assert!(state::save(
         &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
         &dir,
@@ -1814,7 +1814,7 @@ async fn a_resumed_shutdown_with_the_policy_unchanged_says_no_policy_change() {
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
-            plan: Some(state::RecordedPlan::of(&cfg)),
+            plan: Some(cfg.clone()),
             ..Default::default()
         },
     ));

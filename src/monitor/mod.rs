@@ -1391,49 +1391,14 @@ mod tests {
     }
 
     async fn taint_retry_case(applied_before_failing: bool) {
-        let dir = std::env::temp_dir().join(format!(
-            "ng-taint-retry-{applied_before_failing}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let log = dir.join("app.log");
-        std::fs::write(&log, "").unwrap();
-        let spec: MonitorSpec = serde_json::from_value(serde_json::json!({
-            "name": "m", "source": {"file": {"path": log.display().to_string()}},
-            "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "app is fine",
-                            "taint": {"key": "example.com/app-broken", "effect": "NoSchedule"}}],
-            "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed", "pattern": "crashed"}],
-        }))
-        .unwrap();
-        // True since before this start; its taint is not on the Node yet.
-        let saved: MonitorState = serde_json::from_value(serde_json::json!({
-            "bootId": "this-boot",
-            "conditions": {"AppBroken": {"active": true, "reason": "AppCrashed", "message": "crashed",
-                                         "since": "2026-01-01T00:00:00Z", "lastMatch": null, "taintAdded": false}},
-        }))
-        .unwrap();
+        let dir = scratch(&format!("taint-retry-{applied_before_failing}"));
         // More failures than one update's attempts.
         let port = Arc::new(Flaky::default());
         port.fails.store(7, Ordering::SeqCst);
         port.applied_before_failing
             .store(applied_before_failing, Ordering::SeqCst);
-        let (reporter, _events) = Reporter::new(&Default::default(), &mut Registry::default());
-        let state_writes = StateWrites::new(reporter.clone());
-        save_state(&state_writes, &dir, "m", &saved);
-        let health = Health::new();
-        let handle = Arc::new(health.register(loop_name("m"), MONITOR_TIMEOUT));
-        let ctx = Arc::new(MonitorContext {
-            reporter,
-            taints: port.clone(),
-            state_dir: dir.clone(),
-            state_writes,
-            system_bus: None,
-            metrics: MonitorMetrics::default(),
-            health,
-            boot_id: "this-boot".into(),
-            read_roots: vec![PathBuf::from("/")],
-        });
+        // True since before this start; its taint is not on the Node yet.
+        let (spec, ctx, handle) = clearable(&dir, port.clone());
         let stop = CancellationToken::new();
         let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
         // Until the port has answered a call (the failures are used up) and
@@ -1465,8 +1430,9 @@ mod tests {
         );
     }
 
-    /// A monitor with a taint and a clear pattern on `log`, its condition
-    /// True since before this start (its taint not recorded as added).
+    /// A monitor with a taint and a clear pattern on `dir`/app.log, its
+    /// condition True since before this start (its taint not recorded as
+    /// added), through `port`.
     fn clearable(
         dir: &Path,
         port: Arc<Flaky>,

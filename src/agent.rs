@@ -312,7 +312,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     sup.spawn(
         "node-state",
         node_state_loop(NodeStateLoop {
-            client: client.clone(),
+            policy_spread: config.report.policy_spread,
             monitors: keep.hold(monitors_tx),
             probes: keep.hold(probes_tx),
             watchdog: keep.hold(watchdog_tx),
@@ -534,7 +534,7 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
 }
 
 struct NodeStateLoop {
-    client: Client,
+    policy_spread: Duration,
     monitors: watch::Sender<Vec<MonitorSpec>>,
     probes: watch::Sender<Vec<ProbeSpec>>,
     watchdog: watch::Sender<Option<WatchdogSpec>>,
@@ -554,7 +554,9 @@ struct NodeStateLoop {
 /// and what the condition writer observes of the Node.
 async fn node_state_loop(mut s: NodeStateLoop) {
     let mut last_selection: Option<Selection> = None;
+    let mut last_labels = None;
     let mut last_good = std::collections::BTreeMap::new();
+    let spread = crate::report::conditions::spread_offset(&s.node_name, s.policy_spread);
     loop {
         let node_snapshot = s.node.borrow_and_update().clone();
         let policy_snapshot = s.policies.borrow_and_update().clone();
@@ -573,8 +575,15 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 &mut last_good,
             );
             if last_selection.as_ref() != Some(&selection) {
+                // A policy edit changes every selected node at once: their
+                // writes wait each node's share of the spread window. (A
+                // relabel or a start changes one node: written at once.)
+                // Set before the changes, so the writer sees it with them.
+                if last_selection.is_some() && last_labels.as_ref() == Some(&labels) {
+                    s.reporter.spread_writes(spread);
+                }
                 report_selection(&s.reporter, &s.node_name, &selection);
-                annotate_effective(&s, node.as_deref(), &selection);
+                s.reporter.set_effective(effective_value(&selection));
                 if selection
                     .watchdog
                     .as_ref()
@@ -614,6 +623,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 .unwrap_or_default();
             update_eligibility(&s, &facts, &selection.ineligible_taints);
             last_selection = Some(selection);
+            last_labels = Some(labels);
             s.handle.updated();
         }
         tokio::select! {
@@ -624,9 +634,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
     }
 }
 
-/// The annotation that shows which policies (and generations) are in force
-/// on a node.
-pub const EFFECTIVE_ANNOTATION: &str = "nodeguard.io/effective-policies";
+pub use crate::k8s::status::EFFECTIVE_ANNOTATION;
 
 /// `name@generation` of each applied policy, comma-separated, sorted.
 pub fn effective_value(selection: &Selection) -> String {
@@ -645,37 +653,6 @@ pub fn effective_value(selection: &Selection) -> String {
         .collect();
     v.sort();
     v.join(",")
-}
-
-fn annotate_effective(s: &NodeStateLoop, node: Option<&Node>, selection: &Selection) {
-    let value = effective_value(selection);
-    let current = node
-        .and_then(|n| n.metadata.annotations.as_ref())
-        .and_then(|a| a.get(EFFECTIVE_ANNOTATION));
-    if node.is_none() || current == Some(&value) {
-        return;
-    }
-    let (client, name) = (s.client.clone(), s.node_name.clone());
-    tokio::spawn(async move {
-        let nodes: Api<Node> = Api::all(client);
-        let patch = serde_json::json!({"metadata": {"annotations": {EFFECTIVE_ANNOTATION: value}}});
-        for attempt in 1..=3 {
-            match nodes
-                .patch(
-                    &name,
-                    &kube::api::PatchParams::default(),
-                    &kube::api::Patch::Merge(&patch),
-                )
-                .await
-            {
-                Ok(_) => return,
-                Err(e) => {
-                    tracing::debug!(attempt, error = %e, "cannot annotate the node with its effective policies");
-                    tokio::time::sleep(Duration::from_millis(500 * attempt)).await;
-                }
-            }
-        }
-    });
 }
 
 fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[String]) {

@@ -124,6 +124,15 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u64).range(10..=86400))]
     pub condition_heartbeat_seconds: u64,
 
+    /// After a policy edit, each node writes its status (the policy
+    /// condition, new conditions, the effective-policies annotation) at its
+    /// own point in this window, fixed by its name, so a fleet's writes
+    /// spread over it instead of reaching the API server at once. A problem
+    /// found meanwhile is written at once. 0: no wait.
+    #[arg(long, env = "NODEGUARD_POLICY_WRITE_SPREAD_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(0..=300))]
+    pub policy_write_spread_seconds: u64,
+
     /// The socket of `nodeguard keep`, which holds a copy of logind's delay
     /// inhibitor so that a killed agent does not release it (the chart's
     /// sidecar). Without it, a host service keeps the copy in systemd's

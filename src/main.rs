@@ -99,6 +99,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let client = nodeguard::k8s::client(args.kubeconfig.as_deref()).await?;
         let mut config = AgentConfig::new(args.node_name, args.listen, args.state_dir);
         config.report.heartbeat = std::time::Duration::from_secs(args.condition_heartbeat_seconds);
+        config.report.policy_spread =
+            std::time::Duration::from_secs(args.policy_write_spread_seconds);
         config.trust = args.trust.trust();
         config.notify_socket = notify_socket;
         config.systemd_watchdog = systemd_watchdog;

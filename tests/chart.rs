@@ -447,7 +447,7 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
     let status_b = nodeguard::k8s::status::KubeStatus::new(agent_client.clone(), &node_b.name);
     let mut last = String::new();
     for _ in 0..50 {
-        match status_a.apply(&[cond("LeastPrivilege")]).await {
+        match status_a.apply(&[cond("LeastPrivilege")], None).await {
             Ok(_) => {
                 last.clear();
                 break;
@@ -459,11 +459,11 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
     assert!(last.is_empty(), "conditions on its own node: {last}");
     // The admission policy is loaded by the API server within moments of
     // `helm install`; until then only RBAC applies.
-    let mut denied = status_b.apply(&[cond("LeastPrivilege")]).await;
+    let mut denied = status_b.apply(&[cond("LeastPrivilege")], None).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while !is_forbidden(&denied) && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(250)).await;
-        denied = status_b.apply(&[cond("LeastPrivilege")]).await;
+        denied = status_b.apply(&[cond("LeastPrivilege")], None).await;
     }
     assert!(
         is_forbidden(&denied),

@@ -272,3 +272,90 @@ async fn one_elected_agent_writes_accepted_and_observed_generation() {
         .delete(&ns, &DeleteParams::default())
         .await;
 }
+
+/// After a policy edit every selected node writes at once; at 5,000 nodes
+/// that is 5,000 writes in one second. Each agent writes the edit's
+/// consequences (its policy condition, new conditions, the effective-policies
+/// annotation) in one apply, at its own point of the default spread window.
+#[tokio::test]
+async fn a_policy_edit_is_one_write_per_node_at_its_point_of_the_spread() {
+    let admin = admin_client().await;
+    let window = nodeguard::report::ReportConfig::default().policy_spread;
+    assert_eq!(window, Duration::from_secs(10), "the default spread");
+    // A node whose point is not at the start of the window, so that the
+    // wait shows.
+    let node = loop {
+        let n = TestNode::selectable(&admin, "spread").await;
+        if nodeguard::report::conditions::spread_offset(&n.name, window) >= Duration::from_secs(2) {
+            break n;
+        }
+    };
+    let offset = nodeguard::report::conditions::spread_offset(&node.name, window);
+    let logs = TempDir::new("spread");
+    let log = logs.path.join("app.log");
+    std::fs::write(&log, "").unwrap();
+    let monitor = |name: &str, condition: &str| {
+        serde_json::json!({"name": name, "source": {"file": {"path": log.display().to_string()}},
+            "conditions": [{"type": condition, "reason": "AppIsFine", "message": "The app is fine."}],
+            "rules": [{"type": "permanent", "condition": condition, "reason": "AppCrashed", "pattern": "crashed"}]})
+    };
+    let name = unique_name("spread");
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({"nodeSelector": selecting(&node.name), "monitors": [monitor("a", "SpreadA")]}),
+    )
+    .await;
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.report.policy_spread = window;
+    })
+    .await;
+    let annotation = || async {
+        Api::<Node>::all(admin.clone())
+            .get(&node.name)
+            .await
+            .unwrap()
+            .metadata
+            .annotations
+            .and_then(|m| m.get("nodeguard.io/effective-policies").cloned())
+    };
+    eventually(Duration::from_secs(15), "the policy in force", || async {
+        annotation().await == Some(format!("{name}@1"))
+            && condition_is(&admin, &node.name, "SpreadA", "False").await
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = audit_node_writes(&node.name).len();
+
+    // The edit adds a monitor: a new condition and a new generation.
+    apply_policy(
+        &admin,
+        &name,
+        serde_json::json!({"nodeSelector": selecting(&node.name),
+            "monitors": [monitor("a", "SpreadA"), monitor("b", "SpreadB")]}),
+    )
+    .await;
+    let t0 = Instant::now();
+    eventually(
+        offset + Duration::from_secs(5),
+        "the new generation shown",
+        || async { annotation().await == Some(format!("{name}@2")) },
+    )
+    .await;
+    let took = t0.elapsed();
+    assert!(
+        condition_is(&admin, &node.name, "SpreadB", "False").await,
+        "the new condition came with it"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await; // the audit log follows the response
+    let writes = audit_node_writes(&node.name)[before..].to_vec();
+    eprintln!("spread point {offset:?}: edit shown after {took:?}; node writes {writes:?}");
+    assert_eq!(writes.len(), 1, "one write for the edit: {writes:?}");
+    assert_eq!(writes[0].0, "status", "through the status subresource");
+    assert!(
+        took + Duration::from_millis(300) >= offset,
+        "shown after {took:?}, before its point {offset:?} of the window"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &name).await;
+}

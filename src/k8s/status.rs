@@ -62,8 +62,18 @@ pub fn observe(node: &Node) -> Observation {
         })
         .unwrap_or_default();
     let owned = owned_condition_types(node);
+    let effective = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(EFFECTIVE_ANNOTATION))
+        .cloned();
     Observation {
-        state: NodeState { conditions, owned },
+        state: NodeState {
+            conditions,
+            owned,
+            effective,
+        },
         resource_version: node
             .metadata
             .resource_version
@@ -72,8 +82,18 @@ pub fn observe(node: &Node) -> Observation {
     }
 }
 
-/// The apply body: exactly nodeguard's conditions, nothing else.
-pub fn apply_body(node_name: &str, conditions: &[Written]) -> serde_json::Value {
+/// The annotation that shows which policies (and generations) are in force
+/// on a node, applied with the conditions through `nodes/status`.
+pub const EFFECTIVE_ANNOTATION: &str = "nodeguard.io/effective-policies";
+
+/// The apply body: exactly nodeguard's conditions and, once known, its
+/// effective-policies annotation; nothing else. (The Node's status
+/// subresource takes metadata changes, so one apply writes both.)
+pub fn apply_body(
+    node_name: &str,
+    conditions: &[Written],
+    effective: Option<&str>,
+) -> serde_json::Value {
     let time = |t: &Option<jiff::Timestamp>| {
         t.map(|t| serde_json::to_value(Time(t)).expect("a time serializes"))
     };
@@ -90,10 +110,14 @@ pub fn apply_body(node_name: &str, conditions: &[Written]) -> serde_json::Value 
             })
         })
         .collect();
+    let mut metadata = serde_json::json!({"name": node_name});
+    if let Some(e) = effective {
+        metadata["annotations"] = serde_json::json!({EFFECTIVE_ANNOTATION: e});
+    }
     serde_json::json!({
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": node_name},
+        "metadata": metadata,
         "status": {"conditions": conditions},
     })
 }
@@ -115,8 +139,12 @@ impl KubeStatus {
 }
 
 impl StatusPort for KubeStatus {
-    async fn apply(&self, conditions: &[Written]) -> Result<Observation, ReportError> {
-        let body = apply_body(&self.node_name, conditions);
+    async fn apply(
+        &self,
+        conditions: &[Written],
+        effective: Option<&str>,
+    ) -> Result<Observation, ReportError> {
+        let body = apply_body(&self.node_name, conditions, effective);
         let node = self
             .api
             .patch_status(
@@ -340,6 +368,7 @@ mod tests {
                 last_transition: Some("2026-01-01T00:00:00Z".parse().unwrap()),
                 last_heartbeat: Some("2026-01-01T00:05:00Z".parse().unwrap()),
             }],
+            None,
         );
         assert_eq!(body["metadata"], serde_json::json!({"name": "n"}));
         assert!(body.get("spec").is_none());
@@ -347,5 +376,11 @@ mod tests {
         assert_eq!(c["lastTransitionTime"], "2026-01-01T00:00:00Z");
         assert_eq!(c["lastHeartbeatTime"], "2026-01-01T00:05:00Z");
         assert_eq!(body["status"]["conditions"].as_array().unwrap().len(), 1);
+        // With the effective policies: that one annotation, and no other.
+        let body = apply_body("n", &[], Some("a@1,b@3"));
+        assert_eq!(
+            body["metadata"],
+            serde_json::json!({"name": "n", "annotations": {EFFECTIVE_ANNOTATION: "a@1,b@3"}})
+        );
     }
 }

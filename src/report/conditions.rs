@@ -64,6 +64,9 @@ pub struct NodeState {
     pub conditions: Vec<Observed>,
     /// Condition types in nodeguard's managedFields on the status.
     pub owned: BTreeSet<String>,
+    /// The Node's `nodeguard.io/effective-policies` annotation, written in
+    /// the same apply as the conditions.
+    pub effective: Option<String>,
 }
 
 impl NodeState {
@@ -81,12 +84,17 @@ pub struct Reasons {
     pub changed: Vec<String>,
     pub removed: Vec<String>,
     pub heartbeat: bool,
+    /// The effective-policies annotation differs from the wanted value.
+    pub effective: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     /// The whole set nodeguard will own after the write, sorted by type.
     pub conditions: Vec<Written>,
+    /// The effective-policies annotation to apply with them (`None`: none
+    /// was ever set, so the apply leaves annotations alone).
+    pub effective: Option<String>,
     pub why: Reasons,
 }
 
@@ -96,9 +104,12 @@ pub struct Plan {
 pub type DesiredSet = BTreeMap<String, Option<Desired>>;
 
 /// Decides the next write, or `None` when the Node already says what we want
-/// and no heartbeat is due.
+/// and no heartbeat is due. `effective` is the wanted effective-policies
+/// annotation: once set it is part of every apply (server-side apply would
+/// remove an owned field left out).
 pub fn plan(
     desired: &DesiredSet,
+    effective: Option<&str>,
     node: &NodeState,
     now: Timestamp,
     heartbeat: Duration,
@@ -147,10 +158,42 @@ pub fn plan(
         .filter(|t| !desired.contains_key(*t))
         .cloned()
         .collect();
-    if why.changed.is_empty() && why.removed.is_empty() && !why.heartbeat {
+    why.effective = effective.is_some_and(|e| node.effective.as_deref() != Some(e));
+    if why.changed.is_empty() && why.removed.is_empty() && !why.heartbeat && !why.effective {
         return None;
     }
-    Some(Plan { conditions, why })
+    Some(Plan {
+        conditions,
+        effective: effective.map(str::to_string),
+        why,
+    })
+}
+
+/// Whether `now` has a condition `True` that was not `True` in `before`:
+/// a problem found while a write waits (for the spread after a policy
+/// edit), which must not wait with it.
+pub fn new_problem(before: &DesiredSet, now: &DesiredSet) -> bool {
+    let is_true = |d: Option<&Option<Desired>>| {
+        d.and_then(Option::as_ref)
+            .is_some_and(|d| d.status == Status::True)
+    };
+    now.iter()
+        .any(|(t, d)| is_true(Some(d)) && !is_true(before.get(t)))
+}
+
+/// This node's delay in `window` for writes that follow a policy edit, so
+/// that a fleet's writes after one edit spread evenly over the window
+/// instead of reaching the API server in the same second. Fixed per node
+/// name (FNV-1a), so it is the same after a restart and can be predicted.
+pub fn spread_offset(node: &str, window: Duration) -> Duration {
+    let window_ms = window.as_millis() as u64;
+    if window_ms == 0 {
+        return Duration::ZERO;
+    }
+    let hash = node.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    Duration::from_millis(hash % window_ms)
 }
 
 /// Condition types owned by `manager` on the status subresource, from a
@@ -208,6 +251,7 @@ mod tests {
 
     fn node(conditions: Vec<Observed>, owned: &[&str]) -> NodeState {
         NodeState {
+            effective: None,
             conditions,
             owned: owned.iter().map(|s| s.to_string()).collect(),
         }
@@ -221,6 +265,7 @@ mod tests {
     fn a_new_condition_is_written_with_both_times_now() {
         let p = plan(
             &set(vec![("A", want(Status::True, "Bad"))]),
+            None,
             &NodeState::default(),
             t(10),
             HB,
@@ -236,14 +281,14 @@ mod tests {
     fn nothing_to_do_when_the_node_agrees_and_no_heartbeat_is_due() {
         let d = set(vec![("A", want(Status::False, "Fine"))]);
         let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
-        assert_eq!(plan(&d, &n, t(399), HB), None);
+        assert_eq!(plan(&d, None, &n, t(399), HB), None);
     }
 
     #[test]
     fn heartbeat_refreshes_times_but_keeps_transition() {
         let d = set(vec![("A", want(Status::False, "Fine"))]);
         let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
-        let p = plan(&d, &n, t(400), HB).unwrap();
+        let p = plan(&d, None, &n, t(400), HB).unwrap();
         assert!(p.why.heartbeat && p.why.changed.is_empty());
         assert_eq!(p.conditions[0].last_transition, Some(t(0)));
         assert_eq!(p.conditions[0].last_heartbeat, Some(t(400)));
@@ -255,6 +300,7 @@ mod tests {
         // Reason/message change, same status: transition kept.
         let p = plan(
             &set(vec![("A", want(Status::False, "StillFine"))]),
+            None,
             &n,
             t(150),
             HB,
@@ -265,6 +311,7 @@ mod tests {
         // Status change: transition now.
         let p = plan(
             &set(vec![("A", want(Status::True, "Broken"))]),
+            None,
             &n,
             t(150),
             HB,
@@ -274,6 +321,7 @@ mod tests {
         // Unknown counts as a status change too.
         let p = plan(
             &set(vec![("A", want(Status::Unknown, "NoData"))]),
+            None,
             &n,
             t(150),
             HB,
@@ -291,7 +339,7 @@ mod tests {
             ],
             &["Old"],
         );
-        let p = plan(&DesiredSet::new(), &n, t(200), HB).unwrap();
+        let p = plan(&DesiredSet::new(), None, &n, t(200), HB).unwrap();
         assert_eq!(p.why.removed, ["Old"]);
         assert!(
             p.conditions.is_empty(),
@@ -300,6 +348,7 @@ mod tests {
         // Ready is not ours: never written, never removed.
         let p = plan(
             &set(vec![("A", want(Status::False, "Fine"))]),
+            None,
             &n,
             t(200),
             HB,
@@ -312,28 +361,35 @@ mod tests {
     fn declared_but_unevaluated_types_are_carried_over_unchanged() {
         let n = node(vec![obs("A", "True", "Bad", 5, 50)], &["A"]);
         let d = set(vec![("A", None), ("B", want(Status::False, "Fine"))]);
-        let p = plan(&d, &n, t(100), HB).unwrap();
+        let p = plan(&d, None, &n, t(100), HB).unwrap();
         assert_eq!(p.why.changed, ["B"]);
         assert_eq!(p.conditions[0], n.conditions[0], "A carried over verbatim");
         // Nothing else to do: no write just for a carried-over type.
         let only_a = set(vec![("A", None)]);
-        assert_eq!(plan(&only_a, &n, t(100_000), HB), None);
+        assert_eq!(plan(&only_a, None, &n, t(100_000), HB), None);
         // A declared type absent from the Node is simply not written.
-        let p = plan(&set(vec![("Z", None)]), &NodeState::default(), t(1), HB);
+        let p = plan(
+            &set(vec![("Z", None)]),
+            None,
+            &NodeState::default(),
+            t(1),
+            HB,
+        );
         assert_eq!(p, None);
     }
 
     #[test]
     fn another_writers_condition_of_a_declared_type_is_left_alone_until_evaluated() {
         let n = node(vec![obs("A", "True", "Bad", 5, 50)], &[]);
-        assert_eq!(plan(&set(vec![("A", None)]), &n, t(60), HB), None);
+        assert_eq!(plan(&set(vec![("A", None)]), None, &n, t(60), HB), None);
         let d = set(vec![("A", None), ("B", want(Status::False, "Fine"))]);
-        let p = plan(&d, &n, t(60), HB).unwrap();
+        let p = plan(&d, None, &n, t(60), HB).unwrap();
         let types: Vec<&str> = p.conditions.iter().map(|c| c.type_.as_str()).collect();
         assert_eq!(types, ["B"]);
         // Once evaluated, ours wins (server-side apply with force).
         let p = plan(
             &set(vec![("A", want(Status::False, "Fine"))]),
+            None,
             &n,
             t(60),
             HB,
@@ -343,12 +399,80 @@ mod tests {
     }
 
     #[test]
+    fn the_effective_annotation_is_written_when_it_differs_and_kept_in_every_apply() {
+        let d = set(vec![("A", want(Status::False, "Fine"))]);
+        let mut n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
+        // No annotation wanted yet: nothing to do, and none in a write.
+        assert_eq!(plan(&d, None, &n, t(110), HB), None);
+        // Wanted and missing on the Node: a write for it alone.
+        let p = plan(&d, Some("p@2"), &n, t(110), HB).unwrap();
+        assert!(p.why.effective && p.why.changed.is_empty() && !p.why.heartbeat);
+        assert_eq!(p.effective.as_deref(), Some("p@2"));
+        assert_eq!(p.conditions.len(), 1, "the conditions ride along unchanged");
+        // On the Node already: nothing to do.
+        n.effective = Some("p@2".into());
+        assert_eq!(plan(&d, Some("p@2"), &n, t(110), HB), None);
+        // A heartbeat still carries it, so the apply does not drop it.
+        let p = plan(&d, Some("p@2"), &n, t(400), HB).unwrap();
+        assert!(p.why.heartbeat && !p.why.effective);
+        assert_eq!(p.effective.as_deref(), Some("p@2"));
+        // An empty value (no policy selects the node) is a value too.
+        let p = plan(&d, Some(""), &n, t(110), HB).unwrap();
+        assert!(p.why.effective);
+    }
+
+    #[test]
+    fn a_new_problem_is_a_condition_turned_true_since_before() {
+        let before = set(vec![
+            ("A", want(Status::False, "Fine")),
+            ("P", want(Status::True, "PolicyInvalid")),
+            ("U", None),
+        ]);
+        assert!(!new_problem(&before, &before));
+        // Still true, or a changed message of a true one: not new.
+        let mut now = before.clone();
+        now.insert("P".into(), want(Status::True, "PolicyOverLimit"));
+        assert!(!new_problem(&before, &now));
+        // False to Unknown, or a new type that is False: not a problem.
+        now.insert("A".into(), want(Status::Unknown, "Unknown"));
+        now.insert("B".into(), want(Status::False, "Fine"));
+        assert!(!new_problem(&before, &now));
+        // False to True, declared to True, a new type True: new problems.
+        for t in ["A", "U", "C"] {
+            let mut now = before.clone();
+            now.insert(t.into(), want(Status::True, "Bad"));
+            assert!(new_problem(&before, &now), "{t}");
+        }
+    }
+
+    #[test]
+    fn spread_offsets_stay_in_the_window_and_spread_a_fleet_evenly() {
+        let w = Duration::from_secs(10);
+        assert_eq!(spread_offset("node-1", Duration::ZERO), Duration::ZERO);
+        assert_eq!(spread_offset("node-1", w), spread_offset("node-1", w));
+        let mut per_second = [0usize; 10];
+        for i in 0..5000 {
+            let o = spread_offset(&format!("ip-10-0-{}-{}.ec2.internal", i / 250, i % 250), w);
+            assert!(o < w);
+            per_second[o.as_secs() as usize] += 1;
+        }
+        // 5,000 nodes: about 500 a second, none of the ten seconds twice
+        // another.
+        let (min, max) = (
+            per_second.iter().min().unwrap(),
+            per_second.iter().max().unwrap(),
+        );
+        assert!(*min >= 400 && *max <= 600, "{per_second:?}");
+    }
+
+    #[test]
     fn missing_times_on_the_node_are_filled_in() {
         let mut o = obs("A", "False", "Fine", 0, 0);
         o.last_transition = None;
         o.last_heartbeat = None;
         let p = plan(
             &set(vec![("A", want(Status::False, "Fine"))]),
+            None,
             &node(vec![o], &["A"]),
             t(7),
             HB,
@@ -372,7 +496,7 @@ mod tests {
             ],
             &["B", "C"],
         );
-        let p = plan(&d, &n, t(110), HB).unwrap();
+        let p = plan(&d, None, &n, t(110), HB).unwrap();
         let types: Vec<&str> = p.conditions.iter().map(|c| c.type_.as_str()).collect();
         assert_eq!(types, ["A", "B", "C"]);
         assert_eq!(p.why.changed, ["A"]);

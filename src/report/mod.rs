@@ -74,6 +74,10 @@ pub struct ReportConfig {
     pub event_refill: Duration,
     /// Events waiting to be published; beyond this they are dropped and counted.
     pub event_queue: usize,
+    /// Writes that follow a policy edit wait this node's share of this
+    /// window ([`conditions::spread_offset`]), so a fleet's writes after
+    /// one edit spread over it. Zero: no wait.
+    pub policy_spread: Duration,
 }
 
 impl Default for ReportConfig {
@@ -87,6 +91,7 @@ impl Default for ReportConfig {
             event_burst: 10,
             event_refill: Duration::from_secs(30),
             event_queue: 1024,
+            policy_spread: Duration::from_secs(10),
         }
     }
 }
@@ -208,6 +213,10 @@ impl ReportMetrics {
 
 struct Shared {
     desired: Mutex<DesiredSet>,
+    /// The effective-policies annotation, once known.
+    effective: Mutex<Option<String>>,
+    /// Ordinary writes wait until then (a policy edit's spread).
+    spread_until: Mutex<Option<Instant>>,
     initialized: AtomicBool,
     urgent: AtomicBool,
     changed: Notify,
@@ -251,6 +260,8 @@ impl Reporter {
         let reporter = Reporter {
             shared: Arc::new(Shared {
                 desired: Mutex::new(DesiredSet::new()),
+                effective: Mutex::new(None),
+                spread_until: Mutex::new(None),
                 initialized: AtomicBool::new(false),
                 urgent: AtomicBool::new(false),
                 changed: Notify::new(),
@@ -327,6 +338,55 @@ impl Reporter {
         }
     }
 
+    /// Sets the effective-policies annotation, written with the conditions.
+    pub fn set_effective(&self, value: String) {
+        let mut e = self
+            .shared
+            .effective
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if e.as_deref() != Some(value.as_str()) {
+            *e = Some(value);
+            drop(e);
+            self.shared.changed.notify_one();
+        }
+    }
+
+    fn effective(&self) -> Option<String> {
+        self.shared
+            .effective
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Holds ordinary writes for `delay` (the changes of a policy edit,
+    /// spread over a fleet); urgent changes and a condition turning `True`
+    /// meanwhile are written at once, with everything pending. A spread
+    /// already pending keeps its earlier end.
+    pub fn spread_writes(&self, delay: Duration) {
+        if delay.is_zero() {
+            return;
+        }
+        let until = Instant::now() + delay;
+        let mut s = self
+            .shared
+            .spread_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if s.is_none_or(|t| t > until) {
+            *s = Some(until);
+        }
+    }
+
+    fn take_spread(&self) -> Option<Instant> {
+        self.shared
+            .spread_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
     /// Every source has declared its types: the writer may now write (and
     /// so delete owned types nobody declared).
     pub fn mark_initialized(&self) {
@@ -370,9 +430,11 @@ pub struct Observation {
 /// Port: writes nodeguard's whole condition set to the Node's status and
 /// returns the Node as it is after the write.
 pub trait StatusPort: Send + Sync + 'static {
+    /// `effective`: the effective-policies annotation to apply with them.
     fn apply(
         &self,
         conditions: &[Written],
+        effective: Option<&str>,
     ) -> impl Future<Output = Result<Observation, ReportError>> + Send;
 }
 
@@ -428,18 +490,34 @@ pub async fn run_condition_writer<P: StatusPort>(
         }
         health.queued();
         let urgent = shared.urgent.swap(false, Ordering::SeqCst);
-        if !urgent {
-            // Coalesce and space out ordinary writes, but an urgent change
-            // (a shutdown starting) that arrives meanwhile goes out at once.
+        if urgent {
+            // This write carries whatever a spread held back.
+            reporter.take_spread();
+        } else {
+            // Coalesce and space out ordinary writes (and hold those of a
+            // policy edit for this node's spread), but an urgent change (a
+            // shutdown starting) or a new problem that arrives meanwhile
+            // goes out at once.
             let mut until = Instant::now() + config.coalesce;
             if let Some(t) = last_write {
                 until = until.max(t + config.min_write_interval);
             }
+            // The desired set when a spread began, to tell new problems.
+            let mut before: Option<DesiredSet> = None;
             loop {
+                if let Some(s) = reporter.take_spread() {
+                    tracing::debug!(wait = ?s.saturating_duration_since(Instant::now()), "policy edit: node status write spread");
+                    until = until.max(s);
+                    before.get_or_insert_with(|| reporter.desired());
+                }
                 tokio::select! {
                     _ = sleep_until(until) => break,
                     _ = shared.changed.notified() => {
                         if shared.urgent.swap(false, Ordering::SeqCst) {
+                            break;
+                        }
+                        if before.as_ref().is_some_and(|b| conditions::new_problem(b, &reporter.desired())) {
+                            tracing::debug!("a new problem during the spread: written now");
                             break;
                         }
                     }
@@ -463,17 +541,23 @@ pub async fn run_condition_writer<P: StatusPort>(
             } else {
                 config.heartbeat
             };
-            let Some(plan) = conditions::plan(&desired, &obs.state, now, heartbeat) else {
+            let effective = reporter.effective();
+            let Some(plan) =
+                conditions::plan(&desired, effective.as_deref(), &obs.state, now, heartbeat)
+            else {
                 break;
             };
-            match port.apply(&plan.conditions).await {
+            match port
+                .apply(&plan.conditions, plan.effective.as_deref())
+                .await
+            {
                 Ok(after) => {
                     shared.metrics.condition_writes.inc();
                     if failing {
                         tracing::info!("node conditions written again after failures");
                         failing = false;
                     }
-                    tracing::debug!(changed = ?plan.why.changed, removed = ?plan.why.removed, heartbeat = plan.why.heartbeat, "node conditions written");
+                    tracing::debug!(changed = ?plan.why.changed, removed = ?plan.why.removed, heartbeat = plan.why.heartbeat, effective = plan.why.effective, "node conditions written");
                     applied = Some(after);
                     last_write = Some(Instant::now());
                     break;
@@ -583,13 +667,20 @@ async fn final_write<P: StatusPort>(
     };
     let desired = reporter.desired();
     let now = reporter.shared.clock.now();
-    let Some(plan) = conditions::plan(&desired, &obs.state, now, heartbeat) else {
+    let effective = reporter.effective();
+    let Some(plan) = conditions::plan(&desired, effective.as_deref(), &obs.state, now, heartbeat)
+    else {
         return;
     };
-    if plan.why.changed.is_empty() && plan.why.removed.is_empty() {
+    if plan.why.changed.is_empty() && plan.why.removed.is_empty() && !plan.why.effective {
         return;
     }
-    match tokio::time::timeout(DRAIN_DEADLINE, port.apply(&plan.conditions)).await {
+    match tokio::time::timeout(
+        DRAIN_DEADLINE,
+        port.apply(&plan.conditions, plan.effective.as_deref()),
+    )
+    .await
+    {
         Ok(Ok(_)) => {
             reporter.shared.metrics.condition_writes.inc();
             tracing::debug!(changed = ?plan.why.changed, "node conditions written on stop");

@@ -39,7 +39,11 @@ impl FakeStatus {
 }
 
 impl StatusPort for FakeStatus {
-    async fn apply(&self, conditions: &[Written]) -> Result<Observation, ReportError> {
+    async fn apply(
+        &self,
+        conditions: &[Written],
+        effective: Option<&str>,
+    ) -> Result<Observation, ReportError> {
         self.with(|n| {
             if n.down {
                 return Err(ReportError::NodeUnknown("apiserver down".into()));
@@ -54,6 +58,8 @@ impl StatusPort for FakeStatus {
                 .iter()
                 .map(|c| c.type_.clone())
                 .collect::<BTreeSet<_>>();
+            // Server-side apply: an owned annotation left out is removed.
+            n.state.effective = effective.map(str::to_string);
             n.rv += 1;
             Ok(Observation {
                 state: n.state.clone(),
@@ -171,6 +177,107 @@ async fn an_outage_loses_nothing_and_converges_within_five_seconds_of_recovery()
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(h.port.get("A").unwrap().reason, "During29");
     assert_eq!(h.port.get("B").unwrap().status, "False");
+    h.shutdown.cancel();
+}
+
+/// A policy edit as the agent makes it: spread first, then the changes.
+fn policy_edit(h: &Harness, spread: Duration, effective: &str) {
+    h.reporter.spread_writes(spread);
+    h.reporter.set(
+        "NodeGuardPolicyInvalid",
+        desired(Status::False, "PoliciesValid"),
+    );
+    h.reporter.set_effective(effective.into());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_policy_edit_is_one_write_at_the_end_of_its_spread() {
+    let h = start(ReportConfig::default());
+    policy_edit(&h, Duration::ZERO, "p@1");
+    h.reporter.mark_initialized();
+    settle().await;
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        1,
+        "the start is written at once"
+    );
+    assert_eq!(
+        h.port.with(|n| n.state.effective.clone()).as_deref(),
+        Some("p@1")
+    );
+    let t0 = Instant::now();
+    policy_edit(&h, Duration::from_secs(7), "p@2");
+    // The edit's consequences: a new monitor's condition, moments later.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.reporter.set(
+        "KernelDeadlock",
+        desired(Status::False, "KernelHasNoDeadlock"),
+    );
+    while h.port.with(|n| n.applies) == 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_secs(7) && took < Duration::from_millis(7100),
+        "{took:?}"
+    );
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 2, "one write for the edit");
+    assert_eq!(
+        h.port.with(|n| n.state.effective.clone()).as_deref(),
+        Some("p@2")
+    );
+    assert!(h.port.get("KernelDeadlock").is_some());
+    // A heartbeat keeps the annotation (the apply would drop it otherwise).
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    assert_eq!(h.port.with(|n| n.applies), 3);
+    assert_eq!(
+        h.port.with(|n| n.state.effective.clone()).as_deref(),
+        Some("p@2")
+    );
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_problem_found_during_a_spread_is_written_at_once_with_the_edit() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 1);
+    // An edit that makes the policy invalid is spread like any other.
+    h.reporter.spread_writes(Duration::from_secs(9));
+    h.reporter.set(
+        "NodeGuardPolicyInvalid",
+        desired(Status::True, "PolicyInvalid"),
+    );
+    h.reporter.set_effective("p@1".into());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(h.port.with(|n| n.applies), 1, "still spread");
+    // A kernel problem meanwhile: out at once, and the edit with it.
+    h.reporter
+        .set("KernelDeadlock", desired(Status::True, "DockerHung"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    assert_eq!(h.port.get("KernelDeadlock").unwrap().status, "True");
+    assert_eq!(h.port.get("NodeGuardPolicyInvalid").unwrap().status, "True");
+    // Nothing is left to write when the spread would have ended.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    // An urgent change cuts a spread short too.
+    h.reporter.spread_writes(Duration::from_secs(9));
+    h.reporter.set_effective("p@2".into());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    h.reporter.set_urgent(
+        "GracefulShutdown",
+        desired(Status::True, "ShutdownInProgress"),
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(h.port.with(|n| n.applies), 3);
+    assert_eq!(
+        h.port.with(|n| n.state.effective.clone()).as_deref(),
+        Some("p@2")
+    );
     h.shutdown.cancel();
 }
 

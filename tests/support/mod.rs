@@ -417,6 +417,10 @@ pub async fn start_agent_with(
     // paths and hold long inhibitors; tests/trust.rs starts the agent with
     // the node-local trust it is about.
     config.trust = trust_everything();
+    // Tests of other capabilities edit policies and wait for what follows
+    // on the Node: they do not wait a policy edit's write spread, which
+    // tests/policy.rs measures at its default.
+    config.report.policy_spread = Duration::ZERO;
     adjust(&mut config);
     let agent = nodeguard::agent::start(config, client)
         .await
@@ -892,4 +896,29 @@ pub fn write_saved_state(state_dir: &std::path::Path, monitor: &str, state: serd
     let dir = state_dir.join("monitors");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join(format!("{monitor}.json")), state.to_string()).unwrap();
+}
+
+/// Writes (create, update, patch) of Node `node`, any subresource, in the
+/// API server's audit log: `(subresource, stageTimestamp)` of each.
+pub fn audit_node_writes(node: &str) -> Vec<(String, String)> {
+    let log = kubeconfig_path().parent().unwrap().join("logs/audit.log");
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| {
+            e["stage"] == "ResponseComplete"
+                && ["create", "update", "patch"].contains(&e["verb"].as_str().unwrap_or(""))
+                && e["objectRef"]["resource"] == "nodes"
+                && e["objectRef"]["name"] == node
+        })
+        .map(|e| {
+            (
+                e["objectRef"]["subresource"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+                e["stageTimestamp"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
 }

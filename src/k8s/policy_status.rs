@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{GetParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -18,8 +18,22 @@ use super::watch::Snapshot;
 use crate::policy::{NodeGuardPolicy, validate};
 
 pub const LEASE_NAME: &str = "nodeguard-policy-status";
-const LEASE_SECONDS: i32 = 30;
-const RENEW: Duration = Duration::from_secs(10);
+/// The lease's term. The writer renews it every [`RENEW`]; every other
+/// agent looks at it once in [`follower_wait`] (from the API server's
+/// cache), so a fleet of N agents costs N/90 reads a second, none of them
+/// reaching etcd, and a writer that died unannounced is replaced within
+/// two terms. (A writer that stops deletes the lease at once; the next
+/// agent to look takes it.)
+const LEASE_SECONDS: i32 = 60;
+const RENEW: Duration = Duration::from_secs(20);
+
+/// How long an agent that does not hold the lease waits before it looks
+/// again: one to two terms, drawn anew each time so a fleet's looks
+/// spread instead of following each other.
+fn follower_wait() -> Duration {
+    let term = Duration::from_secs(LEASE_SECONDS as u64);
+    term + term.mul_f64(fastrand::f64())
+}
 
 /// What the status of a policy should say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,8 +86,11 @@ pub fn up_to_date(p: &NodeGuardPolicy, v: &Verdict) -> bool {
         })
 }
 
-/// Tries to hold the lease; `true` while this agent is the writer.
-async fn hold_lease(leases: &Api<Lease>, me: &str) -> Result<bool, kube::Error> {
+/// Tries to hold the lease; `true` while this agent is the writer. The
+/// writer reads the lease from etcd; the others from the API server's
+/// cache (`resourceVersion=0`), which may be a moment old: a takeover
+/// decided on a stale copy fails on its resourceVersion, never wins twice.
+async fn hold_lease(leases: &Api<Lease>, me: &str, leader: bool) -> Result<bool, kube::Error> {
     let now = MicroTime(jiff::Timestamp::now());
     let fresh = |rv: Option<String>, transitions: i32| -> Lease {
         serde_json::from_value(serde_json::json!({
@@ -84,7 +101,16 @@ async fn hold_lease(leases: &Api<Lease>, me: &str) -> Result<bool, kube::Error> 
         }))
         .expect("a lease")
     };
-    match leases.get_opt(LEASE_NAME).await? {
+    let current = if leader {
+        leases.get_opt(LEASE_NAME).await?
+    } else {
+        match leases.get_with(LEASE_NAME, &GetParams::any()).await {
+            Ok(l) => Some(l),
+            Err(kube::Error::Api(s)) if s.code == 404 => None,
+            Err(e) => return Err(e),
+        }
+    };
+    match current {
         None => match leases.create(&PostParams::default(), &fresh(None, 0)).await {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
@@ -130,7 +156,8 @@ pub async fn run_policy_status(
     let api: Api<NodeGuardPolicy> = Api::all(client);
     let mut leader = false;
     let mut written: BTreeMap<String, Verdict> = BTreeMap::new();
-    let mut renew = tokio::time::interval(RENEW);
+    // The first look is at once: the first agent of a cluster writes.
+    let mut next_look = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = stop.cancelled() => {
@@ -140,20 +167,27 @@ pub async fn run_policy_status(
                 }
                 return;
             }
-            _ = renew.tick() => {
-                match hold_lease(&leases, &me).await {
+            _ = tokio::time::sleep_until(next_look) => {
+                // The writer renews every RENEW; an error is retried as
+                // soon, so a passing API error does not cost the lease.
+                let mut wait = RENEW;
+                match hold_lease(&leases, &me, leader).await {
                     Ok(now_leader) => {
                         if now_leader != leader {
                             tracing::info!(leader = now_leader, lease = %format!("{lease_namespace}/{LEASE_NAME}"), "policy status writer");
                             written.clear();
                         }
                         leader = now_leader;
+                        if !leader {
+                            wait = follower_wait();
+                        }
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cannot hold the policy status lease");
                         leader = false;
                     }
                 }
+                next_look = tokio::time::Instant::now() + wait;
             }
             r = policies.changed() => if r.is_err() { return },
         }
@@ -209,6 +243,24 @@ pub async fn run_policy_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn followers_look_once_in_one_to_two_terms_spread_evenly() {
+        let term = Duration::from_secs(LEASE_SECONDS as u64);
+        let waits: Vec<Duration> = (0..10_000).map(|_| follower_wait()).collect();
+        assert!(waits.iter().all(|w| *w >= term && *w < 2 * term));
+        // Spread: each tenth of the range holds about a tenth of the looks.
+        let mut tenths = [0usize; 10];
+        for w in &waits {
+            tenths[((*w - term).as_secs_f64() / term.as_secs_f64() * 10.0) as usize] += 1;
+        }
+        assert!(
+            tenths.iter().all(|&c| (800..1200).contains(&c)),
+            "{tenths:?}"
+        );
+        // The writer renews well inside its term.
+        assert!(RENEW * 3 <= term);
+    }
 
     #[test]
     fn verdicts_and_freshness() {

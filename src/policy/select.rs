@@ -317,9 +317,14 @@ pub fn select_with_last_good<'a>(
         }
     }
     let mut out = select(effective.iter(), labels, trust);
+    // Only where its last good version is in force: a node it does not
+    // select has nothing to say about it (a fleet's every node would
+    // report one bad edit).
     for (name, problems, generation) in replaced {
-        out.invalid.push((name.clone(), problems));
-        out.kept.insert(name, generation);
+        if out.applied.contains(&name) {
+            out.invalid.push((name.clone(), problems));
+            out.kept.insert(name, generation);
+        }
     }
     out.invalid.sort_by(|a, b| a.0.cmp(&b.0));
     out
@@ -594,6 +599,34 @@ mod tests {
         let none: [&NodeGuardPolicy; 0] = [];
         select_with_last_good(none, &labels(&[]), &NodeTrust::default(), &mut last_good);
         assert!(last_good.is_empty());
+    }
+
+    #[test]
+    fn an_invalid_update_is_reported_only_where_its_last_good_generation_is_in_force() {
+        let mut here = BTreeMap::new();
+        let mut elsewhere = BTreeMap::new();
+        let mut good = policy("p", &[("tier", "a")], &["a.io/t"]);
+        good.metadata.generation = Some(1);
+        let mut bad = policy("p", &[("tier", "a")], &["Not A Key"]);
+        bad.metadata.generation = Some(2);
+        let trust = NodeTrust::default();
+        for (labels_, remembered) in [
+            (&[("tier", "a")], &mut here),
+            (&[("tier", "b")], &mut elsewhere),
+        ] {
+            select_with_last_good([&good], &labels(labels_), &trust, remembered);
+        }
+        let s = select_with_last_good([&bad], &labels(&[("tier", "a")]), &trust, &mut here);
+        assert_eq!(
+            (s.applied.len(), s.invalid.len(), s.kept.get("p")),
+            (1, 1, Some(&1))
+        );
+        // A node the policy does not select says nothing of it.
+        let s = select_with_last_good([&bad], &labels(&[("tier", "b")]), &trust, &mut elsewhere);
+        assert!(
+            s.applied.is_empty() && s.invalid.is_empty() && s.kept.is_empty(),
+            "{s:?}"
+        );
     }
 
     #[test]

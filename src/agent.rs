@@ -580,7 +580,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 // relabel or a start changes one node: written at once.)
                 // Set before the changes, so the writer sees it with them.
                 if last_selection.is_some() && last_labels.as_ref() == Some(&labels) {
-                    s.reporter.spread_writes(spread);
+                    s.reporter.spread_writes(spread, &[POLICY_CONDITION]);
                 }
                 report_selection(&s.reporter, &s.node_name, &selection);
                 s.reporter.set_effective(effective_value(&selection));
@@ -612,6 +612,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 }
                 s.shutdown_config
                     .send_replace(selection.shutdown.as_ref().map(ShutdownConfig::from_spec));
+                s.reporter.edit_done();
                 if !s.reporter.is_initialized() {
                     // Every condition source has now declared its types.
                     s.reporter.mark_initialized();

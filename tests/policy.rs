@@ -359,3 +359,55 @@ async fn a_policy_edit_is_one_write_per_node_at_its_point_of_the_spread() {
     agent.stop().await;
     delete_policy(&admin, &name).await;
 }
+
+/// A policy that turns invalid is reported (`NodeGuardPolicyInvalid=True`,
+/// a `PolicyInvalid` Event) on the nodes where its last good generation is
+/// in force, and nowhere else: one bad edit must not make every node of a
+/// fleet write a condition and an Event.
+#[tokio::test]
+async fn an_invalid_edit_is_reported_only_on_the_nodes_the_policy_selects() {
+    let admin = admin_client().await;
+    let selected = TestNode::selectable(&admin, "bad-sel").await;
+    let other = TestNode::selectable(&admin, "bad-other").await;
+    let name = unique_name("badedit");
+    let spec = |pattern: &str| {
+        serde_json::json!({"nodeSelector": selecting(&selected.name),
+            "monitors": [{"name": "m", "source": {"file": {"path": "/var/log/nodeguard-test-absent.log"}},
+                "conditions": [{"type": "BadEditProblem", "reason": "Fine", "message": "Fine."}],
+                "rules": [{"type": "permanent", "condition": "BadEditProblem", "reason": "Broken", "pattern": pattern}]}]})
+    };
+    apply_policy(&admin, &name, spec("broken")).await;
+    let (agent_s, _state_s) = start_agent(admin.clone(), &selected.name).await;
+    let (agent_o, _state_o) = start_agent(admin.clone(), &other.name).await;
+    for n in [&selected.name, &other.name] {
+        eventually(Duration::from_secs(15), "PoliciesValid", || async {
+            condition(&admin, n, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|c| c.0 == "False")
+        })
+        .await;
+    }
+    apply_policy(&admin, &name, spec("broken (")).await;
+    eventually(
+        Duration::from_secs(10),
+        "the selected node reports the invalid edit",
+        || async {
+            condition(&admin, &selected.name, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|c| c.0 == "True")
+        },
+    )
+    .await;
+    // The other agent has seen the edit by now; give it as long again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let c = condition(&admin, &other.name, "NodeGuardPolicyInvalid")
+        .await
+        .unwrap();
+    assert_eq!(c.0, "False", "the other node: {c:?}");
+    let (events, notes) = node_event_count(&other.name, "PolicyInvalid");
+    assert_eq!(events, 0, "PolicyInvalid Events on the other node: {notes}");
+    assert!(node_event_count(&selected.name, "PolicyInvalid").0 >= 1);
+    agent_s.stop().await;
+    agent_o.stop().await;
+    delete_policy(&admin, &name).await;
+}

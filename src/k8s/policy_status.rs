@@ -86,6 +86,13 @@ pub fn up_to_date(p: &NodeGuardPolicy, v: &Verdict) -> bool {
         })
 }
 
+/// Whether a lease renewed at `renewed` is still this agent's to act on:
+/// renewals that failed for all but [`RENEW`] of a term stop the writing
+/// before another agent may take the lease (client-go's RenewDeadline).
+fn holding(renewed: Option<tokio::time::Instant>) -> bool {
+    renewed.is_some_and(|t| t.elapsed() + RENEW < Duration::from_secs(LEASE_SECONDS as u64))
+}
+
 /// Tries to hold the lease; `true` while this agent is the writer. The
 /// writer reads the lease from etcd; the others from the API server's
 /// cache (`resourceVersion=0`), which may be a moment old: a takeover
@@ -119,8 +126,11 @@ async fn hold_lease(leases: &Api<Lease>, me: &str, leader: bool) -> Result<bool,
         Some(lease) => {
             let spec = lease.spec.clone().unwrap_or_default();
             let mine = spec.holder_identity.as_deref() == Some(me);
+            // The term the holder wrote (an older or newer agent may use
+            // another than ours).
+            let term = spec.lease_duration_seconds.unwrap_or(LEASE_SECONDS);
             let expired = spec.renew_time.as_ref().is_none_or(|t| {
-                jiff::Timestamp::now().duration_since(t.0).as_secs() > i64::from(LEASE_SECONDS)
+                jiff::Timestamp::now().duration_since(t.0).as_secs() > i64::from(term)
             });
             if !mine && !expired {
                 return Ok(false);
@@ -154,44 +164,47 @@ pub async fn run_policy_status(
 ) {
     let leases: Api<Lease> = Api::namespaced(client.clone(), &lease_namespace);
     let api: Api<NodeGuardPolicy> = Api::all(client);
-    let mut leader = false;
+    // When this agent last renewed the lease it holds.
+    let mut renewed: Option<tokio::time::Instant> = None;
     let mut written: BTreeMap<String, Verdict> = BTreeMap::new();
     // The first look is at once: the first agent of a cluster writes.
     let mut next_look = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = stop.cancelled() => {
-                if leader {
+                if renewed.is_some() {
                     // Hand over at once instead of after the lease expires.
                     let _ = leases.delete(LEASE_NAME, &Default::default()).await;
                 }
                 return;
             }
             _ = tokio::time::sleep_until(next_look) => {
-                // The writer renews every RENEW; an error is retried as
-                // soon, so a passing API error does not cost the lease.
-                let mut wait = RENEW;
-                match hold_lease(&leases, &me, leader).await {
-                    Ok(now_leader) => {
-                        if now_leader != leader {
-                            tracing::info!(leader = now_leader, lease = %format!("{lease_namespace}/{LEASE_NAME}"), "policy status writer");
-                            written.clear();
-                        }
-                        leader = now_leader;
-                        if !leader {
-                            wait = follower_wait();
-                        }
+                let was = renewed.is_some();
+                // The holder renews every RENEW, and retries an error as
+                // soon, so a passing API error does not cost the lease;
+                // the others look again in one to two terms, errors too.
+                next_look = match hold_lease(&leases, &me, was).await {
+                    Ok(true) => {
+                        renewed = Some(tokio::time::Instant::now());
+                        tokio::time::Instant::now() + RENEW
+                    }
+                    Ok(false) => {
+                        renewed = None;
+                        tokio::time::Instant::now() + follower_wait()
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cannot hold the policy status lease");
-                        leader = false;
+                        tokio::time::Instant::now() + if was { RENEW } else { follower_wait() }
                     }
+                };
+                if was != renewed.is_some() {
+                    tracing::info!(leader = renewed.is_some(), lease = %format!("{lease_namespace}/{LEASE_NAME}"), "policy status writer");
+                    written.clear();
                 }
-                next_look = tokio::time::Instant::now() + wait;
             }
             r = policies.changed() => if r.is_err() { return },
         }
-        if !leader {
+        if !holding(renewed) {
             continue;
         }
         let snapshot: Vec<Arc<NodeGuardPolicy>> = policies
@@ -204,6 +217,11 @@ pub async fn run_policy_status(
             let v = verdict(&p);
             if up_to_date(&p, &v) || written.get(&name) == Some(&v) {
                 continue;
+            }
+            if !holding(renewed) {
+                // Renewals failed for most of a term: another agent may
+                // hold the lease by now.
+                break;
             }
             let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now());
             let body = serde_json::json!({
@@ -260,6 +278,19 @@ mod tests {
         );
         // The writer renews well inside its term.
         assert!(RENEW * 3 <= term);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_whose_renewals_fail_stops_writing_before_its_term_ends() {
+        assert!(!holding(None));
+        let renewed = Some(tokio::time::Instant::now());
+        assert!(holding(renewed));
+        // Two renewals failed (40 s): it still holds, a term being 60 s.
+        tokio::time::sleep(Duration::from_secs(39)).await;
+        assert!(holding(renewed));
+        // Within RENEW of the term's end: it stops acting on it.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(!holding(renewed));
     }
 
     #[test]

@@ -169,16 +169,15 @@ pub fn plan(
     })
 }
 
-/// Whether `now` has a condition `True` that was not `True` in `before`:
-/// a problem found while a write waits (for the spread after a policy
-/// edit), which must not wait with it.
-pub fn new_problem(before: &DesiredSet, now: &DesiredSet) -> bool {
-    let is_true = |d: Option<&Option<Desired>>| {
-        d.and_then(Option::as_ref)
-            .is_some_and(|d| d.status == Status::True)
-    };
-    now.iter()
-        .any(|(t, d)| is_true(Some(d)) && !is_true(before.get(t)))
+/// Whether a condition is `True` in `desired` and not on the Node (types
+/// in `exempt` aside): a problem waiting to be written, which must not
+/// wait for a policy edit's spread.
+pub fn problem_pending(desired: &DesiredSet, node: &NodeState, exempt: &BTreeSet<String>) -> bool {
+    desired.iter().any(|(t, d)| {
+        d.as_ref().is_some_and(|d| d.status == Status::True)
+            && !exempt.contains(t)
+            && node.get(t).is_none_or(|o| o.status != "True")
+    })
 }
 
 /// This node's delay in `window` for writes that follow a policy edit, so
@@ -422,26 +421,33 @@ mod tests {
     }
 
     #[test]
-    fn a_new_problem_is_a_condition_turned_true_since_before() {
-        let before = set(vec![
+    fn a_pending_problem_is_true_here_and_not_on_the_node() {
+        let exempt: BTreeSet<String> = ["P".to_string()].into();
+        let n = node(
+            vec![
+                obs("A", "False", "Fine", 0, 0),
+                obs("T", "True", "Bad", 0, 0),
+            ],
+            &["A", "T"],
+        );
+        // True here and on the Node already, False, Unknown, declared:
+        // nothing pending.
+        let quiet = set(vec![
             ("A", want(Status::False, "Fine")),
-            ("P", want(Status::True, "PolicyInvalid")),
-            ("U", None),
+            ("T", want(Status::True, "WorseNow")),
+            ("U", want(Status::Unknown, "NotYet")),
+            ("D", None),
         ]);
-        assert!(!new_problem(&before, &before));
-        // Still true, or a changed message of a true one: not new.
-        let mut now = before.clone();
-        now.insert("P".into(), want(Status::True, "PolicyOverLimit"));
-        assert!(!new_problem(&before, &now));
-        // False to Unknown, or a new type that is False: not a problem.
-        now.insert("A".into(), want(Status::Unknown, "Unknown"));
-        now.insert("B".into(), want(Status::False, "Fine"));
-        assert!(!new_problem(&before, &now));
-        // False to True, declared to True, a new type True: new problems.
-        for t in ["A", "U", "C"] {
-            let mut now = before.clone();
-            now.insert(t.into(), want(Status::True, "Bad"));
-            assert!(new_problem(&before, &now), "{t}");
+        assert!(!problem_pending(&quiet, &n, &exempt));
+        // The edit's own verdict (exempt) True: not a problem found.
+        let mut d = quiet.clone();
+        d.insert("P".into(), want(Status::True, "PolicyInvalid"));
+        assert!(!problem_pending(&d, &n, &exempt));
+        // False on the Node, True here; or a new type True: pending.
+        for t in ["A", "C"] {
+            let mut d = quiet.clone();
+            d.insert(t.into(), want(Status::True, "Bad"));
+            assert!(problem_pending(&d, &n, &exempt), "{t}");
         }
     }
 

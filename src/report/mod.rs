@@ -215,8 +215,8 @@ struct Shared {
     desired: Mutex<DesiredSet>,
     /// The effective-policies annotation, once known.
     effective: Mutex<Option<String>>,
-    /// Ordinary writes wait until then (a policy edit's spread).
-    spread_until: Mutex<Option<Instant>>,
+    /// Ordinary writes wait for it (a policy edit's spread).
+    spread: Mutex<Option<Spread>>,
     initialized: AtomicBool,
     urgent: AtomicBool,
     changed: Notify,
@@ -261,7 +261,7 @@ impl Reporter {
             shared: Arc::new(Shared {
                 desired: Mutex::new(DesiredSet::new()),
                 effective: Mutex::new(None),
-                spread_until: Mutex::new(None),
+                spread: Mutex::new(None),
                 initialized: AtomicBool::new(false),
                 urgent: AtomicBool::new(false),
                 changed: Notify::new(),
@@ -319,6 +319,7 @@ impl Reporter {
             return;
         }
         self.update_gauge(type_, old.flatten().as_ref(), Some(&desired));
+        self.confirm_spread();
         self.shared.changed.notify_one();
     }
 
@@ -334,6 +335,7 @@ impl Reporter {
         let old = self.lock().remove(type_);
         if let Some(old) = old {
             self.update_gauge(type_, old.as_ref(), None);
+            self.confirm_spread();
             self.shared.changed.notify_one();
         }
     }
@@ -348,6 +350,7 @@ impl Reporter {
         if e.as_deref() != Some(value.as_str()) {
             *e = Some(value);
             drop(e);
+            self.confirm_spread();
             self.shared.changed.notify_one();
         }
     }
@@ -361,30 +364,67 @@ impl Reporter {
     }
 
     /// Holds ordinary writes for `delay` (the changes of a policy edit,
-    /// spread over a fleet); urgent changes and a condition turning `True`
-    /// meanwhile are written at once, with everything pending. A spread
-    /// already pending keeps its earlier end.
-    pub fn spread_writes(&self, delay: Duration) {
+    /// spread over a fleet). Urgent changes, and conditions `True` here
+    /// and not on the Node (other than the `exempt` types, the edit's own
+    /// verdict), are written at once with everything pending. Call it
+    /// before making the edit's changes. A spread already pending keeps
+    /// its earlier end, and one that arrives while the writer waits for
+    /// another does not push the write back.
+    pub fn spread_writes(&self, delay: Duration, exempt: &[&str]) {
         if delay.is_zero() {
             return;
         }
         let until = Instant::now() + delay;
-        let mut s = self
-            .shared
-            .spread_until
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if s.is_none_or(|t| t > until) {
-            *s = Some(until);
+        let mut s = self.shared.spread.lock().unwrap_or_else(|e| e.into_inner());
+        if s.as_ref().is_none_or(|s| s.until > until) {
+            *s = Some(Spread {
+                since: Instant::now(),
+                until,
+                confirmed: false,
+                exempt: exempt.iter().map(|t| t.to_string()).collect(),
+            });
         }
     }
 
-    fn take_spread(&self) -> Option<Instant> {
-        self.shared
-            .spread_until
+    /// The end of the edit [`Reporter::spread_writes`] began: if it
+    /// changed nothing, nothing is held.
+    pub fn edit_done(&self) {
+        let mut s = self.shared.spread.lock().unwrap_or_else(|e| e.into_inner());
+        if s.as_ref().is_some_and(|s| !s.confirmed) {
+            *s = None;
+        }
+    }
+
+    /// A change was made: a pending spread holds it.
+    fn confirm_spread(&self) {
+        if let Some(s) = self
+            .shared
+            .spread
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .take()
+            .as_mut()
+        {
+            s.confirmed = true;
+        }
+    }
+
+    /// The spread to wait for, once its edit changed something.
+    fn take_spread(&self) -> Option<Spread> {
+        let mut s = self.shared.spread.lock().unwrap_or_else(|e| e.into_inner());
+        if s.as_ref().is_some_and(|s| s.confirmed) {
+            s.take()
+        } else {
+            None
+        }
+    }
+
+    /// Drops a spread whose edit began before `planned` (a write planned
+    /// then has carried its changes); one that began later still holds.
+    fn clear_spread(&self, planned: Instant) {
+        let mut s = self.shared.spread.lock().unwrap_or_else(|e| e.into_inner());
+        if s.as_ref().is_some_and(|s| s.since <= planned) {
+            *s = None;
+        }
     }
 
     /// Every source has declared its types: the writer may now write (and
@@ -417,6 +457,18 @@ impl Reporter {
             self.shared.metrics.dropped(reason, "queue_full");
         }
     }
+}
+
+/// A policy edit's hold on ordinary writes ([`Reporter::spread_writes`]).
+struct Spread {
+    /// When the edit began.
+    since: Instant,
+    until: Instant,
+    /// The edit changed something to write (until then the writer leaves
+    /// the spread alone, and [`Reporter::edit_done`] drops it if never).
+    confirmed: bool,
+    /// Condition types the edit itself sets: not a problem found meanwhile.
+    exempt: std::collections::BTreeSet<String>,
 }
 
 /// What the writer knows of the Node: its conditions and ownership, and
@@ -492,36 +544,68 @@ pub async fn run_condition_writer<P: StatusPort>(
         let urgent = shared.urgent.swap(false, Ordering::SeqCst);
         if urgent {
             // This write carries whatever a spread held back.
-            reporter.take_spread();
+            reporter.clear_spread(Instant::now());
         } else {
             // Coalesce and space out ordinary writes (and hold those of a
             // policy edit for this node's spread), but an urgent change (a
-            // shutdown starting) or a new problem that arrives meanwhile
-            // goes out at once.
+            // shutdown starting) or a problem found meanwhile goes out at
+            // once.
             let mut until = Instant::now() + config.coalesce;
             if let Some(t) = last_write {
                 until = until.max(t + config.min_write_interval);
             }
-            // The desired set when a spread began, to tell new problems.
-            let mut before: Option<DesiredSet> = None;
+            let node = || newest(observed.borrow().clone(), applied.clone()).map(|o| o.state);
+            // Whether a condition is True here and not on the Node.
+            let problem_pending = |spread: &Spread| {
+                node().is_some_and(|n| {
+                    conditions::problem_pending(&reporter.desired(), &n, &spread.exempt)
+                })
+            };
+            let mut spread: Option<Spread> = None;
             loop {
-                if let Some(s) = reporter.take_spread() {
-                    tracing::debug!(wait = ?s.saturating_duration_since(Instant::now()), "policy edit: node status write spread");
-                    until = until.max(s);
-                    before.get_or_insert_with(|| reporter.desired());
+                if let Some(s) = reporter.take_spread()
+                    && spread.is_none()
+                {
+                    // Held only when the edit changed something to write
+                    // (a leftover hold must not delay what follows it) and
+                    // no problem is already waiting to go out.
+                    let to_write = node().is_none_or(|n| {
+                        conditions::plan(
+                            &reporter.desired(),
+                            reporter.effective().as_deref(),
+                            &n,
+                            shared.clock.now(),
+                            config.heartbeat,
+                        )
+                        .is_some()
+                    });
+                    if to_write && !problem_pending(&s) {
+                        tracing::debug!(wait = ?s.until.saturating_duration_since(Instant::now()), "policy edit: node status write spread");
+                        until = until.max(s.until);
+                        spread = Some(s);
+                        // Waiting for the spread is not being stuck.
+                        health.updated();
+                    }
                 }
                 tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        final_write(&reporter, &port, &observed, &applied, config.heartbeat).await;
+                        return;
+                    }
                     _ = sleep_until(until) => break,
                     _ = shared.changed.notified() => {
                         if shared.urgent.swap(false, Ordering::SeqCst) {
                             break;
                         }
-                        if before.as_ref().is_some_and(|b| conditions::new_problem(b, &reporter.desired())) {
-                            tracing::debug!("a new problem during the spread: written now");
+                        if spread.as_ref().is_some_and(problem_pending) {
+                            tracing::debug!("a problem found during the spread: written now");
                             break;
                         }
                     }
                 }
+            }
+            if spread.is_some() {
+                health.queued();
             }
         }
         let mut backoff = config.backoff_initial;
@@ -530,6 +614,7 @@ pub async fn run_condition_writer<P: StatusPort>(
                 tracing::debug!("the Node is not known yet; conditions are written once it is");
                 break;
             };
+            let planned = Instant::now();
             let desired = reporter.desired();
             let now = shared.clock.now();
             // A heartbeat is due by the monotonic clock since our last
@@ -560,6 +645,8 @@ pub async fn run_condition_writer<P: StatusPort>(
                     tracing::debug!(changed = ?plan.why.changed, removed = ?plan.why.removed, heartbeat = plan.why.heartbeat, effective = plan.why.effective, "node conditions written");
                     applied = Some(after);
                     last_write = Some(Instant::now());
+                    // What a spread asked for has just been written.
+                    reporter.clear_spread(planned);
                     break;
                 }
                 Err(err) => {

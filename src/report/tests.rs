@@ -12,6 +12,8 @@ struct FakeNode {
     rv: u64,
     applies: usize,
     down: bool,
+    /// Each apply takes this long (a slow API server).
+    slow: Duration,
 }
 
 #[derive(Clone, Default)]
@@ -44,6 +46,8 @@ impl StatusPort for FakeStatus {
         conditions: &[Written],
         effective: Option<&str>,
     ) -> Result<Observation, ReportError> {
+        let slow = self.with(|n| n.slow);
+        tokio::time::sleep(slow).await;
         self.with(|n| {
             if n.down {
                 return Err(ReportError::NodeUnknown("apiserver down".into()));
@@ -182,12 +186,14 @@ async fn an_outage_loses_nothing_and_converges_within_five_seconds_of_recovery()
 
 /// A policy edit as the agent makes it: spread first, then the changes.
 fn policy_edit(h: &Harness, spread: Duration, effective: &str) {
-    h.reporter.spread_writes(spread);
+    h.reporter
+        .spread_writes(spread, &["NodeGuardPolicyInvalid"]);
     h.reporter.set(
         "NodeGuardPolicyInvalid",
         desired(Status::False, "PoliciesValid"),
     );
     h.reporter.set_effective(effective.into());
+    h.reporter.edit_done();
 }
 
 #[tokio::test(start_paused = true)]
@@ -246,7 +252,8 @@ async fn a_problem_found_during_a_spread_is_written_at_once_with_the_edit() {
     settle().await;
     assert_eq!(h.port.with(|n| n.applies), 1);
     // An edit that makes the policy invalid is spread like any other.
-    h.reporter.spread_writes(Duration::from_secs(9));
+    h.reporter
+        .spread_writes(Duration::from_secs(9), &["NodeGuardPolicyInvalid"]);
     h.reporter.set(
         "NodeGuardPolicyInvalid",
         desired(Status::True, "PolicyInvalid"),
@@ -265,8 +272,10 @@ async fn a_problem_found_during_a_spread_is_written_at_once_with_the_edit() {
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(h.port.with(|n| n.applies), 2);
     // An urgent change cuts a spread short too.
-    h.reporter.spread_writes(Duration::from_secs(9));
+    h.reporter
+        .spread_writes(Duration::from_secs(9), &["NodeGuardPolicyInvalid"]);
     h.reporter.set_effective("p@2".into());
+    h.reporter.edit_done();
     tokio::time::sleep(Duration::from_secs(1)).await;
     h.reporter.set_urgent(
         "GracefulShutdown",
@@ -277,6 +286,111 @@ async fn a_problem_found_during_a_spread_is_written_at_once_with_the_edit() {
     assert_eq!(
         h.port.with(|n| n.state.effective.clone()).as_deref(),
         Some("p@2")
+    );
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_spread_is_not_a_stuck_writer_and_a_stop_ends_it_with_the_write() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    settle().await;
+    policy_edit(&h, Duration::from_secs(300), "p@2");
+    // Past the loops' stuck timeout (60 s): waiting is not being stuck,
+    // so /livez (and the watchdog) stay good.
+    tokio::time::sleep(Duration::from_secs(150)).await;
+    assert!(h.health.report().live, "{:?}", h.health.report());
+    assert_eq!(h.port.with(|n| n.applies), 1, "still held");
+    // A stop (a rollout) meanwhile: the held write goes out on the way.
+    h.shutdown.cancel();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    assert_eq!(
+        h.port.with(|n| n.state.effective.clone()).as_deref(),
+        Some("p@2")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn edits_in_a_row_do_not_push_the_write_back() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    settle().await;
+    let t0 = Instant::now();
+    // A GitOps loop edits every 5 s; this node's point is 8 s.
+    for g in 2..=6 {
+        policy_edit(&h, Duration::from_secs(8), &format!("p@{g}"));
+        if h.port.with(|n| n.applies) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    let took = t0.elapsed();
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    assert!(
+        took <= Duration::from_secs(10),
+        "written {took:?} after the first edit"
+    );
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_problem_waiting_when_the_spread_begins_is_not_held() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    settle().await;
+    // The problem is set, and the edit arrives within the coalesce window.
+    h.reporter
+        .set("KernelDeadlock", desired(Status::True, "DockerHung"));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    policy_edit(&h, Duration::from_secs(9), "p@2");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    assert_eq!(h.port.get("KernelDeadlock").unwrap().status, "True");
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_spread_with_nothing_to_write_holds_nothing_after_it() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    h.reporter.set("App", desired(Status::True, "Crashed"));
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 1);
+    // An edit that changes nothing written (same verdict, same value).
+    policy_edit(&h, Duration::from_secs(9), "p@1");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A recovery a moment later goes out at the ordinary pace.
+    h.reporter.set("App", desired(Status::False, "Fine"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    assert_eq!(h.port.get("App").unwrap().status, "False");
+    h.shutdown.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_edit_made_while_a_write_is_in_flight_is_still_spread() {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    settle().await;
+    h.port.with(|n| n.slow = Duration::from_secs(2));
+    // A change whose write takes 2 s; the edit lands meanwhile.
+    h.reporter.set("App", desired(Status::False, "Fine"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    policy_edit(&h, Duration::from_secs(6), "p@2");
+    while h.port.with(|n| n.state.effective.as_deref() != Some("p@2")) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_secs(6),
+        "the edit written after {took:?}"
     );
     h.shutdown.cancel();
 }

@@ -1,0 +1,141 @@
+//! What the benchmarks against the real control plane share: settings from
+//! the environment, /proc readings, loopback HTTP, the shipped binary.
+
+#![allow(dead_code)] // each bench uses its own part
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nodeguard::server::metrics::{ProcStat, parse_proc_stat};
+
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+pub fn proc_stat(pid: u32) -> Option<ProcStat> {
+    parse_proc_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// `pid` and its descendants (nodeguard's journald monitors run
+/// `journalctl` children; their cost is the agent's cost), from one pass
+/// over /proc for the parent links.
+pub fn tree(pid: u32) -> Vec<u32> {
+    trees(&[pid]).remove(0)
+}
+
+/// [`tree`] of each of `pids`, from one pass over /proc.
+pub fn trees(pids: &[u32]) -> Vec<Vec<u32>> {
+    let links: Vec<(u32, u64)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.file_name().to_str()?.parse().ok()?;
+            Some((p, proc_stat(p)?.ppid))
+        })
+        .collect();
+    pids.iter()
+        .map(|&pid| {
+            let mut out = vec![pid];
+            let mut i = 0;
+            while i < out.len() {
+                let parent = u64::from(out[i]);
+                out.extend(links.iter().filter(|l| l.1 == parent).map(|l| l.0));
+                i += 1;
+            }
+            out
+        })
+        .collect()
+}
+
+/// Utime + stime of `pid` and its descendants, in seconds.
+pub fn tree_cpu_seconds(pid: u32) -> f64 {
+    tree(pid).into_iter().map(cpu_seconds).sum()
+}
+
+/// `VmRSS` of `pid` and its descendants, in MiB.
+pub fn tree_rss_mib(pid: u32) -> f64 {
+    tree(pid).into_iter().map(|p| status_mib(p, "VmRSS:")).sum()
+}
+
+/// Utime + stime of `pid`, in seconds (0 once it is gone).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    proc_stat(pid).map_or(0.0, |s| {
+        // SAFETY: sysconf reads a constant.
+        (s.utime_ticks + s.stime_ticks) as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+    })
+}
+
+/// A `VmRSS`/`VmHWM` line of /proc/PID/status, in MiB.
+pub fn status_mib(pid: u32, key: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    kb / 1024.0
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status, body), None while nothing
+/// listens yet.
+pub async fn try_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+            .await?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await?;
+        std::io::Result::Ok(String::from_utf8_lossy(&buf).into_owned())
+    };
+    let text = tokio::time::timeout(Duration::from_secs(5), io)
+        .await
+        .ok()?
+        .ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((status, body))
+}
+
+pub async fn scrape(port: u16, path: &str) -> String {
+    match try_get(port, path).await {
+        Some((200, body)) => body,
+        _ => String::new(),
+    }
+}
+
+/// The binary the image ships (see the header); fails, never falls back
+/// to another build.
+pub fn shipped_binary(repo: &std::path::Path) -> PathBuf {
+    let path = std::env::var_os("NODEGUARD_BENCH_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo.join("target/x86_64-unknown-linux-musl/release/nodeguard"));
+    assert!(
+        path.is_file(),
+        "{} is missing: build the shipped binary with e2e/image (bench/run does)",
+        path.display()
+    );
+    path
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}

@@ -1,0 +1,1129 @@
+//! A fleet of agents against one API server: what a DaemonSet of nodeguard
+//! costs the control plane, beside the same fleet of node-problem-detector.
+//! Run with `cargo bench --bench fleet` (or `make bench`).
+//!
+//! Each run starts, for one side, `NODEGUARD_FLEET_AGENTS` processes (default
+//! 200), each for a Node of its own created for the run with
+//! `NODEGUARD_FLEET_PODS` pods bound to it (default 30), against the real test
+//! control plane (`e2e/cluster/up`). Every process authenticates as a service
+//! account of namespace `nodeguard-fleet`, whose every request the audit log
+//! keeps (`e2e/cluster/up`'s audit policy), so the fleet's requests are
+//! counted by verb and resource apart from everyone else's.
+//! - nodeguard: the shipped binary (`e2e/image`'s static build, as
+//!   `bench/npd.rs`) with the shipped default policy (`nodeguard
+//!   default-policy`: /dev/kmsg, two journald monitors, the kubelet and
+//!   kube-proxy healthz probes, which this bench answers on
+//!   127.0.0.1:10248 and :10256 like a healthy node would).
+//! - node-problem-detector: its release build with the journald plugin
+//!   (`bench/npd-build`), with its kernel-monitor.json (/dev/kmsg),
+//!   docker-monitor.json and systemd-monitor.json (journald), the monitors
+//!   of its own DaemonSet.
+//!
+//! Both sides' condition heartbeat is `NODEGUARD_FLEET_HEARTBEAT_SECONDS`
+//! (default 60; each ships with 300) so the steady window sees heartbeats.
+//! Measured per run:
+//! - startup: all processes started at once, until every one is ready
+//!   (nodeguard's `/readyz`, NPD's `/healthz`);
+//! - steady state over `NODEGUARD_FLEET_STEADY_SECONDS` (default 120):
+//!   requests per second by verb and resource (audit log), writes per node
+//!   per heartbeat, watches open (the API server's
+//!   `apiserver_longrunning_requests`), the API server's and etcd's CPU and
+//!   RSS above their level just before the processes started (the run's
+//!   Nodes and pods already there), the agents' own CPU and RSS;
+//! - a policy edit (nodeguard only: NPD's configuration is a file, changed by
+//!   a rollout): writes per node, peak writes per second at the API server,
+//!   the spread from first to last write, and the time until every Node
+//!   shows the new generation in `nodeguard.io/effective-policies`;
+//! - a rollout: every process stopped (SIGTERM) and started again at once:
+//!   LIST requests, how many of them the API server served from its watch
+//!   cache (`apiserver_cache_list_total`) and how many reached etcd
+//!   (`etcd_requests_total{operation=~"list.*"}`), the time until all are
+//!   ready.
+//!
+//! Then a projection to 5,000 nodes from the per-node figures, which is a
+//! projection, not a measurement.
+//!
+//! `NODEGUARD_BENCH_RUNS` runs (default 3) alternate which side goes first;
+//! each figure is the median over runs. The co-located processes share one
+//! host's inotify instances (journald readers use one each): the bench
+//! raises `fs.inotify.max_user_instances` when it is lower than the fleet
+//! needs, as a node would never need to. Artifacts: target/bench/fleet/.
+
+#[path = "common.rs"]
+mod common;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+
+use common::*;
+use support::*;
+
+const NS: &str = "nodeguard-fleet";
+const FLEET_LABEL: &str = "nodeguard.io/fleet";
+const POLICY: &str = "fleet-default";
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Side {
+    Nodeguard,
+    Npd,
+}
+
+impl Side {
+    fn label(self) -> &'static str {
+        match self {
+            Side::Nodeguard => "nodeguard",
+            Side::Npd => "node-problem-detector",
+        }
+    }
+    fn account(self) -> &'static str {
+        match self {
+            Side::Nodeguard => "agent",
+            Side::Npd => "npd",
+        }
+    }
+    fn user(self) -> String {
+        format!("system:serviceaccount:{NS}:{}", self.account())
+    }
+}
+
+struct Settings {
+    agents: usize,
+    pods: usize,
+    steady: Duration,
+    heartbeat: u64,
+}
+
+/// One fleet process; killed on drop whatever happened.
+struct Member {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request in the audit log.
+struct Audited {
+    verb: String,
+    /// `resource` or `resource/subresource`.
+    resource: String,
+    name: String,
+    /// Seconds since the epoch.
+    at: f64,
+}
+
+/// The fleet's requests in the audit log after byte `offset`: one entry a
+/// request (a watch when it starts, anything else when it completes).
+fn audited(log: &Path, offset: u64, user: &str) -> Vec<Audited> {
+    use std::io::{Read, Seek};
+    let mut f = std::fs::File::open(log).unwrap();
+    let len = f.metadata().unwrap().len();
+    assert!(
+        len >= offset,
+        "the audit log was rotated during the bench; rerun"
+    );
+    f.seek(std::io::SeekFrom::Start(offset)).unwrap();
+    let mut text = String::new();
+    f.read_to_string(&mut text).unwrap();
+    let needle = format!("\"username\":\"{user}\"");
+    text.lines()
+        .filter(|l| l.contains(&needle))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| {
+            let watch = e["verb"] == "watch";
+            (watch && e["stage"] == "ResponseStarted")
+                || (!watch && e["stage"] == "ResponseComplete")
+        })
+        .map(|e| {
+            let o = &e["objectRef"];
+            let mut resource = o["resource"].as_str().unwrap_or("?").to_string();
+            if let Some(sub) = o["subresource"].as_str() {
+                resource = format!("{resource}/{sub}");
+            }
+            let at = e["stageTimestamp"]
+                .as_str()
+                .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+                .map_or(0.0, |t| t.as_millisecond() as f64 / 1000.0);
+            Audited {
+                verb: e["verb"].as_str().unwrap_or("?").to_string(),
+                resource,
+                name: o["name"].as_str().unwrap_or("").to_string(),
+                at,
+            }
+        })
+        .collect()
+}
+
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+fn is_write(verb: &str) -> bool {
+    matches!(verb, "create" | "update" | "patch" | "delete")
+}
+
+/// Sum of the samples of `metric` whose labels contain every one of `labels`.
+fn metric_sum(text: &str, metric: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(metric) && l[metric.len()..].starts_with('{'))
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+async fn apiserver_metrics(client: &Client) -> String {
+    let req = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    client.request_text(req).await.unwrap_or_default()
+}
+
+/// The resources the agents list, as the API server's storage names them.
+const LISTED: [(&str, &str); 3] = [
+    ("/pods", "pods"),
+    ("/minions", "nodes"),
+    (
+        "/nodeguard.io/nodeguardpolicies",
+        "nodeguardpolicies.nodeguard.io",
+    ),
+];
+
+/// LISTs of the agents' resources served from the watch cache, and those
+/// sent to etcd, so far (every client's).
+fn list_counters(metrics: &str) -> (f64, f64) {
+    let mut cache = 0.0;
+    let mut etcd = 0.0;
+    for (prefix, etcd_type) in LISTED {
+        cache += metric_sum(
+            metrics,
+            "apiserver_cache_list_total",
+            &[&format!("resource_prefix=\"{prefix}\"")],
+        );
+        etcd += metric_sum(
+            metrics,
+            "etcd_requests_total",
+            &["operation=\"list", &format!("type=\"{etcd_type}\"")],
+        );
+    }
+    (cache, etcd)
+}
+
+fn watches(metrics: &str) -> f64 {
+    metric_sum(
+        metrics,
+        "apiserver_longrunning_requests",
+        &["verb=\"WATCH\""],
+    )
+}
+
+/// The control plane's processes: CPU seconds and RSS (MiB) of each.
+struct ControlPlane {
+    apiserver: u32,
+    etcd: u32,
+}
+
+impl ControlPlane {
+    fn find() -> ControlPlane {
+        let dir = kubeconfig_path().parent().unwrap().to_path_buf();
+        let pid = |name: &str| -> u32 {
+            std::fs::read_to_string(dir.join(format!("{name}.pid")))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        ControlPlane {
+            apiserver: pid("kube-apiserver"),
+            etcd: pid("etcd"),
+        }
+    }
+    fn cpu(&self) -> (f64, f64) {
+        (cpu_seconds(self.apiserver), cpu_seconds(self.etcd))
+    }
+    fn rss(&self) -> (f64, f64) {
+        (
+            status_mib(self.apiserver, "VmRSS:"),
+            status_mib(self.etcd, "VmRSS:"),
+        )
+    }
+}
+
+/// CPU (% of one core) and RSS (MiB) of the control plane over `window`.
+async fn control_plane_load(cp: &ControlPlane, window: Duration) -> ((f64, f64), (f64, f64)) {
+    let (a0, e0) = cp.cpu();
+    let t0 = Instant::now();
+    tokio::time::sleep(window).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let (a1, e1) = cp.cpu();
+    (
+        ((a1 - a0) / secs * 100.0, (e1 - e0) / secs * 100.0),
+        cp.rss(),
+    )
+}
+
+#[derive(Default, Clone, Debug)]
+struct Sample {
+    ready_all: f64,
+    /// `verb resource` → requests per second.
+    steady_rps: BTreeMap<String, f64>,
+    steady_writes_per_node_per_heartbeat: f64,
+    steady_reads_per_node_per_min: f64,
+    apiserver_cpu: f64,
+    apiserver_rss: f64,
+    etcd_cpu: f64,
+    watches: f64,
+    member_rss: f64,
+    member_cpu: f64,
+    edit: Option<EditSample>,
+    rollout_lists: f64,
+    rollout_cache_lists: f64,
+    rollout_etcd_lists: f64,
+    rollout_ready: f64,
+}
+
+#[derive(Default, Clone, Debug)]
+struct EditSample {
+    writes_per_node_max: f64,
+    writes_per_node_mean: f64,
+    peak_writes_per_s: f64,
+    first_to_last: f64,
+    converged: f64,
+}
+
+struct Fleet {
+    settings: Settings,
+    nodeguard: PathBuf,
+    npd_dir: PathBuf,
+    npd_configs: PathBuf,
+    work: PathBuf,
+    audit_log: PathBuf,
+    kubeconfigs: BTreeMap<&'static str, PathBuf>,
+    control_plane: ControlPlane,
+}
+
+impl Fleet {
+    fn nodes(&self, side: Side, run: usize) -> Vec<String> {
+        (0..self.settings.agents)
+            .map(|i| format!("fleet-{}{run}-{i:03}", &side.label()[..3]))
+            .collect()
+    }
+
+    /// Creates the run's Nodes and their pods.
+    async fn create_nodes(&self, admin: &Client, side: Side, run: usize, nodes: &[String]) {
+        let t0 = Instant::now();
+        let group = format!("{}{run}", &side.label()[..3]);
+        let node_api: Api<Node> = Api::all(admin.clone());
+        let pod_api: Api<Pod> = Api::namespaced(admin.clone(), NS);
+        let creates = nodes.iter().flat_map(|node| {
+            let n: Node = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node, "labels": {FLEET_LABEL: group}},
+            }))
+            .unwrap();
+            let node_api = node_api.clone();
+            let (group, pod_api) = (group.clone(), pod_api.clone());
+            let first = async move {
+                node_api.create(&PostParams::default(), &n).await.unwrap();
+            };
+            let pods = (0..self.settings.pods).map(move |i| {
+                let group = group.clone();
+                let pod: Pod = serde_json::from_value(serde_json::json!({
+                    "apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": format!("{node}-{i:02}"), "labels": {FLEET_LABEL: group}},
+                    "spec": {"nodeName": node, "automountServiceAccountToken": false,
+                             "tolerations": [{"operator": "Exists"}],
+                             "containers": [{"name": "c", "image": "example.invalid/app"}]},
+                }))
+                .unwrap();
+                let pod_api = pod_api.clone();
+                async move {
+                    pod_api.create(&PostParams::default(), &pod).await.unwrap();
+                }
+            });
+            std::iter::once(futures::future::Either::Left(first))
+                .chain(pods.map(futures::future::Either::Right))
+        });
+        // Nodes first (each node's creation comes before its pods in the
+        // stream, and 16 in flight keep that order close).
+        futures::stream::iter(creates)
+            .buffer_unordered(16)
+            .collect::<Vec<()>>()
+            .await;
+        eprintln!(
+            "fleet: {} nodes with {} pods each created in {:.1} s",
+            nodes.len(),
+            self.settings.pods,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+
+    async fn delete_nodes(&self, admin: &Client, side: Side, run: usize) {
+        let group = format!("{}{run}", &side.label()[..3]);
+        let lp = ListParams::default().labels(&format!("{FLEET_LABEL}={group}"));
+        let now = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        };
+        let _ = Api::<Pod>::namespaced(admin.clone(), NS)
+            .delete_collection(&now, &lp)
+            .await;
+        let _ = Api::<Node>::all(admin.clone())
+            .delete_collection(&DeleteParams::default(), &lp)
+            .await;
+    }
+
+    fn start_member(&self, side: Side, node: &str, dir: &Path) -> Member {
+        std::fs::create_dir_all(dir).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("log"))
+            .unwrap();
+        let port = free_port();
+        let kubeconfig = &self.kubeconfigs[side.account()];
+        let mut cmd = match side {
+            Side::Nodeguard => {
+                let mut c = Command::new(&self.nodeguard);
+                c.arg("run")
+                    .arg("--kubeconfig")
+                    .arg(kubeconfig)
+                    .args(["--listen", &format!("127.0.0.1:{port}")])
+                    .arg("--state-dir")
+                    .arg(dir.join("state"))
+                    .arg(format!(
+                        "--condition-heartbeat-seconds={}",
+                        self.settings.heartbeat
+                    ))
+                    .env("NODE_NAME", node)
+                    .env("POD_NAMESPACE", NS)
+                    .env("RUST_LOG", "warn");
+                c
+            }
+            Side::Npd => {
+                let apiserver = std::fs::read_to_string(kubeconfig_path())
+                    .unwrap()
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_string))
+                    .unwrap();
+                let configs = [
+                    "kernel-monitor.json",
+                    "docker-monitor.json",
+                    "systemd-monitor.json",
+                ]
+                .map(|c| self.npd_configs.join(c).display().to_string())
+                .join(",");
+                let mut c = Command::new(self.npd_dir.join("nodeproblemdetector-journald"));
+                c.arg(format!("--hostname-override={node}"))
+                    .arg(format!(
+                        "--apiserver-override={apiserver}?inClusterConfig=false&auth={}",
+                        kubeconfig.display()
+                    ))
+                    .arg(format!("--config.system-log-monitor={configs}"))
+                    .arg(format!(
+                        "--k8s-exporter-heartbeat-period={}s",
+                        self.settings.heartbeat
+                    ))
+                    .args(["--address=127.0.0.1", &format!("--port={port}")])
+                    .args(["--prometheus-address=127.0.0.1", "--prometheus-port=0"]);
+                c
+            }
+        };
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Member { child, port }
+    }
+
+    fn start_all(&self, side: Side, run: usize, nodes: &[String]) -> Vec<Member> {
+        nodes
+            .iter()
+            .map(|n| {
+                self.start_member(
+                    side,
+                    n,
+                    &self.work.join(format!("{}-run{run}", side.label())).join(n),
+                )
+            })
+            .collect()
+    }
+
+    /// Seconds from now until every member answers ready.
+    async fn until_ready(&self, side: Side, members: &mut [Member]) -> f64 {
+        let t0 = Instant::now();
+        let path = match side {
+            Side::Nodeguard => "/readyz",
+            Side::Npd => "/healthz",
+        };
+        let mut waiting: Vec<usize> = (0..members.len()).collect();
+        while !waiting.is_empty() {
+            let ports: Vec<u16> = waiting.iter().map(|&i| members[i].port).collect();
+            let ready: Vec<bool> = futures::stream::iter(ports)
+                .map(|p| async move { matches!(try_get(p, path).await, Some((200, _))) })
+                .buffered(32)
+                .collect()
+                .await;
+            waiting = waiting
+                .into_iter()
+                .zip(ready)
+                .filter(|(_, r)| !r)
+                .map(|(i, _)| i)
+                .collect();
+            for &i in &waiting {
+                if let Ok(Some(status)) = members[i].child.try_wait() {
+                    panic!(
+                        "a {} process exited ({status}); its log is under {}",
+                        side.label(),
+                        self.work.display()
+                    );
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(300),
+                "{} of the fleet not ready after 300 s",
+                waiting.len()
+            );
+            if !waiting.is_empty() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        t0.elapsed().as_secs_f64()
+    }
+
+    async fn run_side(&self, admin: &Client, side: Side, run: usize) -> Sample {
+        let n = self.settings.agents;
+        let nodes = self.nodes(side, run);
+        self.delete_nodes(admin, side, run).await;
+        self.create_nodes(admin, side, run, &nodes).await;
+        let mut s = Sample::default();
+        if side == Side::Nodeguard {
+            self.apply_policy(run, "The kernel has no deadlock.");
+        }
+
+        // The control plane's level with this run's Nodes and pods, before
+        // any of the processes.
+        let idle = control_plane_load(&self.control_plane, Duration::from_secs(15)).await;
+        let watches_before = watches(&apiserver_metrics(admin).await);
+        eprintln!("fleet: run {run}, {}: starting {n} processes", side.label());
+        let mut members = self.start_all(side, run, &nodes);
+        s.ready_all = self.until_ready(side, &mut members).await;
+        eprintln!("fleet: all {n} ready in {:.1} s", s.ready_all);
+
+        // Steady state.
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let offset = file_len(&self.audit_log);
+        let m0 = apiserver_metrics(admin).await;
+        let pids: Vec<u32> = members.iter().map(|m| m.child.id()).collect();
+        let member_cpu0: f64 = trees(&pids).into_iter().flatten().map(cpu_seconds).sum();
+        let t0 = Instant::now();
+        let ((api_cpu, etcd_cpu), (api_rss, _)) =
+            control_plane_load(&self.control_plane, self.settings.steady).await;
+        let secs = t0.elapsed().as_secs_f64();
+        let member_trees = trees(&pids);
+        let member_cpu1: f64 = member_trees
+            .iter()
+            .flatten()
+            .copied()
+            .map(cpu_seconds)
+            .sum();
+        let m1 = apiserver_metrics(admin).await;
+        let requests = audited(&self.audit_log, offset, &side.user());
+        for r in &requests {
+            *s.steady_rps
+                .entry(format!("{} {}", r.verb, r.resource))
+                .or_default() += 1.0 / secs;
+        }
+        // The elected policy-status writer's Lease renewals are one
+        // writer's per cluster, not a node's: in the by-resource rows.
+        let writes = requests
+            .iter()
+            .filter(|r| is_write(&r.verb) && r.resource != "leases")
+            .count() as f64;
+        let heartbeats = secs / self.settings.heartbeat as f64;
+        s.steady_writes_per_node_per_heartbeat = writes / n as f64 / heartbeats;
+        let reads = requests.iter().filter(|r| !is_write(&r.verb)).count() as f64;
+        s.steady_reads_per_node_per_min = reads / n as f64 / (secs / 60.0);
+        s.apiserver_cpu = api_cpu - idle.0.0;
+        s.etcd_cpu = etcd_cpu - idle.0.1;
+        s.apiserver_rss = api_rss - idle.1.0;
+        s.watches = watches(&m1).max(watches(&m0)) - watches_before;
+        let mut rss: Vec<f64> = member_trees
+            .iter()
+            .map(|t| t.iter().map(|&p| status_mib(p, "VmRSS:")).sum())
+            .collect();
+        rss.sort_by(f64::total_cmp);
+        s.member_rss = rss[rss.len() / 2];
+        s.member_cpu = (member_cpu1 - member_cpu0) / secs * 100.0 / n as f64;
+        eprintln!("fleet: steady: {s:?}");
+
+        // A policy edit.
+        if side == Side::Nodeguard {
+            s.edit = Some(self.policy_edit(admin, run, &nodes).await);
+        }
+
+        // A rollout: all stopped, all started.
+        let offset = file_len(&self.audit_log);
+        let (cache0, etcd0) = list_counters(&apiserver_metrics(admin).await);
+        for m in &members {
+            // SAFETY: a signal to a child of ours.
+            unsafe { libc::kill(m.child.id() as i32, libc::SIGTERM) };
+        }
+        for m in &mut members {
+            let _ = m.child.wait();
+        }
+        drop(members);
+        let mut members = self.start_all(side, run, &nodes);
+        s.rollout_ready = self.until_ready(side, &mut members).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let (cache1, etcd1) = list_counters(&apiserver_metrics(admin).await);
+        let requests = audited(&self.audit_log, offset, &side.user());
+        s.rollout_lists = requests.iter().filter(|r| r.verb == "list").count() as f64;
+        s.rollout_cache_lists = cache1 - cache0;
+        s.rollout_etcd_lists = etcd1 - etcd0;
+        eprintln!(
+            "fleet: rollout: ready in {:.1} s, {} LISTs ({} from the watch cache, {} to etcd, all clients)",
+            s.rollout_ready, s.rollout_lists, s.rollout_cache_lists, s.rollout_etcd_lists
+        );
+        drop(members);
+        self.delete_nodes(admin, side, run).await;
+        s
+    }
+
+    /// The shipped default policy, selecting this run's fleet, with one
+    /// condition message set (an edit changes it).
+    fn apply_policy(&self, run: usize, message: &str) {
+        let out = Command::new(&self.nodeguard)
+            .arg("default-policy")
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let mut policy: serde_json::Value =
+            serde_yaml_from(&String::from_utf8(out.stdout).unwrap());
+        policy["metadata"]["name"] = serde_json::json!(POLICY);
+        policy["spec"]["nodeSelector"] = serde_json::json!({"matchLabels": {FLEET_LABEL: format!("{}{run}", &Side::Nodeguard.label()[..3])}});
+        let monitors = policy["spec"]["monitors"].as_array_mut().unwrap();
+        monitors[0]["conditions"][0]["message"] = serde_json::json!(message);
+        let path = self.work.join("policy.json");
+        std::fs::write(&path, serde_json::to_vec(&policy).unwrap()).unwrap();
+        kubectl(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            path.to_str().unwrap(),
+        ]);
+    }
+
+    async fn policy_edit(&self, admin: &Client, run: usize, nodes: &[String]) -> EditSample {
+        let policies: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
+        let before = policies
+            .get(POLICY)
+            .await
+            .unwrap()
+            .metadata
+            .generation
+            .unwrap();
+        let offset = file_len(&self.audit_log);
+        let t0 = Instant::now();
+        let epoch0 = jiff::Timestamp::now().as_millisecond() as f64 / 1000.0;
+        self.apply_policy(
+            run,
+            &format!("The kernel has no deadlock (edit of run {run})."),
+        );
+        let generation = policies
+            .get(POLICY)
+            .await
+            .unwrap()
+            .metadata
+            .generation
+            .unwrap();
+        assert_eq!(generation, before + 1, "the edit made a new generation");
+        let want = format!("{POLICY}@{generation}");
+        let node_api: Api<Node> = Api::all(admin.clone());
+        let group = format!("{}{run}", &Side::Nodeguard.label()[..3]);
+        let converged = loop {
+            let list = node_api
+                .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={group}")))
+                .await
+                .unwrap();
+            let shown = list
+                .items
+                .iter()
+                .filter(|n| {
+                    n.metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(nodeguard::agent::EFFECTIVE_ANNOTATION))
+                        .is_some_and(|v| v.split(',').any(|p| p == want))
+                })
+                .count();
+            if shown == nodes.len() {
+                break t0.elapsed().as_secs_f64();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "{shown} of {} nodes show {want} after 120 s",
+                nodes.len()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        // Writes still in flight, then the audit log.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let writes: Vec<Audited> = audited(&self.audit_log, offset, &Side::Nodeguard.user())
+            .into_iter()
+            .filter(|r| is_write(&r.verb) && r.resource != "leases")
+            .collect();
+        let mut per_node: BTreeMap<&str, usize> = nodes.iter().map(|n| (n.as_str(), 0)).collect();
+        let mut per_second: BTreeMap<i64, usize> = BTreeMap::new();
+        for w in &writes {
+            if let Some(c) = per_node.get_mut(w.name.as_str()) {
+                *c += 1;
+            }
+            *per_second
+                .entry((w.at - epoch0).floor() as i64)
+                .or_default() += 1;
+        }
+        let first = writes.iter().map(|w| w.at).fold(f64::INFINITY, f64::min);
+        let last = writes.iter().map(|w| w.at).fold(0.0, f64::max);
+        let e = EditSample {
+            writes_per_node_max: per_node.values().copied().max().unwrap_or(0) as f64,
+            writes_per_node_mean: writes.len() as f64 / nodes.len() as f64,
+            peak_writes_per_s: per_second.values().copied().max().unwrap_or(0) as f64,
+            first_to_last: if writes.is_empty() { 0.0 } else { last - first },
+            converged,
+        };
+        let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+        for w in &writes {
+            *kinds
+                .entry(format!("{} {}", w.verb, w.resource))
+                .or_default() += 1;
+        }
+        eprintln!("fleet: policy edit: {e:?}; writes {kinds:?}; per second {per_second:?}");
+        e
+    }
+}
+
+/// YAML to JSON through the API server's own parser would need a request;
+/// `nodeguard default-policy` prints YAML that `kubectl` turns into JSON.
+fn serde_yaml_from(yaml: &str) -> serde_json::Value {
+    let dir = std::env::temp_dir().join(unique_name("fleet-policy"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("p.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let json = kubectl(&[
+        "create",
+        "--dry-run=client",
+        "-o",
+        "json",
+        "-f",
+        path.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    serde_json::from_str(&json).unwrap()
+}
+
+/// A kubeconfig for service account `name` of the fleet namespace.
+async fn account_kubeconfig(admin: &Client, name: &str, path: &Path) {
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), NS);
+    let sa: ServiceAccount = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}
+    }))
+    .unwrap();
+    sas.patch(
+        name,
+        &PatchParams::apply("nodeguard-bench").force(),
+        &Patch::Apply(&sa),
+    )
+    .await
+    .unwrap();
+    let req = k8s_openapi::api::authentication::v1::TokenRequest {
+        spec: k8s_openapi::api::authentication::v1::TokenRequestSpec {
+            expiration_seconds: Some(86_400),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let token = sas
+        .create_token_request(name, &PostParams::default(), &req)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token;
+    let mut kc = kube::config::Kubeconfig::read_from(kubeconfig_path()).unwrap();
+    for a in &mut kc.auth_infos {
+        a.auth_info = Some(kube::config::AuthInfo {
+            token: Some(token.clone().into()),
+            ..Default::default()
+        });
+    }
+    // Kubeconfig skips secrets when serialized; write the token by hand.
+    let mut v = serde_json::to_value(&kc).unwrap();
+    for a in v["users"].as_array_mut().unwrap() {
+        a["user"] = serde_json::json!({"token": token});
+    }
+    std::fs::write(path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+}
+
+async fn prepare_namespace(admin: &Client) {
+    let ns: Namespace = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}
+    }))
+    .unwrap();
+    Api::<Namespace>::all(admin.clone())
+        .patch(
+            NS,
+            &PatchParams::apply("nodeguard-bench").force(),
+            &Patch::Apply(&ns),
+        )
+        .await
+        .unwrap();
+    let crb: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "nodeguard-fleet-bench"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+        "subjects": [{"kind": "Group", "name": format!("system:serviceaccounts:{NS}"), "apiGroup": "rbac.authorization.k8s.io"}],
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .patch(
+            "nodeguard-fleet-bench",
+            &PatchParams::apply("nodeguard-bench").force(),
+            &Patch::Apply(&crb),
+        )
+        .await
+        .unwrap();
+    // Pods need the namespace's default service account.
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), NS);
+    let t0 = Instant::now();
+    while sas.get_opt("default").await.unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no default service account in {NS}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Answers the default policy's kubelet and kube-proxy healthz probes the
+/// way a healthy node does.
+async fn serve_node_health() {
+    for port in [10248u16, 10256] {
+        match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
+            Ok(l) => {
+                tokio::spawn(async move {
+                    loop {
+                        let Ok((mut s, _)) = l.accept().await else {
+                            continue;
+                        };
+                        tokio::spawn(async move {
+                            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                            let mut buf = [0u8; 1024];
+                            let _ = s.read(&mut buf).await;
+                            let _ = s
+                                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+                                .await;
+                        });
+                    }
+                });
+            }
+            Err(e) => {
+                eprintln!("fleet: 127.0.0.1:{port} taken ({e}); its server answers the probes")
+            }
+        }
+    }
+}
+
+/// The fleet's journald readers take an inotify instance each.
+fn raise_inotify_instances(need: u64) {
+    let path = "/proc/sys/fs/inotify/max_user_instances";
+    let now: u64 = std::fs::read_to_string(path)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    if now < need {
+        std::fs::write(path, need.to_string()).unwrap_or_else(|e| {
+            panic!("cannot raise {path} from {now} to {need} (run as root): {e}")
+        });
+        eprintln!("fleet: {path} raised from {now} to {need} for the co-located fleet");
+    }
+}
+
+fn main() {
+    let runs: usize = env_or("NODEGUARD_BENCH_RUNS", 3);
+    let settings = Settings {
+        agents: env_or("NODEGUARD_FLEET_AGENTS", 200),
+        pods: env_or("NODEGUARD_FLEET_PODS", 30),
+        steady: Duration::from_secs(env_or("NODEGUARD_FLEET_STEADY_SECONDS", 120)),
+        heartbeat: env_or("NODEGUARD_FLEET_HEARTBEAT_SECONDS", 60),
+    };
+    let repo = repo_root();
+    let policy = kubeconfig_path().with_file_name("audit-policy.yaml");
+    assert!(
+        std::fs::read_to_string(&policy)
+            .unwrap_or_default()
+            .contains(NS),
+        "the running control plane's audit policy ({}) does not log the fleet's requests: restart it (e2e/cluster/down; e2e/cluster/up)",
+        policy.display()
+    );
+    let npd = Command::new(repo.join("bench/npd-build"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run bench/npd-build");
+    assert!(npd.status.success(), "bench/npd-build failed");
+    let npd_dir = PathBuf::from(String::from_utf8(npd.stdout).unwrap().trim());
+    raise_inotify_instances(settings.agents as u64 * 4 + 256);
+    let work = repo.join("target/bench/fleet");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let samples: Vec<(Side, Sample)> = rt.block_on(async {
+        let admin = admin_client().await;
+        install_crd(&admin).await;
+        prepare_namespace(&admin).await;
+        let mut kubeconfigs = BTreeMap::new();
+        for side in [Side::Nodeguard, Side::Npd] {
+            let path = work.join(format!("{}.kubeconfig", side.account()));
+            account_kubeconfig(&admin, side.account(), &path).await;
+            kubeconfigs.insert(side.account(), path);
+        }
+        serve_node_health().await;
+        let control_plane = ControlPlane::find();
+        let fleet = Fleet {
+            settings,
+            nodeguard: shipped_binary(&repo),
+            npd_dir,
+            npd_configs: npd_configs(),
+            work: work.clone(),
+            audit_log: kubeconfig_path().with_file_name("logs").join("audit.log"),
+            kubeconfigs,
+            control_plane,
+        };
+        let mut samples = Vec::new();
+        for run in 1..=runs {
+            let order = if run % 2 == 1 {
+                [Side::Nodeguard, Side::Npd]
+            } else {
+                [Side::Npd, Side::Nodeguard]
+            };
+            for side in order {
+                let s = fleet.run_side(&admin, side, run).await;
+                samples.push((side, s));
+            }
+        }
+        let _ = kubectl_status(&["delete", "--ignore-not-found", "nodeguardpolicy", POLICY]);
+        report(&fleet, runs, &samples);
+        samples
+    });
+    drop(samples);
+}
+
+fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
+    let st = &fleet.settings;
+    let n = st.agents as f64;
+    let col = |side: Side, f: &dyn Fn(&Sample) -> Option<f64>| -> Option<f64> {
+        let v: Vec<f64> = samples
+            .iter()
+            .filter(|(s, _)| *s == side)
+            .filter_map(|(_, s)| f(s))
+            .collect();
+        (!v.is_empty()).then(|| median(v))
+    };
+    let cell = |v: Option<f64>, digits: usize| match v {
+        Some(v) => format!("{v:.digits$}"),
+        None => "—".to_string(),
+    };
+    let row = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
+        println!(
+            "| {name} | {} | {} |",
+            cell(col(Side::Nodeguard, f), digits),
+            cell(col(Side::Npd, f), digits)
+        );
+    };
+    println!(
+        "\nA fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
+         nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
+         condition heartbeat {} s on both; steady window {} s; median of {runs} runs\n",
+        st.agents,
+        st.pods,
+        st.heartbeat,
+        st.steady.as_secs()
+    );
+    println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
+    row(
+        "startup: all started at once, until every one is ready (s)",
+        &|s| Some(s.ready_all),
+        1,
+    );
+    let mut keys: Vec<String> = samples
+        .iter()
+        .flat_map(|(_, s)| s.steady_rps.keys().cloned())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    for k in &keys {
+        let k2 = k.clone();
+        row(
+            &format!("steady: `{k}` per second, whole fleet"),
+            &move |s| Some(s.steady_rps.get(&k2).copied().unwrap_or(0.0)),
+            2,
+        );
+    }
+    row(
+        "steady: all requests per second, whole fleet",
+        &|s| Some(s.steady_rps.values().fold(0.0, |a, b| a + b)),
+        2,
+    );
+    row(
+        "steady: writes per node per heartbeat",
+        &|s| Some(s.steady_writes_per_node_per_heartbeat),
+        2,
+    );
+    row(
+        "steady: reads and watches per node per minute",
+        &|s| Some(s.steady_reads_per_node_per_min),
+        2,
+    );
+    row(
+        "steady: watches the fleet holds open at the API server",
+        &|s| Some(s.watches),
+        0,
+    );
+    row(
+        "steady: API server CPU above idle (% of one core)",
+        &|s| Some(s.apiserver_cpu),
+        1,
+    );
+    row(
+        "steady: etcd CPU above idle (% of one core)",
+        &|s| Some(s.etcd_cpu),
+        1,
+    );
+    row(
+        "steady: API server RSS above idle (MiB)",
+        &|s| Some(s.apiserver_rss),
+        0,
+    );
+    row(
+        "steady: one agent's RSS, median (MiB, with children)",
+        &|s| Some(s.member_rss),
+        1,
+    );
+    row(
+        "steady: one agent's CPU (% of one core)",
+        &|s| Some(s.member_cpu),
+        2,
+    );
+    row(
+        "policy edit: writes per node, most on one node",
+        &|s| s.edit.as_ref().map(|e| e.writes_per_node_max),
+        0,
+    );
+    row(
+        "policy edit: writes per node, mean",
+        &|s| s.edit.as_ref().map(|e| e.writes_per_node_mean),
+        2,
+    );
+    row(
+        "policy edit: peak writes per second at the API server",
+        &|s| s.edit.as_ref().map(|e| e.peak_writes_per_s),
+        0,
+    );
+    row(
+        "policy edit: first to last write (s)",
+        &|s| s.edit.as_ref().map(|e| e.first_to_last),
+        1,
+    );
+    row(
+        "policy edit: until every Node shows the new generation (s)",
+        &|s| s.edit.as_ref().map(|e| e.converged),
+        1,
+    );
+    row(
+        "rollout: LIST requests from the fleet",
+        &|s| Some(s.rollout_lists),
+        0,
+    );
+    row(
+        "rollout: LISTs of pods, nodes, policies served from the watch cache (all clients)",
+        &|s| Some(s.rollout_cache_lists),
+        0,
+    );
+    row(
+        "rollout: LISTs of pods, nodes, policies sent to etcd (all clients)",
+        &|s| Some(s.rollout_etcd_lists),
+        0,
+    );
+    row(
+        "rollout: until every one is ready again (s)",
+        &|s| Some(s.rollout_ready),
+        1,
+    );
+
+    // The projection.
+    let per_node = |side: Side, f: &dyn Fn(&Sample) -> Option<f64>| col(side, f).map(|v| v / n);
+    println!(
+        "\n**Projected to 5,000 nodes** from the per-node figures above (a projection: request rates scale with nodes; the API server's CPU and memory do not scale linearly and are not projected)\n"
+    );
+    println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
+    let proj = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
+        println!(
+            "| {name} | {} | {} |",
+            cell(per_node(Side::Nodeguard, f).map(|v| v * 5000.0), digits),
+            cell(per_node(Side::Npd, f).map(|v| v * 5000.0), digits)
+        );
+    };
+    proj(
+        "steady: requests per second",
+        &|s| Some(s.steady_rps.values().fold(0.0, |a, b| a + b)),
+        0,
+    );
+    proj(
+        "steady: writes per second",
+        &|s| {
+            Some(
+                s.steady_rps
+                    .iter()
+                    .filter(|(k, _)| is_write(k.split(' ').next().unwrap_or("")))
+                    .map(|(_, v)| v)
+                    .fold(0.0, |a, b| a + b),
+            )
+        },
+        0,
+    );
+    proj("steady: watches open", &|s| Some(s.watches), 0);
+    proj(
+        "policy edit: writes",
+        &|s| s.edit.as_ref().map(|e| e.writes_per_node_mean * n),
+        0,
+    );
+    let spread = col(Side::Nodeguard, &|s| {
+        s.edit.as_ref().map(|e| e.first_to_last)
+    });
+    let writes = per_node(Side::Nodeguard, &|s| {
+        s.edit.as_ref().map(|e| e.writes_per_node_mean * n)
+    });
+    println!(
+        "| policy edit: writes per second, spread as measured | {} | — |",
+        cell(writes.zip(spread).map(|(w, s)| w * 5000.0 / s.max(1.0)), 0)
+    );
+    proj("rollout: LIST requests", &|s| Some(s.rollout_lists), 0);
+}

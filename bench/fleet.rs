@@ -384,14 +384,20 @@ impl Fleet {
             .await;
     }
 
-    fn start_member(&self, side: Side, node: &str, dir: &Path) -> Member {
+    /// Member `i`'s port: fixed, below the ephemeral range, so two members
+    /// never draw the same one (a free port picked by binding :0 can be
+    /// handed out twice before either member binds it).
+    fn port(i: usize) -> u16 {
+        20_000 + i as u16
+    }
+
+    fn start_member(&self, side: Side, node: &str, dir: &Path, port: u16) -> Member {
         std::fs::create_dir_all(dir).unwrap();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join("log"))
             .unwrap();
-        let port = free_port();
         let kubeconfig = &self.kubeconfigs[side.account()];
         let mut cmd = match side {
             Side::Nodeguard => {
@@ -452,11 +458,13 @@ impl Fleet {
     fn start_all(&self, side: Side, run: usize, nodes: &[String]) -> Vec<Member> {
         nodes
             .iter()
-            .map(|n| {
+            .enumerate()
+            .map(|(i, n)| {
                 self.start_member(
                     side,
                     n,
                     &self.work.join(format!("{}-run{run}", side.label())).join(n),
+                    Self::port(i),
                 )
             })
             .collect()
@@ -501,7 +509,18 @@ impl Fleet {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
-        t0.elapsed().as_secs_f64()
+        let took = t0.elapsed().as_secs_f64();
+        for m in members.iter_mut() {
+            if let Ok(Some(status)) = m.child.try_wait() {
+                panic!(
+                    "a {} process on port {} exited ({status}); its log is under {}",
+                    side.label(),
+                    m.port,
+                    self.work.display()
+                );
+            }
+        }
+        took
     }
 
     async fn run_side(&self, admin: &Client, side: Side, run: usize) -> Sample {
@@ -515,7 +534,8 @@ impl Fleet {
         }
 
         // The control plane's level with this run's Nodes and pods, before
-        // any of the processes.
+        // any of the processes (once the controllers have seen the pods).
+        tokio::time::sleep(Duration::from_secs(20)).await;
         let idle = control_plane_load(&self.control_plane, Duration::from_secs(15)).await;
         let watches_before = watches(&apiserver_metrics(admin).await);
         eprintln!("fleet: run {run}, {}: starting {n} processes", side.label());

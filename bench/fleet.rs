@@ -901,12 +901,7 @@ fn main() {
         "the running control plane's audit policy ({}) does not log the fleet's requests: restart it (e2e/cluster/down; e2e/cluster/up)",
         policy.display()
     );
-    let npd = Command::new(repo.join("bench/npd-build"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run bench/npd-build");
-    assert!(npd.status.success(), "bench/npd-build failed");
-    let npd_dir = PathBuf::from(String::from_utf8(npd.stdout).unwrap().trim());
+    let npd_dir = npd_build_dir();
     raise_inotify_instances(settings.agents as u64 * 4 + 256);
     let work = repo.join("target/bench/fleet");
     let _ = std::fs::remove_dir_all(&work);

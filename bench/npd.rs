@@ -468,12 +468,7 @@ fn main() {
     let idle: u64 = env_or("NODEGUARD_BENCH_IDLE_SECONDS", 60);
     let flood_lines: u64 = env_or("NODEGUARD_BENCH_FLOOD_LINES", 200_000);
     let repo = repo_root();
-    let npd = Command::new(repo.join("bench/npd-build"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run bench/npd-build");
-    assert!(npd.status.success(), "bench/npd-build failed");
-    let npd_dir = PathBuf::from(String::from_utf8(npd.stdout).unwrap().trim());
+    let npd_dir = npd_build_dir();
     let bench = Bench {
         nodeguard: shipped_binary(&repo),
         npd_dir,

@@ -290,13 +290,10 @@ async fn removed_sources_are_deleted_and_restarts_neither_duplicate_nor_drop() {
 
 /// PATCHes of `nodes/<node>/status` in the API server's audit log.
 fn audit_status_patches(node: &str) -> usize {
-    let log = kubeconfig_path().parent().unwrap().join("logs/audit.log");
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    audit_completed()
+        .iter()
         .filter(|e| {
-            e["stage"] == "ResponseComplete"
-                && e["verb"] == "patch"
+            e["verb"] == "patch"
                 && e["objectRef"]["resource"] == "nodes"
                 && e["objectRef"]["name"] == node
                 && e["objectRef"]["subresource"] == "status"

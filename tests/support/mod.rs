@@ -898,16 +898,23 @@ pub fn write_saved_state(state_dir: &std::path::Path, monitor: &str, state: serd
     std::fs::write(dir.join(format!("{monitor}.json")), state.to_string()).unwrap();
 }
 
-/// Writes (create, update, patch) of Node `node`, any subresource, in the
-/// API server's audit log: `(subresource, stageTimestamp)` of each.
-pub fn audit_node_writes(node: &str) -> Vec<(String, String)> {
+/// The API server's audit log entries of completed requests.
+pub fn audit_completed() -> Vec<serde_json::Value> {
     let log = kubeconfig_path().parent().unwrap().join("logs/audit.log");
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["stage"] == "ResponseComplete")
+        .collect()
+}
+
+/// Writes (create, update, patch) of Node `node`, any subresource, in the
+/// API server's audit log: `(subresource, stageTimestamp)` of each.
+pub fn audit_node_writes(node: &str) -> Vec<(String, String)> {
+    audit_completed()
+        .into_iter()
         .filter(|e| {
-            e["stage"] == "ResponseComplete"
-                && ["create", "update", "patch"].contains(&e["verb"].as_str().unwrap_or(""))
+            ["create", "update", "patch"].contains(&e["verb"].as_str().unwrap_or(""))
                 && e["objectRef"]["resource"] == "nodes"
                 && e["objectRef"]["name"] == node
         })

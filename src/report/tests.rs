@@ -29,6 +29,9 @@ impl FakeStatus {
             resource_version: Some(n.rv),
         })
     }
+    fn effective(&self) -> Option<String> {
+        self.with(|n| n.state.effective.clone())
+    }
     fn get(&self, type_: &str) -> Option<Observed> {
         self.with(|n| {
             n.state
@@ -196,6 +199,15 @@ fn policy_edit(h: &Harness, spread: Duration, effective: &str) {
     h.reporter.edit_done();
 }
 
+/// A writer whose first write, with policy `p@1` in force, is done.
+async fn started_with_policy() -> Harness {
+    let h = start(ReportConfig::default());
+    h.reporter.mark_initialized();
+    policy_edit(&h, Duration::ZERO, "p@1");
+    settle().await;
+    h
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_policy_edit_is_one_write_at_the_end_of_its_spread() {
     let h = start(ReportConfig::default());
@@ -207,10 +219,7 @@ async fn a_policy_edit_is_one_write_at_the_end_of_its_spread() {
         1,
         "the start is written at once"
     );
-    assert_eq!(
-        h.port.with(|n| n.state.effective.clone()).as_deref(),
-        Some("p@1")
-    );
+    assert_eq!(h.port.effective().as_deref(), Some("p@1"));
     let t0 = Instant::now();
     policy_edit(&h, Duration::from_secs(7), "p@2");
     // The edit's consequences: a new monitor's condition, moments later.
@@ -229,27 +238,18 @@ async fn a_policy_edit_is_one_write_at_the_end_of_its_spread() {
     );
     settle().await;
     assert_eq!(h.port.with(|n| n.applies), 2, "one write for the edit");
-    assert_eq!(
-        h.port.with(|n| n.state.effective.clone()).as_deref(),
-        Some("p@2")
-    );
+    assert_eq!(h.port.effective().as_deref(), Some("p@2"));
     assert!(h.port.get("KernelDeadlock").is_some());
     // A heartbeat keeps the annotation (the apply would drop it otherwise).
     tokio::time::sleep(Duration::from_secs(300)).await;
     assert_eq!(h.port.with(|n| n.applies), 3);
-    assert_eq!(
-        h.port.with(|n| n.state.effective.clone()).as_deref(),
-        Some("p@2")
-    );
+    assert_eq!(h.port.effective().as_deref(), Some("p@2"));
     h.shutdown.cancel();
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_problem_found_during_a_spread_is_written_at_once_with_the_edit() {
-    let h = start(ReportConfig::default());
-    h.reporter.mark_initialized();
-    policy_edit(&h, Duration::ZERO, "p@1");
-    settle().await;
+    let h = started_with_policy().await;
     assert_eq!(h.port.with(|n| n.applies), 1);
     // An edit that makes the policy invalid is spread like any other.
     h.reporter
@@ -283,19 +283,13 @@ async fn a_problem_found_during_a_spread_is_written_at_once_with_the_edit() {
     );
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(h.port.with(|n| n.applies), 3);
-    assert_eq!(
-        h.port.with(|n| n.state.effective.clone()).as_deref(),
-        Some("p@2")
-    );
+    assert_eq!(h.port.effective().as_deref(), Some("p@2"));
     h.shutdown.cancel();
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_long_spread_is_not_a_stuck_writer_and_a_stop_ends_it_with_the_write() {
-    let h = start(ReportConfig::default());
-    h.reporter.mark_initialized();
-    policy_edit(&h, Duration::ZERO, "p@1");
-    settle().await;
+    let h = started_with_policy().await;
     policy_edit(&h, Duration::from_secs(300), "p@2");
     // Past the loops' stuck timeout (60 s): waiting is not being stuck,
     // so /livez (and the watchdog) stay good.
@@ -306,18 +300,12 @@ async fn a_long_spread_is_not_a_stuck_writer_and_a_stop_ends_it_with_the_write()
     h.shutdown.cancel();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(h.port.with(|n| n.applies), 2);
-    assert_eq!(
-        h.port.with(|n| n.state.effective.clone()).as_deref(),
-        Some("p@2")
-    );
+    assert_eq!(h.port.effective().as_deref(), Some("p@2"));
 }
 
 #[tokio::test(start_paused = true)]
 async fn edits_in_a_row_do_not_push_the_write_back() {
-    let h = start(ReportConfig::default());
-    h.reporter.mark_initialized();
-    policy_edit(&h, Duration::ZERO, "p@1");
-    settle().await;
+    let h = started_with_policy().await;
     let t0 = Instant::now();
     // A GitOps loop edits every 5 s; this node's point is 8 s.
     for g in 2..=6 {
@@ -338,10 +326,7 @@ async fn edits_in_a_row_do_not_push_the_write_back() {
 
 #[tokio::test(start_paused = true)]
 async fn a_problem_waiting_when_the_spread_begins_is_not_held() {
-    let h = start(ReportConfig::default());
-    h.reporter.mark_initialized();
-    policy_edit(&h, Duration::ZERO, "p@1");
-    settle().await;
+    let h = started_with_policy().await;
     // The problem is set, and the edit arrives within the coalesce window.
     h.reporter
         .set("KernelDeadlock", desired(Status::True, "DockerHung"));
@@ -374,17 +359,14 @@ async fn a_spread_with_nothing_to_write_holds_nothing_after_it() {
 
 #[tokio::test(start_paused = true)]
 async fn an_edit_made_while_a_write_is_in_flight_is_still_spread() {
-    let h = start(ReportConfig::default());
-    h.reporter.mark_initialized();
-    policy_edit(&h, Duration::ZERO, "p@1");
-    settle().await;
+    let h = started_with_policy().await;
     h.port.with(|n| n.slow = Duration::from_secs(2));
     // A change whose write takes 2 s; the edit lands meanwhile.
     h.reporter.set("App", desired(Status::False, "Fine"));
     tokio::time::sleep(Duration::from_millis(500)).await;
     let t0 = Instant::now();
     policy_edit(&h, Duration::from_secs(6), "p@2");
-    while h.port.with(|n| n.state.effective.as_deref() != Some("p@2")) {
+    while h.port.effective().as_deref() != Some("p@2") {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let took = t0.elapsed();

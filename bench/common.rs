@@ -139,3 +139,46 @@ pub fn median(mut v: Vec<f64>) -> f64 {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
+
+/// A syslog `kern.log` line, as rsyslog writes the kernel's records.
+pub fn kern_line(host: &str, uptime: f64, msg: &str) -> String {
+    let ts = jiff::Zoned::now()
+        .with_time_zone(jiff::tz::TimeZone::UTC)
+        .strftime("%b %e %H:%M:%S")
+        .to_string();
+    format!("{ts} {host} kernel: [{uptime:>12.6}] {msg}\n")
+}
+
+/// `n` kernel log lines (syslog `kern.log`), one in 200 an OOM kill (a
+/// temporary problem NPD's kernel-monitor-filelog.json and its import
+/// count); the rest the noise a busy node logs.
+pub fn flood(host: &str, n: u64, start_uptime: f64) -> (String, u64) {
+    let noise = [
+        "IPv6: ADDRCONF(NETDEV_CHANGE): veth{}: link becomes ready",
+        "cni0: port {}(veth3f2a9c1e) entered forwarding state",
+        "EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode. Quota mode: none.",
+        "audit: type=1400 audit({}.123:456): apparmor=\"STATUS\" operation=\"profile_replace\" name=\"cri-containerd.apparmor.d\"",
+        "TCP: request_sock_TCP: Possible SYN flooding on port {}. Sending cookies.  Check SNMP counters.",
+        "overlayfs: upperdir is in-use as upperdir/workdir of another mount, accessing files from both mounts will result in undefined behavior.",
+        "device veth{} entered promiscuous mode",
+        "xt_CT: netfilter: NOTRACK target is deprecated, use CT instead or upgrade iptables",
+    ];
+    let mut out = String::with_capacity(n as usize * 120);
+    let mut problems = 0;
+    for i in 0..n {
+        let up = start_uptime + i as f64 * 0.0001;
+        let msg = if i % 200 == 199 {
+            problems += 1;
+            format!(
+                "Out of memory: Killed process {} (java) total-vm:{}kB, anon-rss:{}kB, file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:2048kB oom_score_adj:999",
+                10_000 + i,
+                4_000_000 + i,
+                2_000_000 + i
+            )
+        } else {
+            noise[(i % noise.len() as u64) as usize].replace("{}", &(i % 997).to_string())
+        };
+        out.push_str(&kern_line(host, up, &msg));
+    }
+    (out, problems)
+}

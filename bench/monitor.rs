@@ -1,5 +1,11 @@
-//! Log-monitor benchmark: the default kernel rules over a generated
-//! kmsg-format stream, parse + match on one thread.
+//! Log-monitor benchmark: parse + match on one thread, no reader, queue or
+//! API: the engine's own rate, which `bench/npd.rs`'s end-to-end flood is
+//! compared with. Two cases:
+//! - the default kernel rules over a generated kmsg-format stream;
+//! - the npd bench's flood exactly: NPD's `kernel-monitor-filelog.json`
+//!   (from the module `bench/npd-build` fetched) as `import-npd` converts it,
+//!   over the same generated `kern.log` lines (NPD matching: a ring of the
+//!   last lines joined, the filelog message pattern on every line).
 //!
 //!   cargo bench --bench monitor
 //!   NODEGUARD_BENCH_LINES=2000000 NODEGUARD_BENCH_RUNS=5 cargo bench --bench monitor
@@ -7,10 +13,14 @@
 //! Prints a markdown table: lines per second per core (CPU time of the one
 //! thread doing the work), problems found, peak RSS; medians of the runs.
 
-use std::time::Instant;
+#[path = "common.rs"]
+mod common;
+#[path = "../tests/support/mod.rs"]
+mod support;
 
 use nodeguard::monitor::engine::Engine;
 use nodeguard::monitor::kmsg;
+use nodeguard::policy::monitors::MonitorSpec;
 use nodeguard::policy::monitors::default_kernel_monitor;
 
 /// A realistic mix: mostly noise, about 1 line in 200 a problem.
@@ -63,48 +73,82 @@ fn status_mib(field: &str) -> f64 {
         / 1024.0
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+/// Lines per CPU-second through a fresh engine for `spec` (median of
+/// `runs`), and the actions the last run produced. `feed` hands the engine
+/// every line and returns (lines, actions).
+fn rate(
+    spec: &MonitorSpec,
+    runs: usize,
+    feed: impl Fn(&mut Engine, jiff::Timestamp) -> (usize, usize),
+) -> (f64, usize) {
+    let now = jiff::Timestamp::now();
+    let mut rates = Vec::new();
+    let mut found = 0;
+    for _ in 0..runs {
+        let mut engine = Engine::new(spec, "bench").unwrap();
+        engine.current(now);
+        let cpu0 = thread_cpu_seconds();
+        let (n, actions) = feed(&mut engine, now);
+        let cpu = thread_cpu_seconds() - cpu0;
+        rates.push(n as f64 / cpu);
+        found = actions;
+    }
+    (common::median(rates), found)
 }
 
 fn main() {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.into());
     let n: usize = env("NODEGUARD_BENCH_LINES", "1000000").parse().unwrap();
     let runs: usize = env("NODEGUARD_BENCH_RUNS", "5").parse().unwrap();
-    let lines = stream(n);
     let rss_input = status_mib("VmRSS:");
-    let now = jiff::Timestamp::now();
-    let mut rates = Vec::new();
-    let mut found = 0;
-    for _ in 0..runs {
-        let mut engine = Engine::new(&default_kernel_monitor(), "bench").unwrap();
-        engine.current(now);
-        let cpu0 = thread_cpu_seconds();
-        let wall0 = Instant::now();
-        let mut problems = 0usize;
-        for raw in &lines {
+    let records = stream(n);
+    let kernel = default_kernel_monitor();
+    // kmsg::parse is part of the rate: the reader parses each record.
+    let (kmsg_rate, kmsg_found) = rate(&kernel, runs, |engine, now| {
+        let mut actions = 0;
+        for raw in &records {
             if let Some(rec) = kmsg::parse(raw) {
-                problems += engine.on_line(&rec.message, now).len();
+                actions += engine.on_line(&rec.message, now).len();
             }
         }
-        let cpu = thread_cpu_seconds() - cpu0;
-        let _ = wall0.elapsed();
-        rates.push(n as f64 / cpu);
-        found = problems;
-    }
+        (records.len(), actions)
+    });
+    let rss_kmsg = status_mib("VmRSS:") - rss_input;
+    drop(records);
+
+    let raw = std::fs::read_to_string(support::npd_build_dir().join("kernel-monitor-filelog.json"))
+        .expect("NPD's kernel-monitor-filelog.json (bench/npd-build)");
+    let config: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    let imported = nodeguard::policy::npd::import("kernel-monitor-filelog.json", &config);
+    let npd = &imported.monitors[0];
+    let (text, _) = common::flood("bench-node", n as u64, 200.0);
+    // A file source's parse is splitting the lines.
+    let (npd_rate, npd_found) = rate(npd, runs, |engine, now| {
+        let mut n = 0;
+        let mut actions = 0;
+        for line in text.lines() {
+            actions += engine.on_line(line, now).len();
+            n += 1;
+        }
+        (n, actions)
+    });
+
     println!(
-        "log monitor benchmark: default kernel rules ({} rules), {n} generated kmsg records (1 in 200 a problem), parse + match on one thread, median of {runs} runs\n",
-        default_kernel_monitor().rules.len()
+        "log monitor benchmark: parse + match on one thread (no reader, queue or API), {n} generated lines (1 in 200 a problem), median of {runs} runs\n"
+    );
+    println!("| rules and lines | lines/s per core | actions produced |");
+    println!("|---|---:|---:|");
+    println!(
+        "| default kernel rules ({} rules), kmsg records | {kmsg_rate:.0} | {kmsg_found} |",
+        kernel.rules.len()
     );
     println!(
-        "| lines | lines/s per core | actions produced | RSS growth while matching | peak RSS (incl. the generated input) |"
+        "| NPD's kernel-monitor-filelog.json imported ({} rules, NPD matching: {} lines joined, message pattern), kern.log lines: the npd bench's flood | {npd_rate:.0} | {npd_found} |",
+        npd.rules.len(),
+        npd.npd_matching.as_ref().map_or(0, |m| m.buffer_lines)
     );
-    println!("|---:|---:|---:|---:|---:|");
     println!(
-        "| {n} | {:.0} | {found} | {:.1} MiB | {:.1} MiB |",
-        median(rates),
-        status_mib("VmRSS:") - rss_input,
+        "\nRSS growth while matching the kmsg records: {rss_kmsg:.1} MiB; peak RSS (with the generated input): {:.1} MiB",
         status_mib("VmHWM:")
     );
 }

@@ -85,47 +85,6 @@ struct Sample {
     peak_rss_mib: f64,
 }
 
-fn kern_line(host: &str, uptime: f64, msg: &str) -> String {
-    let ts = jiff::Zoned::now()
-        .with_time_zone(jiff::tz::TimeZone::UTC)
-        .strftime("%b %e %H:%M:%S")
-        .to_string();
-    format!("{ts} {host} kernel: [{uptime:>12.6}] {msg}\n")
-}
-
-/// `n` kernel log lines, one in 200 an OOM kill (a temporary problem both
-/// peers count); the rest the noise a busy node logs.
-fn flood(host: &str, n: u64, start_uptime: f64) -> (String, u64) {
-    let noise = [
-        "IPv6: ADDRCONF(NETDEV_CHANGE): veth{}: link becomes ready",
-        "cni0: port {}(veth3f2a9c1e) entered forwarding state",
-        "EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode. Quota mode: none.",
-        "audit: type=1400 audit({}.123:456): apparmor=\"STATUS\" operation=\"profile_replace\" name=\"cri-containerd.apparmor.d\"",
-        "TCP: request_sock_TCP: Possible SYN flooding on port {}. Sending cookies.  Check SNMP counters.",
-        "overlayfs: upperdir is in-use as upperdir/workdir of another mount, accessing files from both mounts will result in undefined behavior.",
-        "device veth{} entered promiscuous mode",
-        "xt_CT: netfilter: NOTRACK target is deprecated, use CT instead or upgrade iptables",
-    ];
-    let mut out = String::with_capacity(n as usize * 120);
-    let mut problems = 0;
-    for i in 0..n {
-        let up = start_uptime + i as f64 * 0.0001;
-        let msg = if i % 200 == 199 {
-            problems += 1;
-            format!(
-                "Out of memory: Killed process {} (java) total-vm:{}kB, anon-rss:{}kB, file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:2048kB oom_score_adj:999",
-                10_000 + i,
-                4_000_000 + i,
-                2_000_000 + i
-            )
-        } else {
-            noise[(i % noise.len() as u64) as usize].replace("{}", &(i % 997).to_string())
-        };
-        out.push_str(&kern_line(host, up, &msg));
-    }
-    (out, problems)
-}
-
 fn append(path: &Path, text: &str) {
     let mut f = std::fs::OpenOptions::new().append(true).open(path).unwrap();
     f.write_all(text.as_bytes()).unwrap();
@@ -467,6 +426,16 @@ fn main() {
     let runs: usize = env_or("NODEGUARD_BENCH_RUNS", 3);
     let idle: u64 = env_or("NODEGUARD_BENCH_IDLE_SECONDS", 60);
     let flood_lines: u64 = env_or("NODEGUARD_BENCH_FLOOD_LINES", 200_000);
+    // While working on one peer: `NODEGUARD_BENCH_PEERS=nodeguard` (any of
+    // nodeguard, node-problem-detector, nodeguard-default-policy, comma
+    // separated); the others' columns then read "—".
+    let only: Option<Vec<String>> = std::env::var("NODEGUARD_BENCH_PEERS")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let wanted = |p: Peer| {
+        only.as_ref()
+            .is_none_or(|o| o.iter().any(|x| x == p.label()))
+    };
     let repo = repo_root();
     let npd_dir = npd_build_dir();
     let bench = Bench {
@@ -490,7 +459,11 @@ fn main() {
             } else {
                 [Peer::Npd, Peer::Nodeguard]
             };
-            for peer in order.into_iter().chain([Peer::NodeguardDefault]) {
+            for peer in order
+                .into_iter()
+                .chain([Peer::NodeguardDefault])
+                .filter(|p| wanted(*p))
+            {
                 let s = bench.run_peer(peer, run).await;
                 eprintln!("bench: run {run}, {}: {s:?}", peer.label());
                 samples.push((peer, s));
@@ -528,6 +501,9 @@ fn main() {
         "peak RSS (VmHWM)",
     ];
     let cells = |p: Peer| -> Vec<String> {
+        if !wanted(p) {
+            return vec!["—".to_string(); 12];
+        }
         vec![
             format!("{:.2} s", col(p, &|s| s.startup_condition)),
             match p {

@@ -138,8 +138,11 @@ struct NpdBuffer {
     /// kmsg and journald messages are trimmed, file lines are not.
     trim: bool,
     /// File monitors: the message is this pattern's last capture group (its
-    /// whole match without one); a line it does not match is skipped.
-    message: Option<regex::Regex>,
+    /// whole match without one); a line it does not match is skipped. With
+    /// the pattern, its capture slots, reused line after line.
+    message: Option<(regex::Regex, regex::CaptureLocations)>,
+    /// The ring joined with newlines: what the rules match.
+    joined: String,
     /// File monitors: lines containing any of these are skipped.
     skip: Vec<String>,
     /// Kernel records with an empty message are skipped, as NPD does.
@@ -149,29 +152,36 @@ struct NpdBuffer {
 }
 
 impl NpdBuffer {
-    /// Takes `line` in; the joined text to match, or None when NPD would
-    /// skip the line.
-    fn push(&mut self, line: &str) -> Option<String> {
+    /// Takes `line` in; false when NPD would skip the line, else `joined`
+    /// holds the text to match. The ring's strings, the joined text and the
+    /// capture slots are reused: no allocation per line once they have
+    /// grown to the lines' size.
+    fn push(&mut self, line: &str) -> bool {
         if self.skip.iter().any(|s| line.contains(s.as_str())) || (self.kmsg && line.is_empty()) {
-            return None;
+            return false;
         }
-        let message = match &self.message {
-            Some(re) => {
-                let caps = re.captures(line)?;
-                caps.get(caps.len() - 1).map_or("", |m| m.as_str())
+        let message = match &mut self.message {
+            Some((re, locs)) => {
+                if re.captures_read(locs, line).is_none() {
+                    return false;
+                }
+                locs.get(locs.len() - 1).map_or("", |(a, b)| &line[a..b])
             }
             None => line,
         };
         let message = if self.trim { message.trim() } else { message };
-        self.lines.pop_front();
-        self.lines.push_back(message.to_string());
-        Some(
-            self.lines
-                .iter()
-                .map(String::as_str)
-                .collect::<Vec<_>>()
-                .join("\n"),
-        )
+        let mut oldest = self.lines.pop_front().unwrap_or_default();
+        oldest.clear();
+        oldest.push_str(message);
+        self.lines.push_back(oldest);
+        self.joined.clear();
+        for (i, l) in self.lines.iter().enumerate() {
+            if i > 0 {
+                self.joined.push('\n');
+            }
+            self.joined.push_str(l);
+        }
+        true
     }
 }
 
@@ -329,16 +339,18 @@ impl Engine {
             None => None,
             Some(m) => {
                 let message = match &m.message_pattern {
-                    Some(p) => Some(
-                        crate::policy::goregex::translate(p)
+                    Some(p) => {
+                        let re = crate::policy::goregex::translate(p)
                             .and_then(|r| regex::Regex::new(&r).map_err(|e| e.to_string()))
                             .map_err(|e| {
                                 vec![BadPattern {
                                     path: format!("{path}.npdMatching.messagePattern"),
                                     message: e,
                                 }]
-                            })?,
-                    ),
+                            })?;
+                        let locs = re.capture_locations();
+                        Some((re, locs))
+                    }
                     None => None,
                 };
                 Some(NpdBuffer {
@@ -346,6 +358,7 @@ impl Engine {
                         .collect(),
                     trim: spec.source.kmsg.is_some() || spec.source.journald.is_some(),
                     message,
+                    joined: String::new(),
                     skip: m.skip.clone(),
                     kmsg: spec.source.kmsg.is_some(),
                     suffix: m.message_suffix.clone(),
@@ -629,16 +642,18 @@ impl Engine {
     /// One log line.
     pub fn on_line(&mut self, line: &str, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
-        let joined;
+        // The joined text is taken out of the buffer while the rules run
+        // (they need the engine), and put back for the next line.
+        let mut joined = String::new();
         let text = match &mut self.npd {
             None => line,
-            Some(buffer) => match buffer.push(line) {
-                Some(j) => {
-                    joined = j;
-                    joined.as_str()
+            Some(buffer) => {
+                if !buffer.push(line) {
+                    return out;
                 }
-                None => return out,
-            },
+                std::mem::swap(&mut joined, &mut buffer.joined);
+                joined.as_str()
+            }
         };
         // A line's revert matches count before its matches (log-counter
         // applies both before it compares with the threshold).
@@ -681,6 +696,9 @@ impl Engine {
                     self.fire(r, message, now, &mut out)
                 }
             }
+        }
+        if let Some(buffer) = &mut self.npd {
+            buffer.joined = joined;
         }
         out
     }

@@ -92,11 +92,9 @@ pub const MONITOR_TIMEOUT: Duration = Duration::from_secs(60);
 /// again while the monitor runs, until the Node matches the condition.
 pub const TAINT_RETRY: Duration = Duration::from_secs(10);
 
-/// Lines taken from the queue at once between two health reports.
-const BATCH: usize = 256;
-
-/// How many lines may wait for a monitor's rules; beyond, file and journal
-/// readers wait and kmsg records are dropped and counted
+/// How many batches of lines (see [`sources::Batch`]) may wait for a
+/// monitor's rules; beyond, or beyond [`sources::QUEUE_BYTES`], file and
+/// journal readers wait and kmsg records are dropped and counted
 /// (`nodeguard_monitor_lines_dropped_total`).
 pub const QUEUE: usize = 8192;
 
@@ -848,19 +846,19 @@ async fn run_monitor<T: TaintPort>(
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break None,
-            item = rx.recv(), if lines_open => {
-                let Some(first) = item else {
+            batch = rx.recv(), if lines_open => {
+                let Some(batch) = batch else {
                     let why = counters
                         .end_reason()
                         .unwrap_or_else(|| "its reader stopped".to_string());
                     break Some(format!("its log source ended: {why}"));
                 };
                 handle.queued();
-                let mut next = Some(first);
-                let mut taken = 0;
-                while let Some(item) = next {
-                    let actions = { let now = clock.now(&mut engine); engine.on_line(&item.line, now) };
-                    state.cursor = item.cursor;
+                // One clock reading per batch (its lines arrived together),
+                // read again after anything that waited on the API.
+                let mut now = clock.now(&mut engine);
+                for i in 0..batch.len() {
+                    let actions = engine.on_line(batch.line(i), now);
                     dirty = true;
                     if !actions.is_empty() {
                         apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
@@ -871,12 +869,15 @@ async fn run_monitor<T: TaintPort>(
                         // the once-a-second save: a rule matching every line
                         // of a flood is not an fsync per line.
                         if actions.iter().any(|a| matches!(a, Action::Taint { .. })) {
+                            state.cursor = batch.cursor(i).clone();
                             dirty = !save(&mut state, &engine);
                             last_save = tokio::time::Instant::now();
                         }
+                        now = clock.now(&mut engine);
                     }
-                    taken += 1;
-                    next = if taken < BATCH { rx.try_recv().ok() } else { None };
+                }
+                if let Some(cursor) = batch.into_last_cursor() {
+                    state.cursor = cursor;
                 }
                 handle.updated();
             }

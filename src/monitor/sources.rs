@@ -110,23 +110,105 @@ impl Resume {
     }
 }
 
-/// One line for the engine, with the cursor after it.
+/// Lines for the engine, read together: their text back to back and the
+/// cursor after each. A flood costs one allocation and one hand-over (one
+/// wake-up of the engine) per batch, not per line; a reader sends what it
+/// has as soon as its source has nothing more at once, so a quiet log's
+/// line goes alone and at once.
 #[derive(Debug)]
-pub struct Item {
-    pub line: String,
-    pub cursor: Cursor,
-    /// The line's share of the queue's bytes, given back when the item is
+pub struct Batch {
+    text: String,
+    /// Where each line ends in `text`.
+    ends: Vec<usize>,
+    cursors: Vec<Cursor>,
+    /// The batch's share of the queue's bytes, given back when it is
     /// dropped (the engine is done with it).
     _held: Held,
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The `i`th line.
+    pub fn line(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.text[start..self.ends[i]]
+    }
+
+    /// Where the source stands after the `i`th line.
+    pub fn cursor(&self, i: usize) -> &Cursor {
+        &self.cursors[i]
+    }
+
+    /// Where the source stands after the batch.
+    pub fn into_last_cursor(mut self) -> Option<Cursor> {
+        self.cursors.pop()
+    }
+}
+
+/// The most lines, and about the most bytes, one batch holds.
+const BATCH_LINES: usize = 256;
+const BATCH_BYTES: usize = 64 * 1024;
+
+/// A reader's batch being filled.
+#[derive(Debug, Default)]
+struct Batcher {
+    text: String,
+    ends: Vec<usize>,
+    cursors: Vec<Cursor>,
+    /// What the lines count against the queue's bytes.
+    bytes: usize,
+}
+
+impl Batcher {
+    fn push(&mut self, counters: &SourceCounters, line: &str, cursor: Cursor) {
+        counters.lines.fetch_add(1, Ordering::Relaxed);
+        self.bytes += item_bytes(line, &cursor);
+        self.text.push_str(line);
+        self.ends.push(self.text.len());
+        self.cursors.push(cursor);
+    }
+
+    /// A line as read: a newline at its end dropped, bytes that are not
+    /// UTF-8 replaced.
+    fn push_bytes(&mut self, counters: &SourceCounters, bytes: &[u8], cursor: Cursor) {
+        self.push(counters, &text(bytes), cursor);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    fn full(&self) -> bool {
+        self.ends.len() >= BATCH_LINES || self.bytes >= BATCH_BYTES
+    }
+
+    fn take(&mut self, counters: &Arc<SourceCounters>) -> Batch {
+        let bytes = std::mem::take(&mut self.bytes);
+        Batch {
+            text: std::mem::take(&mut self.text),
+            ends: std::mem::take(&mut self.ends),
+            cursors: std::mem::take(&mut self.cursors),
+            _held: Held(counters.clone(), bytes),
+        }
+    }
 }
 
 /// The most bytes of lines (and their cursors) that may wait for one
 /// monitor's rules. Beyond, file and journal readers wait and kmsg records
 /// are dropped and counted, as when the queue's count is reached: a flood
 /// of long lines meeting a slow engine (a taint request retried, a large
-/// NPD buffer) holds 4 MiB, not `QUEUE` lines of up to 256 KiB each.
-/// One line alone is always let through.
-pub const QUEUE_BYTES: usize = 4 << 20;
+/// NPD buffer) holds 1 MiB, not `QUEUE` batches of up to 256 KiB lines.
+/// One batch alone is always let through. 1 MiB is 16 full batches: enough
+/// for the reader to run ahead of the engine (about 6,000 kernel records),
+/// and what a flood adds to the agent's peak RSS per monitor.
+pub const QUEUE_BYTES: usize = 1 << 20;
 
 /// The bytes a queue holds now, and a reader waiting for room.
 #[derive(Debug, Default)]
@@ -181,7 +263,7 @@ impl QueuedBytes {
     }
 }
 
-/// Gives an item's bytes back to its queue when the item goes.
+/// Gives a batch's bytes back to its queue when the batch goes.
 #[derive(Debug)]
 struct Held(Arc<SourceCounters>, usize);
 
@@ -191,8 +273,8 @@ impl Drop for Held {
     }
 }
 
-/// What an item counts against the queue's bytes: its line and cursor,
-/// and a little for the item itself.
+/// What a line counts against the queue's bytes: its text and cursor, and
+/// a little for its place in the batch.
 fn item_bytes(line: &str, cursor: &Cursor) -> usize {
     line.len() + cursor.journal.as_ref().map_or(0, String::len) + 64
 }
@@ -334,9 +416,9 @@ fn read_line_capped_to(
     }
 }
 
-fn text(bytes: &[u8]) -> String {
+fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
     let bytes = bytes.strip_suffix(b"\n").unwrap_or(bytes);
-    String::from_utf8_lossy(bytes).into_owned()
+    String::from_utf8_lossy(bytes)
 }
 
 /// Stops the reader thread (at its next record or wake-up, within a second;
@@ -359,49 +441,33 @@ impl StopFlag {
     }
 }
 
-/// Hands a line over, waiting for room (files, the journal). False once the
-/// engine is gone.
-fn deliver(
-    tx: &mpsc::Sender<Item>,
-    counters: &Arc<SourceCounters>,
-    line: String,
-    cursor: Cursor,
-) -> bool {
-    counters.lines.fetch_add(1, Ordering::Relaxed);
-    let n = item_bytes(&line, &cursor);
-    if !counters.queued.take(n, || tx.is_closed()) {
-        return false;
-    }
-    let item = Item {
-        line,
-        cursor,
-        _held: Held(counters.clone(), n),
-    };
-    tx.blocking_send(item).is_ok()
-}
-
-/// Hands a kmsg record over, or counts it dropped when the queue is full.
-fn offer(
-    tx: &mpsc::Sender<Item>,
-    counters: &Arc<SourceCounters>,
-    line: String,
-    cursor: Cursor,
-) -> bool {
-    counters.lines.fetch_add(1, Ordering::Relaxed);
-    let n = item_bytes(&line, &cursor);
-    if !counters.queued.try_take(n) {
-        counters.dropped.fetch_add(1, Ordering::Relaxed);
+/// Hands the batch over, waiting for room (files, the journal). False once
+/// the engine is gone.
+fn deliver(tx: &mpsc::Sender<Batch>, counters: &Arc<SourceCounters>, batch: &mut Batcher) -> bool {
+    if batch.is_empty() {
         return !tx.is_closed();
     }
-    let item = Item {
-        line,
-        cursor,
-        _held: Held(counters.clone(), n),
-    };
-    match tx.try_send(item) {
+    if !counters.queued.take(batch.bytes, || tx.is_closed()) {
+        return false;
+    }
+    tx.blocking_send(batch.take(counters)).is_ok()
+}
+
+/// Hands kmsg records over, or counts them dropped when the queue is full.
+fn offer(tx: &mpsc::Sender<Batch>, counters: &Arc<SourceCounters>, batch: &mut Batcher) -> bool {
+    if batch.is_empty() {
+        return !tx.is_closed();
+    }
+    let n = batch.ends.len() as u64;
+    if !counters.queued.try_take(batch.bytes) {
+        counters.dropped.fetch_add(n, Ordering::Relaxed);
+        *batch = Batcher::default();
+        return !tx.is_closed();
+    }
+    match tx.try_send(batch.take(counters)) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
-            counters.dropped.fetch_add(1, Ordering::Relaxed);
+            counters.dropped.fetch_add(n, Ordering::Relaxed);
             true
         }
         Err(mpsc::error::TrySendError::Closed(_)) => false,
@@ -514,7 +580,7 @@ pub fn spawn_kmsg(
     path: PathBuf,
     roots: &[PathBuf],
     start: KmsgStart,
-    tx: mpsc::Sender<Item>,
+    tx: mpsc::Sender<Batch>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
@@ -544,13 +610,25 @@ pub fn spawn_kmsg(
         .name("nodeguard-kmsg".into())
         .spawn(move || {
             let mut buf = Vec::new();
+            let mut batch = Batcher::default();
             let mut failures = Failures::default();
             while !stop.stopped() {
+                // Records go to the engine as soon as no more is there at
+                // once (or the batch is full).
+                if (batch.full() || (reader.buffer().is_empty() && !readable_now(fd)))
+                    && !offer(&tx, &counters, &mut batch)
+                {
+                    return;
+                }
                 buf.clear();
                 match reader.read_until(b'\n', &mut buf) {
                     Ok(0) => {
                         failures.ok();
-                        std::thread::sleep(POLL); // a stand-in file at its end
+                        // A stand-in file at its end.
+                        if !offer(&tx, &counters, &mut batch) {
+                            return;
+                        }
+                        std::thread::sleep(POLL);
                     }
                     Ok(_) => {
                         failures.ok();
@@ -568,9 +646,7 @@ pub fn spawn_kmsg(
                             kmsg_sequence: Some(rec.sequence),
                             ..Default::default()
                         };
-                        if !offer(&tx, &counters, rec.message, cursor) {
-                            return;
-                        }
+                        batch.push(&counters, &rec.message, cursor);
                     }
                     // Records overwritten before we read them: carry on.
                     Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
@@ -578,6 +654,7 @@ pub fn spawn_kmsg(
                     }
                     Err(e) => {
                         if let Some(why) = failures.failed("the kernel log", &path, &e) {
+                            offer(&tx, &counters, &mut batch);
                             counters.give_up(why);
                             return;
                         }
@@ -586,6 +663,18 @@ pub fn spawn_kmsg(
             }
         })?;
     Ok(started)
+}
+
+/// Whether a read of `fd` would return at once (a record is waiting, or
+/// the end of a regular file).
+fn readable_now(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll on one descriptor this reader owns, without waiting.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
 }
 
 /// The node's read roots with their links resolved, once, when the agent
@@ -693,7 +782,7 @@ pub fn spawn_file(
     path: PathBuf,
     roots: Vec<PathBuf>,
     resume: Option<(u64, u64)>,
-    tx: mpsc::Sender<Item>,
+    tx: mpsc::Sender<Batch>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
@@ -721,12 +810,21 @@ pub fn spawn_file(
             // reads that end mid-line.
             let mut line = Vec::new();
             let mut truncated = false;
+            let mut batch = Batcher::default();
             let mut failures = Failures::default();
             while !stop.stopped() {
+                if batch.full() && !deliver(&tx, &counters, &mut batch) {
+                    return;
+                }
                 match read_line_capped(&mut reader, &mut line, &mut truncated) {
                     Ok((0, _)) => {
                         failures.ok();
-                        // At the end: rotated or truncated?
+                        // At the end: what was read goes to the engine
+                        // before anything waits.
+                        if !deliver(&tx, &counters, &mut batch) {
+                            return;
+                        }
+                        // Rotated or truncated?
                         match std::fs::metadata(&path) {
                             Ok(m) if m.ino() != inode => {
                                 match open_at(&path, &roots, Some((m.ino(), 0))) {
@@ -777,11 +875,13 @@ pub fn spawn_file(
                             file: Some((inode, offset)),
                             ..Default::default()
                         };
-                        if !deliver(&tx, &counters, text(&std::mem::take(&mut line)), cursor) {
-                            return;
-                        }
+                        batch.push_bytes(&counters, &line, cursor);
+                        line.clear();
                     }
                     Err(e) => {
+                        if !deliver(&tx, &counters, &mut batch) {
+                            return;
+                        }
                         if let Some(why) = failures.failed("the log file", &path, &e) {
                             counters.give_up(why);
                             return;
@@ -881,7 +981,7 @@ pub fn spawn_journald(
     source: crate::policy::monitors::JournaldSource,
     roots: &[PathBuf],
     start: JournalStart,
-    tx: mpsc::Sender<Item>,
+    tx: mpsc::Sender<Batch>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<Cursor> {
@@ -932,7 +1032,7 @@ fn spawn_journalctl(
         roots,
     }: Journalctl,
     start: JournalStart,
-    tx: mpsc::Sender<Item>,
+    tx: mpsc::Sender<Batch>,
     counters: Arc<SourceCounters>,
     stop: StopFlag,
 ) -> std::io::Result<()> {
@@ -1013,7 +1113,16 @@ fn spawn_journalctl(
                 let mut reader =
                     BufReader::with_capacity(64 * 1024, child.stdout.take().expect("piped"));
                 let mut buf = Vec::new();
+                let mut batch = Batcher::default();
                 loop {
+                    // Entries go to the engine once no more is buffered (the
+                    // next read may wait for journalctl) or the batch is full.
+                    if (batch.full() || reader.buffer().is_empty())
+                        && !deliver(&tx, &counters, &mut batch)
+                    {
+                        let _ = child.kill();
+                        return;
+                    }
                     buf.clear();
                     let mut truncated = false;
                     match read_line_capped_to(&mut reader, &mut buf, &mut truncated, MAX_JOURNAL_LINE) {
@@ -1053,11 +1162,12 @@ fn spawn_journalctl(
                         journal: cursor.clone(),
                         ..Default::default()
                     };
-                    if !deliver(&tx, &counters, message, item_cursor) {
-                        let _ = child.kill();
-                        return;
-                    }
+                    batch.push(&counters, &message, item_cursor);
                     delivered = true;
+                }
+                if !deliver(&tx, &counters, &mut batch) {
+                    let _ = child.kill();
+                    return;
                 }
                 let _ = child.kill();
                 let mut err = String::new();
@@ -1165,7 +1275,7 @@ mod tests {
         capacity: usize,
         counters: Arc<SourceCounters>,
         stop: &StopFlag,
-    ) -> mpsc::Receiver<Item> {
+    ) -> Lines {
         let (tx, rx) = mpsc::channel(capacity);
         spawn_file(
             path.to_path_buf(),
@@ -1176,14 +1286,50 @@ mod tests {
             stop.clone(),
         )
         .unwrap();
-        rx
+        Lines::new(rx)
     }
 
-    async fn next(rx: &mut mpsc::Receiver<Item>) -> Item {
-        tokio::time::timeout(Duration::from_secs(5), rx.recv())
-            .await
-            .expect("a line within 5 s")
-            .expect("channel open")
+    /// One line as the engine gets it, with the cursor after it.
+    struct Item {
+        line: String,
+        cursor: Cursor,
+    }
+
+    /// A reader's queue of batches, line by line.
+    struct Lines {
+        rx: mpsc::Receiver<Batch>,
+        pending: std::collections::VecDeque<Item>,
+    }
+
+    impl Lines {
+        fn new(rx: mpsc::Receiver<Batch>) -> Lines {
+            Lines {
+                rx,
+                pending: Default::default(),
+            }
+        }
+
+        /// Batches waiting in the queue.
+        fn len(&self) -> usize {
+            self.rx.len()
+        }
+    }
+
+    async fn next(rx: &mut Lines) -> Item {
+        while rx.pending.is_empty() {
+            let batch = tokio::time::timeout(Duration::from_secs(5), rx.rx.recv())
+                .await
+                .expect("a line within 5 s")
+                .expect("channel open");
+            assert!(!batch.is_empty(), "an empty batch was sent");
+            for i in 0..batch.len() {
+                rx.pending.push_back(Item {
+                    line: batch.line(i).to_string(),
+                    cursor: batch.cursor(i).clone(),
+                });
+            }
+        }
+        rx.pending.pop_front().unwrap()
     }
 
     /// Seen on a host whose journal has no data for the current boot:
@@ -1356,7 +1502,8 @@ mod tests {
             kmsg_sequence: Some(1000),
             ..Default::default()
         };
-        let (tx, mut rx) = mpsc::channel(16);
+        let (tx, rx) = mpsc::channel(16);
+        let mut rx = Lines::new(rx);
         let stop = StopFlag::default();
         let start = Resume::plan(Some(&saved), false).kmsg;
         spawn_kmsg(
@@ -1434,7 +1581,7 @@ mod tests {
 
     /// Long lines meet an engine that does not drain (a slow rule, a taint
     /// request being retried): the queue holds at most QUEUE_BYTES of
-    /// them, not its count of lines (8,192 lines of 60 KiB are 480 MiB),
+    /// them, not its count of batches (8,192 batches of 60 KiB lines are 480 MiB),
     /// and every line comes whole once the engine drains again.
     #[tokio::test]
     async fn a_flood_of_long_lines_is_bounded_by_bytes_and_loses_nothing() {
@@ -1466,7 +1613,10 @@ mod tests {
             "{} lines ({held} bytes) wait in the queue",
             rx.len()
         );
-        assert!(rx.len() > 8, "the queue fills to its bound: {}", rx.len());
+        assert!(
+            held > QUEUE_BYTES - 2 * (long + 128),
+            "the queue fills to its bound: {held} bytes"
+        );
         for i in 0..lines {
             let item = next(&mut rx).await;
             assert_eq!(item.line.len(), long + 6);
@@ -1708,7 +1858,8 @@ mod tests {
         let dir = &scratch.0;
         let path = dir.join("kmsg");
         std::fs::write(&path, "6,1,100,-;old\n6,2,200,-;seen\n 3,bad continuation\n6,3,300,-;new after restart\nnot a record\n").unwrap();
-        let (tx, mut rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::channel(4);
+        let mut rx = Lines::new(rx);
         let counters = Arc::new(SourceCounters::default());
         let stop = StopFlag::default();
         spawn_kmsg(
@@ -1747,10 +1898,27 @@ mod tests {
         f.flush().unwrap();
         // Until the reader has seen every flood record.
         read(2 + 10_000).await;
-        let dropped = counters.dropped.load(Ordering::Relaxed);
-        // Nobody drains the queue of 4 (one record already taken).
-        assert_eq!(dropped, 10_000 - 4, "dropped {dropped}");
-        assert!(rx.len() <= 4);
+        // Nobody drained the queue of 4 batches: full, the rest dropped.
+        assert_eq!(rx.len(), 4);
+        assert!(counters.dropped.load(Ordering::Relaxed) >= 10_000 - 4 * BATCH_LINES as u64);
+        // Every record is either queued or counted (the last, partial
+        // batch is handed over when the reader reaches the end).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let mut queued = 0;
+        loop {
+            while let Ok(batch) = rx.rx.try_recv() {
+                queued += batch.len() as u64;
+            }
+            let dropped = counters.dropped.load(Ordering::Relaxed);
+            if dropped + queued == 10_000 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "dropped {dropped}, queued {queued}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         stop.stop();
     }
 }

@@ -653,8 +653,11 @@ pub fn spawn_kmsg(
                         counters.dropped.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(e) => {
+                        // What was read goes before the pause.
+                        if !offer(&tx, &counters, &mut batch) {
+                            return;
+                        }
                         if let Some(why) = failures.failed("the kernel log", &path, &e) {
-                            offer(&tx, &counters, &mut batch);
                             counters.give_up(why);
                             return;
                         }
@@ -820,9 +823,15 @@ pub fn spawn_file(
                     Ok((0, _)) => {
                         failures.ok();
                         // At the end: what was read goes to the engine
-                        // before anything waits.
-                        if !deliver(&tx, &counters, &mut batch) {
-                            return;
+                        // before anything waits. Handing it over may wait
+                        // for room while the writer goes on: read this file
+                        // to its end again before looking for a rotation,
+                        // or what it gained meanwhile would be lost.
+                        if !batch.is_empty() {
+                            if !deliver(&tx, &counters, &mut batch) {
+                                return;
+                            }
+                            continue;
                         }
                         // Rotated or truncated?
                         match std::fs::metadata(&path) {
@@ -1713,6 +1722,46 @@ mod tests {
             &StopFlag::default(),
         );
         assert_eq!(next(&mut rx).await.line, "while away");
+    }
+
+    /// Review finding: a follower that reached the end while the queue was
+    /// full waited to hand its batch over, then looked for a rotation: the
+    /// lines appended to the old file meanwhile were never read. It reads
+    /// the old file to its end again before it looks.
+    #[tokio::test]
+    async fn lines_appended_while_the_queue_is_full_are_read_before_a_rotation() {
+        let scratch = Scratch::new("full-rotation");
+        let dir = &scratch.0;
+        let path = dir.join("app.log");
+        std::fs::write(&path, "").unwrap();
+        let counters = Arc::new(SourceCounters::default());
+        let stop = StopFlag::default();
+        // A queue of one batch nobody drains for now.
+        let mut rx = follow(&path, None, 1, counters.clone(), &stop);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut f = append(&path);
+        // One full batch (queued), and 44 lines the reader holds at the end
+        // of the file, waiting for room.
+        for i in 0..300 {
+            writeln!(f, "early {i}").unwrap();
+        }
+        f.flush().unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for i in 0..50 {
+            writeln!(f, "late {i}").unwrap();
+        }
+        f.flush().unwrap();
+        drop(f);
+        std::fs::rename(&path, dir.join("app.log.1")).unwrap();
+        std::fs::write(&path, "after rotation\n").unwrap();
+        for i in 0..300 {
+            assert_eq!(next(&mut rx).await.line, format!("early {i}"));
+        }
+        for i in 0..50 {
+            assert_eq!(next(&mut rx).await.line, format!("late {i}"));
+        }
+        assert_eq!(next(&mut rx).await.line, "after rotation");
+        stop.stop();
     }
 
     /// An idle follower sleeps until its file changes (it used to wake every

@@ -13,7 +13,9 @@
 //! - idle: CPU, RSS and API writes per minute (from the audit log, by the
 //!   peer's user agent) over `NODEGUARD_BENCH_IDLE_SECONDS`;
 //! - detection latency: one hung-task line appended to a quiet log, to the
-//!   condition `True` in the API;
+//!   condition `True` in the API; for nodeguard also a series of
+//!   `NODEGUARD_BENCH_LATENCY_LINES` (100) lines, each setting a condition
+//!   that the next line clears (median and p99);
 //! - flood: `NODEGUARD_BENCH_FLOOD_LINES` appended at once; CPU per line and
 //!   wall time until the peer's problem counter has seen every problem line;
 //!   peak RSS (VmHWM).
@@ -78,6 +80,10 @@ struct Sample {
     idle_writes_per_min: f64,
     idle_lease_writes_per_min: f64,
     latency: f64,
+    /// nodeguard only: line to condition True over `latency_lines` lines
+    /// (median, p99), each cleared again before the next.
+    latency_p50: Option<f64>,
+    latency_p99: Option<f64>,
     flood_lines_per_cpu_s: f64,
     flood_wall: f64,
     flood_problems_seen: u64,
@@ -138,6 +144,7 @@ struct Bench {
     pods: usize,
     idle: Duration,
     flood_lines: u64,
+    latency_lines: usize,
 }
 
 impl Bench {
@@ -395,7 +402,89 @@ impl Bench {
         let cpu = cpu_seconds(pid) - cpu0;
         s.flood_lines_per_cpu_s = self.flood_lines as f64 / cpu.max(1e-9);
         s.peak_rss_mib = status_mib(pid, "VmHWM:");
+        if peer == Peer::Nodeguard {
+            let (p50, p99) = self.latency_series(&admin, &node.name, &dir).await;
+            s.latency_p50 = Some(p50);
+            s.latency_p99 = Some(p99);
+        }
         self.finish(p, &admin, &node.name, s).await
+    }
+
+    /// Line to condition `True` in the API, `latency_lines` times: a second
+    /// policy gives the node a file monitor whose condition a line sets and
+    /// another line clears (NPD's kernel monitor has no condition that
+    /// clears, so a series needs its own). Each problem line is appended,
+    /// the Node read every 5 ms until the condition is `True` (the figure
+    /// includes up to one read's wait), then cleared and read until `False`,
+    /// and the next line follows 300 ms later.
+    /// Returns (median, p99) in seconds.
+    async fn latency_series(&self, admin: &kube::Client, node: &str, dir: &Path) -> (f64, f64) {
+        let log = dir.join("latency.log");
+        std::fs::write(&log, "").unwrap();
+        let name = format!("bench-{node}-latency");
+        apply_policy(
+            admin,
+            &name,
+            serde_json::json!({"nodeSelector": selecting(node), "monitors": [{
+                "name": "latency", "source": {"file": {"path": log.display().to_string()}},
+                "conditions": [{"type": "BenchLatency", "reason": "BenchClear", "message": "clear",
+                                "clearPattern": "latency clear"}],
+                "rules": [{"type": "permanent", "condition": "BenchLatency", "reason": "BenchProblem",
+                           "pattern": "latency problem"}],
+            }]}),
+        )
+        .await;
+        // The monitor runs once its condition is in the API, and the
+        // edit's write (held at the node's point of the policy write
+        // spread) is done once the Node names the new policy.
+        let t = Instant::now();
+        loop {
+            let n = kube::Api::<k8s_openapi::api::core::v1::Node>::all(admin.clone())
+                .get(node)
+                .await
+                .unwrap();
+            let named = n
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("nodeguard.io/effective-policies"))
+                .is_some_and(|v| v.contains(&name));
+            if named && condition_is(admin, node, "BenchLatency", "False").await {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the latency monitor never started"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let wait_for = |status: &'static str| async move {
+            let t0 = Instant::now();
+            while !condition_is(admin, node, "BenchLatency", status).await {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "BenchLatency never {status}"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            t0.elapsed().as_secs_f64()
+        };
+        let mut samples = Vec::new();
+        for i in 0..self.latency_lines {
+            append(&log, &format!("latency problem {i}\n"));
+            samples.push(wait_for("True").await);
+            append(&log, "latency clear\n");
+            wait_for("False").await;
+            // The agent writes a node's status at most once per 250 ms
+            // (`min_write_interval`; urgent changes aside): the next problem
+            // comes after that, so each sample is a problem's own latency,
+            // not the interval left by the previous write.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        kubectl(&["delete", "nodeguardpolicy", &name, "--wait=false"]);
+        samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let p99 = samples[((samples.len() * 99).div_ceil(100)).saturating_sub(1)];
+        (median(samples), p99)
     }
 
     /// Stops the peer (SIGTERM, so nodeguard ends its journalctl children),
@@ -446,6 +535,7 @@ fn main() {
         pods: 110,
         idle: Duration::from_secs(idle),
         flood_lines,
+        latency_lines: env_or("NODEGUARD_BENCH_LATENCY_LINES", 100),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -495,6 +585,7 @@ fn main() {
         "idle API writes per minute (audit log)",
         "… of which Lease renewals (the one elected policy-status writer per cluster)",
         "detection latency: line to condition True in the API",
+        "… over a series of lines (a condition set, then cleared, each time): median / p99",
         "flood: lines per CPU-second",
         "flood: wall time until every problem line was counted",
         "flood: problem lines counted / sent",
@@ -502,7 +593,7 @@ fn main() {
     ];
     let cells = |p: Peer| -> Vec<String> {
         if !wanted(p) {
-            return vec!["—".to_string(); 12];
+            return vec!["—".to_string(); 13];
         }
         vec![
             format!("{:.2} s", col(p, &|s| s.startup_condition)),
@@ -520,6 +611,14 @@ fn main() {
             format!("{:.1}", col(p, &|s| s.idle_writes_per_min)),
             format!("{:.1}", col(p, &|s| s.idle_lease_writes_per_min)),
             format!("{:.3} s", col(p, &|s| s.latency)),
+            match p {
+                Peer::Nodeguard => format!(
+                    "{:.3} / {:.3} s",
+                    col(p, &|s| s.latency_p50.unwrap_or(f64::NAN)),
+                    col(p, &|s| s.latency_p99.unwrap_or(f64::NAN))
+                ),
+                _ => "(no condition that clears)".into(),
+            },
             format!("{:.0}", col(p, &|s| s.flood_lines_per_cpu_s)),
             format!("{:.2} s", col(p, &|s| s.flood_wall)),
             format!(
@@ -538,7 +637,7 @@ fn main() {
     for (i, name) in names.iter().enumerate() {
         // The default-policy run measures startup and idle only (rows 0-6)
         // and its peak; its log sources are the host's.
-        let d = if (7..11).contains(&i) {
+        let d = if (7..12).contains(&i) {
             "—"
         } else {
             def[i].as_str()

@@ -100,8 +100,8 @@ fn main() {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.into());
     let n: usize = env("NODEGUARD_BENCH_LINES", "1000000").parse().unwrap();
     let runs: usize = env("NODEGUARD_BENCH_RUNS", "5").parse().unwrap();
-    let rss_input = status_mib("VmRSS:");
     let records = stream(n);
+    let rss_input = status_mib("VmRSS:");
     let kernel = default_kernel_monitor();
     // kmsg::parse is part of the rate: the reader parses each record.
     let (kmsg_rate, kmsg_found) = rate(&kernel, runs, |engine, now| {

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
 use crate::k8s::status::{KubeEvents, KubeStatus, observe};
 use crate::k8s::taints::KubeTaints;
-use crate::k8s::watch::{Snapshot, publish_objects};
+use crate::k8s::watch::{Snapshot, keep_whole, publish_objects, trim_pod};
 use crate::monitor::{MonitorContext, MonitorMetrics, run_monitors};
 use crate::policy::monitors::MonitorSpec;
 use crate::policy::probes::ProbeSpec;
@@ -275,6 +275,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         publish_objects(
             Api::<Node>::all(client.clone()),
             watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
+            keep_whole,
             node_loop,
             shutdown.clone(),
             keep.hold(node_tx),
@@ -287,6 +288,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         publish_objects(
             Api::<Pod>::all(client.clone()),
             watcher::Config::default().fields(&format!("spec.nodeName={}", config.node_name)),
+            trim_pod,
             pod_loop,
             shutdown.clone(),
             keep.hold(pod_tx),
@@ -298,6 +300,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         publish_objects(
             Api::<NodeGuardPolicy>::all(client.clone()),
             watcher::Config::default(),
+            keep_whole,
             policy_loop,
             shutdown.clone(),
             keep.hold(policy_tx),

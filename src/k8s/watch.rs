@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::runtime::watcher;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
@@ -36,11 +37,24 @@ pub fn key<K: Resource>(obj: &K) -> String {
     }
 }
 
+/// Keeps a watched object as the API server sent it.
+pub fn keep_whole<K>(_: &mut K) {}
+
+/// What the agent keeps of a watched pod: everything but its
+/// `managedFields`, which nothing in the agent reads and which were a third
+/// of each pod's memory in the pod store (0.7 MiB of 2.0 MiB for 110
+/// pods, heaptrack: ARCHITECTURE, "Footprint"). The Node's are kept: the
+/// condition writer reads which condition types it owns from them.
+pub fn trim_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+}
+
 /// Runs [`watch_objects`] publishing each snapshot on a channel; `None`
 /// until the first list has completed.
 pub async fn publish_objects<K>(
     api: Api<K>,
     config: watcher::Config,
+    trim: fn(&mut K),
     handle: LoopHandle,
     shutdown: CancellationToken,
     tx: tokio::sync::watch::Sender<Option<Snapshot<K>>>,
@@ -51,6 +65,7 @@ pub async fn publish_objects<K>(
     watch_objects(
         api,
         config,
+        trim,
         handle,
         shutdown,
         move |objects: &Snapshot<K>| {
@@ -60,7 +75,8 @@ pub async fn publish_objects<K>(
     .await
 }
 
-/// Runs until `shutdown` is cancelled. `on_change` sees the whole snapshot.
+/// Runs until `shutdown` is cancelled. `on_change` sees the whole snapshot,
+/// each object as `trim` left it ([`keep_whole`], [`trim_pod`]).
 ///
 /// A failing watch is retried after [`WatchBackoff`]'s delay, which grows
 /// while the failure repeats and resets only when objects arrive (a list
@@ -71,6 +87,7 @@ pub async fn publish_objects<K>(
 pub async fn watch_objects<K, F>(
     api: Api<K>,
     config: watcher::Config,
+    trim: fn(&mut K),
     handle: LoopHandle,
     shutdown: CancellationToken,
     mut on_change: F,
@@ -84,7 +101,7 @@ pub async fn watch_objects<K, F>(
         K::plural(&K::DynamicType::default()),
         handle.name()
     );
-    let mut stream = watcher(api, config).boxed();
+    let mut stream = watcher(api, config).modify(trim).boxed();
     let mut backoff = WatchBackoff::default();
     let mut objects: Snapshot<K> = BTreeMap::new();
     let mut listing: Option<Snapshot<K>> = None;

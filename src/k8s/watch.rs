@@ -43,8 +43,11 @@ pub fn keep_whole<K>(_: &mut K) {}
 /// What the agent keeps of a watched pod: everything but its
 /// `managedFields`, which nothing in the agent reads and which were a third
 /// of each pod's memory in the pod store (0.7 MiB of 2.0 MiB for 110
-/// pods, heaptrack: ARCHITECTURE, "Footprint"). The Node's are kept: the
-/// condition writer reads which condition types it owns from them.
+/// pods, heaptrack: ARCHITECTURE, "Footprint"). Code that needs to know who
+/// owns a pod's field must read the pod from the API, not the snapshot. The
+/// Node's are kept: the condition writer reads which condition types it
+/// owns from them. Only the store shrinks: the watch still decodes whole
+/// pods, so a relist's peak is as before.
 pub fn trim_pod(pod: &mut Pod) {
     pod.metadata.managed_fields = None;
 }

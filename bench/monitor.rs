@@ -63,16 +63,6 @@ fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
-fn status_mib(field: &str) -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        / 1024.0
-}
-
 /// Lines per CPU-second through a fresh engine for `spec` (median of
 /// `runs`), and the actions the last run produced. `feed` hands the engine
 /// every line and returns (lines, actions).
@@ -101,7 +91,7 @@ fn main() {
     let n: usize = env("NODEGUARD_BENCH_LINES", "1000000").parse().unwrap();
     let runs: usize = env("NODEGUARD_BENCH_RUNS", "5").parse().unwrap();
     let records = stream(n);
-    let rss_input = status_mib("VmRSS:");
+    let rss_input = common::status_mib(std::process::id(), "VmRSS:");
     let kernel = default_kernel_monitor();
     // kmsg::parse is part of the rate: the reader parses each record.
     let (kmsg_rate, kmsg_found) = rate(&kernel, runs, |engine, now| {
@@ -113,7 +103,7 @@ fn main() {
         }
         (records.len(), actions)
     });
-    let rss_kmsg = status_mib("VmRSS:") - rss_input;
+    let rss_kmsg = common::status_mib(std::process::id(), "VmRSS:") - rss_input;
     drop(records);
 
     let raw = std::fs::read_to_string(support::npd_build_dir().join("kernel-monitor-filelog.json"))
@@ -149,6 +139,6 @@ fn main() {
     );
     println!(
         "\nRSS growth while matching the kmsg records: {rss_kmsg:.1} MiB; peak RSS (with the generated input): {:.1} MiB",
-        status_mib("VmHWM:")
+        common::status_mib(std::process::id(), "VmHWM:")
     );
 }

@@ -447,7 +447,7 @@ impl Bench {
                 .metadata
                 .annotations
                 .as_ref()
-                .and_then(|a| a.get("nodeguard.io/effective-policies"))
+                .and_then(|a| a.get(nodeguard::agent::EFFECTIVE_ANNOTATION))
                 .is_some_and(|v| v.contains(&name));
             if named && condition_is(admin, node, "BenchLatency", "False").await {
                 break;

@@ -177,7 +177,7 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
             .unwrap()
             .metadata
             .annotations
-            .and_then(|m| m.get("nodeguard.io/effective-policies").cloned())
+            .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
     };
     eventually(
         Duration::from_secs(5),
@@ -317,7 +317,7 @@ async fn a_policy_edit_is_one_write_per_node_at_its_point_of_the_spread() {
             .unwrap()
             .metadata
             .annotations
-            .and_then(|m| m.get("nodeguard.io/effective-policies").cloned())
+            .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
     };
     eventually(Duration::from_secs(15), "the policy in force", || async {
         annotation().await == Some(format!("{name}@1"))

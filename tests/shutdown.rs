@@ -530,7 +530,7 @@ async fn effective_policies(nodes: &Api<Node>, node: &str) -> String {
         .unwrap()
         .metadata
         .annotations
-        .and_then(|a| a.get("nodeguard.io/effective-policies").cloned())
+        .and_then(|a| a.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
         .unwrap_or_default()
 }
 

@@ -77,7 +77,7 @@ async fn status_shows_conditions_policies_taints_and_events_of_one_node() {
                 && n.metadata
                     .annotations
                     .as_ref()
-                    .is_some_and(|a| a.contains_key("nodeguard.io/effective-policies"))
+                    .is_some_and(|a| a.contains_key(nodeguard::agent::EFFECTIVE_ANNOTATION))
         },
     )
     .await;

@@ -669,7 +669,7 @@ impl Engine {
                     let message = match &self.rules[r].message {
                         Some(template) => {
                             let mut m = String::new();
-                            match self.patterns.regex(idx).captures(text) {
+                            match self.patterns.regex(idx).and_then(|re| re.captures(text)) {
                                 Some(caps) => caps.expand(template, &mut m),
                                 None => m = template.clone(),
                             }
@@ -677,8 +677,11 @@ impl Engine {
                         }
                         // NPD's message: the lines the match spans.
                         None if self.npd.is_some() => {
-                            let start =
-                                self.patterns.regex(idx).find(text).map_or(0, |m| m.start());
+                            let start = self
+                                .patterns
+                                .regex(idx)
+                                .and_then(|re| re.find(text))
+                                .map_or(0, |m| m.start());
                             // A match starting at a newline starts on the next line.
                             let from = if text.as_bytes().get(start) == Some(&b'\n') {
                                 start + 1

@@ -1,8 +1,10 @@
 //! Compiling a monitor's regular expressions: one `RegexSet` for the pass
-//! over each line, the single regexes for captures, and every bad pattern
-//! reported with its field path. A leaf: both the policy validation
-//! (`nodeguard check`, the agent's policy checks) and the monitor engine
-//! use it, and it uses neither.
+//! over each line, a single pattern's regex (for captures) only when a rule
+//! first needs it, and every bad pattern reported with its field path. A
+//! leaf: both the policy validation (`nodeguard check`, the agent's policy
+//! checks) and the monitor engine use it, and it uses neither.
+
+use std::sync::OnceLock;
 
 use regex::{Regex, RegexSet};
 
@@ -16,10 +18,15 @@ pub struct BadPattern {
 }
 
 /// Compiled patterns, in the order given.
+///
+/// Only the set is compiled up front. A pattern's own regex is compiled the
+/// first time a caller asks for it: most rules never fire on a healthy node,
+/// and compiling every pattern twice held about half of the monitors'
+/// memory and start-up time (ARCHITECTURE.md, "Footprint").
 #[derive(Clone, Debug)]
 pub struct Patterns {
     set: RegexSet,
-    regexes: Vec<Regex>,
+    single: Vec<OnceLock<Option<Regex>>>,
 }
 
 impl Patterns {
@@ -30,31 +37,31 @@ impl Patterns {
         whole: &str,
         patterns: impl IntoIterator<Item = (String, &'a str)>,
     ) -> Result<Patterns, Vec<BadPattern>> {
-        let mut bad = Vec::new();
-        let mut sources = Vec::new();
-        let mut regexes = Vec::new();
-        for (path, pattern) in patterns {
-            match Regex::new(pattern) {
-                Ok(r) => {
-                    sources.push(pattern);
-                    regexes.push(r);
-                }
-                Err(e) => bad.push(BadPattern {
+        let patterns: Vec<(String, &str)> = patterns.into_iter().collect();
+        let set_error = match RegexSet::new(patterns.iter().map(|(_, p)| p)) {
+            Ok(set) => {
+                let single = patterns.iter().map(|_| OnceLock::new()).collect();
+                return Ok(Patterns { set, single });
+            }
+            Err(e) => e,
+        };
+        // Only on failure: which patterns are bad, each by its own path.
+        let bad: Vec<BadPattern> = patterns
+            .into_iter()
+            .filter_map(|(path, pattern)| {
+                Regex::new(pattern).err().map(|e| BadPattern {
                     path,
                     message: format!("invalid regular expression: {e}"),
-                }),
-            }
-        }
-        if !bad.is_empty() {
-            return Err(bad);
-        }
-        let set = RegexSet::new(&sources).map_err(|e| {
-            vec![BadPattern {
+                })
+            })
+            .collect();
+        if bad.is_empty() {
+            return Err(vec![BadPattern {
                 path: whole.to_string(),
-                message: e.to_string(),
-            }]
-        })?;
-        Ok(Patterns { set, regexes })
+                message: set_error.to_string(),
+            }]);
+        }
+        Err(bad)
     }
 
     /// Indices of the patterns matching `line`, in order.
@@ -67,9 +74,20 @@ impl Patterns {
         self.set.matches(line).into_iter().collect()
     }
 
-    /// The pattern at `index` (for captures).
-    pub fn regex(&self, index: usize) -> &Regex {
-        &self.regexes[index]
+    /// The pattern at `index` alone (for captures), compiled on first use.
+    /// `None` only if it compiled within the set but not alone, which the
+    /// regex crate's limits do not allow (a set is at least as large as
+    /// each of its patterns); callers then do without captures.
+    pub fn regex(&self, index: usize) -> Option<&Regex> {
+        self.single[index]
+            .get_or_init(|| Regex::new(&self.set.patterns()[index]).ok())
+            .as_ref()
+    }
+
+    /// How many patterns have their own regex compiled (for tests).
+    #[cfg(test)]
+    fn compiled_alone(&self) -> usize {
+        self.single.iter().filter(|s| s.get().is_some()).count()
     }
 }
 
@@ -83,7 +101,9 @@ mod tests {
             .unwrap();
         assert_eq!(p.matches("fooo"), [0, 1]);
         assert_eq!(p.matches("bar"), Vec::<usize>::new());
-        assert_eq!(&p.regex(1).captures("foo").unwrap()[1], "oo");
+        assert_eq!(p.compiled_alone(), 0);
+        assert_eq!(&p.regex(1).unwrap().captures("foo").unwrap()[1], "oo");
+        assert_eq!(p.compiled_alone(), 1);
         let bad = Patterns::compile(
             "m",
             [
@@ -103,5 +123,17 @@ mod tests {
     fn no_patterns_match_nothing() {
         let p = Patterns::compile("m", std::iter::empty()).unwrap();
         assert!(p.matches("anything").is_empty());
+    }
+
+    #[test]
+    fn patterns_fine_alone_but_too_large_together_are_reported_as_the_whole() {
+        // Each alone is under the size limit; 40 of them are not.
+        let big = "[a-c]{20000}";
+        let paths: Vec<String> = (0..40).map(|i| format!("r[{i}]")).collect();
+        assert!(Regex::new(big).is_ok());
+        let bad = Patterns::compile("spec.monitors[3]", paths.iter().map(|p| (p.clone(), big)))
+            .unwrap_err();
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].path, "spec.monitors[3]");
     }
 }

@@ -40,16 +40,88 @@ pub fn key<K: Resource>(obj: &K) -> String {
 /// Keeps a watched object as the API server sent it.
 pub fn keep_whole<K>(_: &mut K) {}
 
-/// What the agent keeps of a watched pod: everything but its
-/// `managedFields`, which nothing in the agent reads and which were a third
-/// of each pod's memory in the pod store (0.7 MiB of 2.0 MiB for 110
-/// pods, heaptrack: ARCHITECTURE, "Footprint"). Code that needs to know who
-/// owns a pod's field must read the pod from the API, not the snapshot. The
-/// Node's are kept: the condition writer reads which condition types it
-/// owns from them. Only the store shrinks: the watch still decodes whole
-/// pods, so a relist's peak is as before.
+/// What the agent keeps of a watched pod: only the fields its readers use
+/// (the shutdown manager's `pod_facts` and `terminating_since`, the probe
+/// manager's `desired_workers` and `pod_view`); a test holds each of them
+/// to the same answer on a whole pod and on its trimmed copy. The rest
+/// (container specs, volumes, environment, images, container states,
+/// `managedFields`) was most of each pod's memory in the pod store
+/// (ARCHITECTURE, "Footprint"). Code that needs any other field of a pod
+/// must read it from the API, or add it here and to that test. The Node's
+/// are kept whole: the condition writer reads which condition types it
+/// owns from its `managedFields`. Only the store shrinks: the watch still
+/// decodes whole pods, so a relist's peak is as before.
 pub fn trim_pod(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
+    use k8s_openapi::api::core::v1::{
+        ContainerStatus, PodCondition, PodSpec, PodStatus, Toleration,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+    const MIRROR: &str = "kubernetes.io/config.mirror";
+    let meta = std::mem::take(&mut pod.metadata);
+    pod.metadata = ObjectMeta {
+        name: meta.name,
+        namespace: meta.namespace,
+        uid: meta.uid,
+        resource_version: meta.resource_version,
+        labels: meta.labels,
+        annotations: meta
+            .annotations
+            .and_then(|mut a| a.remove_entry(MIRROR))
+            .map(|entry| [entry].into()),
+        owner_references: meta.owner_references.map(|refs| {
+            refs.into_iter()
+                .map(|o| OwnerReference {
+                    kind: o.kind,
+                    controller: o.controller,
+                    ..OwnerReference::default()
+                })
+                .collect()
+        }),
+        deletion_timestamp: meta.deletion_timestamp,
+        deletion_grace_period_seconds: meta.deletion_grace_period_seconds,
+        ..ObjectMeta::default()
+    };
+    pod.spec = pod.spec.take().map(|spec| PodSpec {
+        priority: spec.priority,
+        termination_grace_period_seconds: spec.termination_grace_period_seconds,
+        restart_policy: spec.restart_policy,
+        tolerations: spec.tolerations.map(|ts| {
+            ts.into_iter()
+                .map(|t| Toleration {
+                    key: t.key,
+                    operator: t.operator,
+                    effect: t.effect,
+                    ..Toleration::default()
+                })
+                .collect()
+        }),
+        ..PodSpec::default()
+    });
+    pod.status = pod.status.take().map(|status| PodStatus {
+        phase: status.phase,
+        pod_ip: status.pod_ip,
+        start_time: status.start_time,
+        conditions: status.conditions.map(|cs| {
+            cs.into_iter()
+                .map(|c| PodCondition {
+                    type_: c.type_,
+                    status: c.status,
+                    ..PodCondition::default()
+                })
+                .collect()
+        }),
+        container_statuses: status.container_statuses.map(|cs| {
+            cs.into_iter()
+                .map(|c| ContainerStatus {
+                    name: c.name,
+                    container_id: c.container_id,
+                    ..ContainerStatus::default()
+                })
+                .collect()
+        }),
+        ..PodStatus::default()
+    });
 }
 
 /// Runs [`watch_objects`] publishing each snapshot on a channel; `None`
@@ -312,9 +384,109 @@ fn log_watch_error(what: &str, err: &watcher::Error, failing: &mut Failing) {
     }
 }
 
+/// Pods as a kubelet leaves them, with every field the agent's readers
+/// look at set in some pod, and much they do not: for the tests that hold
+/// each reader to the same answer on a whole pod and on [`trim_pod`]'s copy.
+#[cfg(test)]
+pub(crate) fn realistic_pods() -> Vec<Pod> {
+    let status = |phase: &str, conditions: serde_json::Value| {
+        serde_json::json!({
+            "phase": phase, "podIP": "10.1.2.3", "podIPs": [{"ip": "10.1.2.3"}],
+            "hostIP": "192.168.1.5", "qosClass": "Burstable", "startTime": "2030-01-01T00:00:00Z",
+            "conditions": conditions,
+            "containerStatuses": [
+                {"name": "app", "image": "registry.example/app:1", "imageID": "sha256:aa", "ready": true,
+                 "restartCount": 2, "started": true, "containerID": "containerd://bbb",
+                 "state": {"running": {"startedAt": "2030-01-01T00:00:01Z"}},
+                 "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": "2030-01-01T00:00:00Z"}}},
+                {"name": "side", "image": "registry.example/side:1", "imageID": "sha256:cc", "ready": false,
+                 "restartCount": 0, "containerID": "containerd://aaa", "state": {"waiting": {"reason": "x"}}}
+            ]
+        })
+    };
+    let conditions = |gate: &str, gate_status: &str| {
+        serde_json::json!([
+            {"type": "Ready", "status": "True", "lastTransitionTime": "2030-01-01T00:00:02Z"},
+            {"type": gate, "status": gate_status, "reason": "Probe", "message": "m", "lastProbeTime": null}
+        ])
+    };
+    let spec = |extra: serde_json::Value| {
+        let mut s = serde_json::json!({
+            "containers": [{"name": "app", "image": "registry.example/app:1",
+                "env": [{"name": "A", "value": "b"}], "ports": [{"containerPort": 8080}],
+                "readinessProbe": {"httpGet": {"path": "/", "port": 8080}},
+                "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                "volumeMounts": [{"name": "v", "mountPath": "/v"}]}],
+            "volumes": [{"name": "v", "emptyDir": {}}],
+            "nodeName": "n", "schedulerName": "default-scheduler", "serviceAccountName": "sa",
+            "readinessGates": [{"conditionType": "x/y"}]
+        });
+        s.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        s
+    };
+    let managed = serde_json::json!([{"manager": "kubelet", "operation": "Update", "apiVersion": "v1",
+        "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}}]);
+    let pods = serde_json::json!([
+        {"metadata": {"namespace": "a", "name": "web-1", "uid": "u1", "resourceVersion": "7",
+            "labels": {"app": "web", "tier": "front"},
+            "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}", "x": "y"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": "r", "controller": true}],
+            "managedFields": managed},
+         "spec": spec(serde_json::json!({"priority": 1000, "terminationGracePeriodSeconds": 45,
+            "tolerations": [{"key": "nodeguard.io/shutdown", "operator": "Exists", "effect": "NoSchedule"},
+                            {"key": "other", "operator": "Equal", "value": "v", "effect": "NoExecute", "tolerationSeconds": 30}]})),
+         "status": status("Running", conditions("x/y", "True"))},
+        {"metadata": {"namespace": "kube-system", "name": "proxy-abc", "uid": "u2", "labels": {"app": "proxy"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "proxy", "uid": "d", "controller": true}],
+            "managedFields": managed},
+         "spec": spec(serde_json::json!({"priority": 2000001000, "priorityClassName": "system-node-critical",
+            "tolerations": [{"operator": "Exists"}]})),
+         "status": status("Running", conditions("other/gate", "False"))},
+        {"metadata": {"namespace": "kube-system", "name": "etcd-n", "uid": "u3", "labels": {"component": "etcd"},
+            "annotations": {"kubernetes.io/config.mirror": "hash", "kubernetes.io/config.source": "file"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "n", "uid": "n", "controller": true}]},
+         "spec": spec(serde_json::json!({"priority": 2000001000, "restartPolicy": "Always"})),
+         "status": status("Running", conditions("x/y", "False"))},
+        {"metadata": {"namespace": "a", "name": "leaving", "uid": "u4", "labels": {"app": "web"},
+            "deletionTimestamp": "2030-01-01T00:01:00Z", "deletionGracePeriodSeconds": 30,
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ds", "uid": "d2"}]},
+         "spec": spec(serde_json::json!({"terminationGracePeriodSeconds": 30,
+            "tolerations": [{"key": "", "operator": "Exists", "effect": "NoSchedule"}]})),
+         "status": status("Running", conditions("x/y", "True"))},
+        {"metadata": {"namespace": "b", "name": "job-1", "uid": "u5", "labels": {"app": "web"}},
+         "spec": spec(serde_json::json!({"restartPolicy": "Never",
+            "tolerations": [{"key": "nodeguard.io/shutdown", "operator": "Exists", "effect": "NoExecute"}]})),
+         "status": status("Failed", serde_json::json!([]))},
+        {"metadata": {"namespace": "b", "name": "new", "uid": "u6", "labels": {"app": "web"}},
+         "spec": spec(serde_json::json!({})),
+         "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}},
+        {"metadata": {"namespace": "b", "name": "done", "uid": "u7", "labels": {"app": "web"}},
+         "spec": spec(serde_json::json!({"restartPolicy": "OnFailure"})),
+         "status": status("Succeeded", serde_json::json!([]))}
+    ]);
+    serde_json::from_value(pods).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trimmed_pod_keeps_little_of_a_realistic_one() {
+        for pod in realistic_pods() {
+            let whole = serde_json::to_vec(&pod).unwrap().len();
+            let mut trimmed = pod.clone();
+            trim_pod(&mut trimmed);
+            let kept = serde_json::to_vec(&trimmed).unwrap().len();
+            assert!(kept * 2 < whole, "{kept} of {whole} bytes kept");
+            assert_eq!(trimmed.metadata.managed_fields, None);
+            let mut again = trimmed.clone();
+            trim_pod(&mut again);
+            assert_eq!(again, trimmed, "trimming twice changes nothing");
+        }
+    }
 
     #[test]
     fn backoff_grows_to_its_cap_with_jitter_and_resets() {

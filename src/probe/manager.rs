@@ -887,6 +887,59 @@ mod tests {
     }
 
     #[test]
+    fn probes_see_a_trimmed_pod_as_the_whole_one() {
+        let whole: Snapshot<Pod> = crate::k8s::watch::realistic_pods()
+            .into_iter()
+            .map(|p| (crate::k8s::watch::key(&p), Arc::new(p)))
+            .collect();
+        let trimmed: Snapshot<Pod> = whole
+            .iter()
+            .map(|(k, p)| {
+                let mut p = (**p).clone();
+                crate::k8s::watch::trim_pod(&mut p);
+                (k.clone(), Arc::new(p))
+            })
+            .collect();
+        let specs = vec![
+            spec(
+                serde_json::json!({"name": "web", "pods": {"selector": {"matchLabels": {"app": "web"}}, "namespaces": ["a", "b"]},
+                "tcp": {"port": 80}, "readinessGate": "x/y"}),
+            ),
+            spec(
+                serde_json::json!({"name": "all", "pods": {"selector": {"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}},
+                "httpGet": {"port": 80}, "readinessGate": "x/y"}),
+            ),
+        ];
+        let keys = |pods: &Snapshot<Pod>| {
+            let mut d: Vec<(WorkerKey, Option<String>)> = desired_workers(&specs, Some(pods))
+                .into_iter()
+                .map(|(k, d)| (k, d.uid))
+                .collect();
+            d.sort();
+            d
+        };
+        assert_eq!(keys(&trimmed), keys(&whole));
+        assert!(keys(&whole).len() >= 4, "{:?}", keys(&whole));
+        let now: jiff::Timestamp = "2030-01-01T00:00:30Z".parse().unwrap();
+        for (key, pod) in &whole {
+            for uid in [None, pod.metadata.uid.clone(), Some("other".to_string())] {
+                let def = Def {
+                    spec: specs[0].clone(),
+                    pod: Some(key.clone()),
+                    uid,
+                };
+                for gate in [Some("x/y"), Some("other/gate"), None] {
+                    assert_eq!(
+                        pod_view(&def, Some(&trimmed[key]), gate, now, true),
+                        pod_view(&def, Some(pod), gate, now, true),
+                        "{key}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn desired_workers_follow_selectors_and_namespaces() {
         let specs = vec![
             spec(serde_json::json!({"name": "node", "tcp": {"port": 1}, "conditionType": "X"})),

@@ -223,6 +223,20 @@ mod tests {
     }
 
     #[test]
+    fn a_trimmed_pod_gives_the_same_facts() {
+        for pod in crate::k8s::watch::realistic_pods() {
+            let mut trimmed = pod.clone();
+            crate::k8s::watch::trim_pod(&mut trimmed);
+            assert_eq!(
+                pod_facts(&trimmed),
+                pod_facts(&pod),
+                "{:?}",
+                pod.metadata.name
+            );
+        }
+    }
+
+    #[test]
     fn facts_from_pods() {
         let p = pod(serde_json::json!({
             "metadata": {"namespace": "ns", "name": "web",

@@ -1854,3 +1854,29 @@ async fn a_resumed_shutdown_with_the_policy_unchanged_says_no_policy_change() {
     r.stop.cancel();
     r.task.await.unwrap();
 }
+
+#[test]
+fn trimmed_pods_are_terminating_since_the_same_time() {
+    let whole: Snapshot<Pod> = crate::k8s::watch::realistic_pods()
+        .into_iter()
+        .map(|p| (crate::k8s::watch::key(&p), Arc::new(p)))
+        .collect();
+    let trimmed: Snapshot<Pod> = whole
+        .iter()
+        .map(|(k, p)| {
+            let mut p = (**p).clone();
+            crate::k8s::watch::trim_pod(&mut p);
+            (k.clone(), Arc::new(p))
+        })
+        .collect();
+    for since in ["2030-01-01T00:00:00Z", "2030-01-01T00:00:31Z"] {
+        let since: jiff::Timestamp = since.parse().unwrap();
+        let expected = terminating_since(&Some(whole.clone()), since);
+        assert_eq!(terminating_since(&Some(trimmed.clone()), since), expected);
+    }
+    assert_eq!(
+        terminating_since(&Some(whole), "2030-01-01T00:00:00Z".parse().unwrap()).len(),
+        1,
+        "the fixture has a deleting pod"
+    );
+}

@@ -80,7 +80,8 @@ struct Def {
 }
 
 struct Running {
-    def: Def,
+    /// Shared with the worker's task.
+    def: Arc<Def>,
     trigger: Arc<Notify>,
     stop: CancellationToken,
     task: JoinHandle<()>,
@@ -198,7 +199,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
             .iter()
             .filter(|(key, r)| {
                 let existing = Existing {
-                    same: desired.get(*key) == Some(&r.def),
+                    same: desired.get(*key) == Some(&*r.def),
                     panicked: r.panicked.load(Ordering::SeqCst),
                 };
                 core::reconcile(Some(existing), desired.contains_key(*key)) == Some(Step::Stop)
@@ -226,7 +227,7 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
         // Start new and changed ones.
         for (key, def) in desired {
             let existing = running.get(&key).map(|r| Existing {
-                same: r.def == def,
+                same: *r.def == def,
                 panicked: r.panicked.load(Ordering::SeqCst),
             });
             if core::reconcile(existing, true) != Some(Step::Start) {
@@ -236,19 +237,15 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
             let trigger = Arc::new(Notify::new());
             let stop_worker = stop.child_token();
             let panicked = Arc::new(AtomicBool::new(false));
-            let task = tokio::spawn(supervised(
+            let def = Arc::new(def);
+            let task = tokio::spawn(worker_task(
                 shared.clone(),
                 key.clone(),
-                panicked.clone(),
+                def.clone(),
+                trigger.clone(),
                 stop_worker.clone(),
-                run_worker(
-                    shared.clone(),
-                    key.clone(),
-                    def.clone(),
-                    trigger.clone(),
-                    stop_worker.clone(),
-                    retiring.remove(&key),
-                ),
+                retiring.remove(&key),
+                panicked.clone(),
             ));
             running.insert(
                 key,
@@ -302,6 +299,30 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
 /// target, `nodeguard_probe_worker_panics_total`, and after
 /// [`PANIC_RESTART_DELAY`] the flag that has the manager restart it (a
 /// worker that ends normally is not restarted).
+/// A worker's task: [`run_worker`] under [`supervised`]. The worker is
+/// boxed: an async fn's future keeps its argument both as given and as
+/// moved into its own state, and the worker's is the bulk of the task.
+#[allow(clippy::too_many_arguments)]
+fn worker_task<P: PodConditionPort>(
+    shared: Arc<Shared<P>>,
+    key: WorkerKey,
+    def: Arc<Def>,
+    trigger: Arc<Notify>,
+    stop: CancellationToken,
+    after: Option<JoinHandle<()>>,
+    panicked: Arc<AtomicBool>,
+) -> impl Future<Output = ()> {
+    let worker = Box::pin(run_worker(
+        shared.clone(),
+        key.clone(),
+        def,
+        trigger,
+        stop.clone(),
+        after,
+    ));
+    supervised(shared, key, panicked, stop, worker)
+}
+
 async fn supervised<P>(
     shared: Arc<Shared<P>>,
     key: WorkerKey,
@@ -588,7 +609,7 @@ fn pod_view(
 async fn run_worker<P: PodConditionPort>(
     shared: Arc<Shared<P>>,
     key: WorkerKey,
-    def: Def,
+    def: Arc<Def>,
     trigger: Arc<Notify>,
     stop: CancellationToken,
     after: Option<JoinHandle<()>>,
@@ -638,12 +659,16 @@ async fn run_worker<P: PodConditionPort>(
         if tick == Tick::Probe
             && let Some(action) = action(spec, ip.as_deref())
         {
-            let probe = async {
+            // Boxed, here and for the write below: a task is as large as
+            // the largest state it can wait in, and an HTTP client's or the
+            // API client's request is several KiB. Inline, every worker
+            // would hold that between probes too.
+            let probe = Box::pin(async {
                 let _permit = shared.concurrency.acquire().await;
                 let started = Instant::now();
                 let outcome = shared.probers.run(&action, timeout).await;
                 (outcome, started.elapsed())
-            };
+            });
             // A stopped worker abandons its probe at once: its successor
             // is waiting for it to end.
             let (outcome, took) = tokio::select! {
@@ -679,7 +704,7 @@ async fn run_worker<P: PodConditionPort>(
             } else {
                 failing_since = None;
             }
-            if publish(
+            if Box::pin(publish(
                 &shared,
                 &key,
                 &def,
@@ -687,7 +712,7 @@ async fn run_worker<P: PodConditionPort>(
                 result,
                 &detail,
                 failing_since,
-            )
+            ))
             .await
             {
                 worker.wrote(result);
@@ -1115,6 +1140,62 @@ mod tests {
                 .send((pod.to_string(), uid.map(str::to_string), passing));
             Ok(())
         }
+    }
+
+    /// A task is as large as the largest state its future can wait in. A
+    /// worker spends nearly all its life waiting for its next tick; the
+    /// HTTP client's and the API client's requests (several KiB) must not
+    /// be part of that state, or 10,000 workers hold them all the time.
+    #[tokio::test]
+    async fn a_worker_task_is_small_between_probes() {
+        use crate::report::{ReportConfig, Reporter};
+        let client =
+            kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap()))
+                .unwrap();
+        let mut registry = prometheus_client::registry::Registry::default();
+        let (reporter, _queue) = Reporter::new(&ReportConfig::default(), &mut registry);
+        let (_pods_tx, pods) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            probers: Probers::new(),
+            reporter,
+            pod_port: crate::probe::KubePodConditions::new(client),
+            metrics: ProbeMetrics::register(&mut registry),
+            pods,
+            startup: Mutex::new(HashMap::new()),
+            concurrency: Semaphore::new(MAX_CONCURRENT_PROBES),
+            agent_start: Instant::now(),
+            respawn: Notify::new(),
+        });
+        let key = || -> WorkerKey { ("web".into(), "a/p".into()) };
+        let def = Arc::new(Def {
+            spec: spec(serde_json::json!({"name": "web", "pods": {"selector": {}},
+                "httpGet": {"port": 80}, "readinessGate": "x/y"})),
+            pod: Some("a/p".into()),
+            uid: None,
+        });
+        let stop = CancellationToken::new();
+        let trigger = Arc::new(Notify::new());
+        let worker = run_worker(
+            shared.clone(),
+            key(),
+            def.clone(),
+            trigger.clone(),
+            stop.clone(),
+            None,
+        );
+        let task = worker_task(
+            shared,
+            key(),
+            def,
+            trigger,
+            stop,
+            None,
+            Arc::new(AtomicBool::new(false)),
+        );
+        // The worker is boxed inside the task: together what one worker
+        // holds while it waits.
+        let bytes = std::mem::size_of_val(&worker) + std::mem::size_of_val(&task);
+        assert!(bytes <= 1536, "a worker holds {bytes} bytes of task state");
     }
 
     #[tokio::test(start_paused = true)]

@@ -58,6 +58,45 @@ fn check_reports_unreadable_and_foreign_files() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A rule whose message uses captures runs its pattern alone, where capture
+/// groups count toward the size limit; the set of the monitor's patterns
+/// leaves them out. Such a pattern must be refused by its path, not accepted
+/// and then fire with "$1" unexpanded.
+#[test]
+fn check_refuses_a_pattern_too_large_alone_where_its_captures_are_used() {
+    let dir = std::env::temp_dir().join(support::unique_name("check-big"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = |message: &str| {
+        format!(
+            "apiVersion: nodeguard.io/v1alpha1
+kind: NodeGuardPolicy
+metadata: {{name: big-capture}}
+spec:
+  monitors:
+  - name: kernel
+    source: {{kmsg: {{path: /dev/kmsg}}}}
+    conditions:
+    - {{type: Big, reason: NoBig, message: fine}}
+    rules:
+    - {{type: permanent, condition: Big, reason: Big, pattern: '(a){{150000}}', message: '{message}'}}
+"
+        )
+    };
+    let f = dir.join("policy.yaml");
+    std::fs::write(&f, policy("got $1")).unwrap();
+    let (code, out, _) = nodeguard(&["check", "-f", f.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("spec.monitors[0].rules[0].pattern: invalid regular expression"),
+        "{out}"
+    );
+    // Without captures in its message only the set runs it: valid.
+    std::fs::write(&f, policy("a long run of a")).unwrap();
+    let (code, out, err) = nodeguard(&["check", "-f", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn version_and_help() {
     let (code, out, _) = nodeguard(&["version"]);

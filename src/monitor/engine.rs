@@ -667,6 +667,8 @@ impl Engine {
                 PatternOf::Revert(r) => self.revert(r, now),
                 PatternOf::Rule(r) => {
                     let message = match &self.rules[r].message {
+                        // Without `$` there is nothing to expand.
+                        Some(template) if !template.contains('$') => template.clone(),
                         Some(template) => {
                             let mut m = String::new();
                             match self.patterns.regex(idx).and_then(|re| re.captures(text)) {

@@ -155,21 +155,30 @@ impl MonitorSpec {
     ) -> Result<(Patterns, Vec<PatternOf>), Vec<BadPattern>> {
         let all = self.patterns(path);
         let of = all.iter().map(|(o, _, _)| *o).collect();
+        // A rule's pattern runs alone when the rule fires with captures in
+        // its message, or, NPD-style, to find where its match starts.
+        let alone = |of: &PatternOf| match *of {
+            PatternOf::Rule(r) => match &self.rules[r].message {
+                Some(m) => m.contains('$'),
+                None => self.npd_matching.is_some(),
+            },
+            PatternOf::Clear(_) | PatternOf::Revert(_) => false,
+        };
         let compiled = match &self.npd_matching {
-            None => Patterns::compile(path, all.into_iter().map(|(_, at, p)| (at, p)))?,
+            None => Patterns::compile(path, all.into_iter().map(|(o, at, p)| (at, p, alone(&o))))?,
             Some(_) => {
                 // NPD's patterns are Go's (RE2): translated so they match
                 // what they matched there. A bad pattern is reported as
                 // written.
                 let mut bad = Vec::new();
-                let mut anchored: Vec<(String, String)> = Vec::new();
-                for (_, at, p) in all {
+                let mut anchored: Vec<(String, String, bool)> = Vec::new();
+                for (o, at, p) in all {
                     match super::goregex::translate(p) {
                         // NPD appends `\z`: the match must end where the
                         // newest line does. Appended as NPD appends it,
                         // without a group: in `A|B` only B is anchored, in
                         // NPD and here.
-                        Ok(rust) => anchored.push((at, format!("{rust}\\z"))),
+                        Ok(rust) => anchored.push((at, format!("{rust}\\z"), alone(&o))),
                         Err(e) => bad.push(BadPattern {
                             path: at,
                             message: e,
@@ -181,7 +190,9 @@ impl MonitorSpec {
                 }
                 Patterns::compile(
                     path,
-                    anchored.iter().map(|(at, p)| (at.clone(), p.as_str())),
+                    anchored
+                        .iter()
+                        .map(|(at, p, alone)| (at.clone(), p.as_str(), *alone)),
                 )?
             }
         };

@@ -19,10 +19,10 @@ pub struct BadPattern {
 
 /// Compiled patterns, in the order given.
 ///
-/// Only the set is compiled up front. A pattern's own regex is compiled the
-/// first time a caller asks for it: most rules never fire on a healthy node,
-/// and compiling every pattern twice held about half of the monitors'
-/// memory and start-up time (ARCHITECTURE.md, "Footprint").
+/// Only the set is kept compiled up front. A pattern's own regex (for
+/// captures) is compiled the first time a caller asks for it: most rules
+/// never fire on a healthy node, and keeping every pattern compiled twice
+/// held about half of the monitors' memory (ARCHITECTURE.md, "Footprint").
 #[derive(Clone, Debug)]
 pub struct Patterns {
     set: RegexSet,
@@ -30,38 +30,43 @@ pub struct Patterns {
 }
 
 impl Patterns {
-    /// Compiles `(field path, pattern)` pairs; every bad one is reported.
-    /// `whole` is the path reported when they compile alone but not
-    /// together (the set's size limit).
+    /// Compiles `(field path, pattern, alone)` triples; every bad one is
+    /// reported. `alone` marks a pattern that will be used on its own (for
+    /// captures): it is compiled alone here too, and dropped, because alone
+    /// it keeps the capture groups the set leaves out and can pass the size
+    /// limit where the set did not. `whole` is the path reported when the
+    /// patterns compile alone but not together (the set's size limit).
     pub fn compile<'a>(
         whole: &str,
-        patterns: impl IntoIterator<Item = (String, &'a str)>,
+        patterns: impl IntoIterator<Item = (String, &'a str, bool)>,
     ) -> Result<Patterns, Vec<BadPattern>> {
-        let patterns: Vec<(String, &str)> = patterns.into_iter().collect();
-        let set_error = match RegexSet::new(patterns.iter().map(|(_, p)| p)) {
-            Ok(set) => {
-                let single = patterns.iter().map(|_| OnceLock::new()).collect();
-                return Ok(Patterns { set, single });
-            }
-            Err(e) => e,
-        };
-        // Only on failure: which patterns are bad, each by its own path.
+        let patterns: Vec<(String, &str, bool)> = patterns.into_iter().collect();
+        let set = RegexSet::new(patterns.iter().map(|(_, p, _)| p));
+        // Each pattern alone: those used alone, and every one when the set
+        // failed (to name the bad ones).
         let bad: Vec<BadPattern> = patterns
-            .into_iter()
-            .filter_map(|(path, pattern)| {
+            .iter()
+            .filter(|(_, _, alone)| *alone || set.is_err())
+            .filter_map(|(path, pattern, _)| {
                 Regex::new(pattern).err().map(|e| BadPattern {
-                    path,
+                    path: path.clone(),
                     message: format!("invalid regular expression: {e}"),
                 })
             })
             .collect();
-        if bad.is_empty() {
-            return Err(vec![BadPattern {
-                path: whole.to_string(),
-                message: set_error.to_string(),
-            }]);
+        if !bad.is_empty() {
+            return Err(bad);
         }
-        Err(bad)
+        match set {
+            Ok(set) => Ok(Patterns {
+                set,
+                single: patterns.iter().map(|_| OnceLock::new()).collect(),
+            }),
+            Err(e) => Err(vec![BadPattern {
+                path: whole.to_string(),
+                message: e.to_string(),
+            }]),
+        }
     }
 
     /// Indices of the patterns matching `line`, in order.
@@ -75,12 +80,19 @@ impl Patterns {
     }
 
     /// The pattern at `index` alone (for captures), compiled on first use.
-    /// `None` only if it compiled within the set but not alone, which the
-    /// regex crate's limits do not allow (a set is at least as large as
-    /// each of its patterns); callers then do without captures.
+    /// `None` only for a pattern not marked `alone` in [`Patterns::compile`]
+    /// that does not compile alone (logged once); callers then do without
+    /// captures.
     pub fn regex(&self, index: usize) -> Option<&Regex> {
         self.single[index]
-            .get_or_init(|| Regex::new(&self.set.patterns()[index]).ok())
+            .get_or_init(|| {
+                let pattern = &self.set.patterns()[index];
+                Regex::new(pattern)
+                    .inspect_err(|e| {
+                        tracing::warn!(%pattern, error = %e, "a monitor pattern does not compile on its own; its rule's message goes without captures")
+                    })
+                    .ok()
+            })
             .as_ref()
     }
 
@@ -97,8 +109,14 @@ mod tests {
 
     #[test]
     fn compiles_matches_in_order_and_reports_every_bad_pattern() {
-        let p = Patterns::compile("m", [("a".to_string(), "foo"), ("b".to_string(), r"f(o+)")])
-            .unwrap();
+        let p = Patterns::compile(
+            "m",
+            [
+                ("a".to_string(), "foo", false),
+                ("b".to_string(), r"f(o+)", true),
+            ],
+        )
+        .unwrap();
         assert_eq!(p.matches("fooo"), [0, 1]);
         assert_eq!(p.matches("bar"), Vec::<usize>::new());
         assert_eq!(p.compiled_alone(), 0);
@@ -107,9 +125,9 @@ mod tests {
         let bad = Patterns::compile(
             "m",
             [
-                ("x.pattern".to_string(), "("),
-                ("ok".to_string(), "fine"),
-                ("y.clearPattern".to_string(), "["),
+                ("x.pattern".to_string(), "(", false),
+                ("ok".to_string(), "fine", true),
+                ("y.clearPattern".to_string(), "[", false),
             ],
         )
         .unwrap_err();
@@ -131,9 +149,24 @@ mod tests {
         let big = "[a-c]{20000}";
         let paths: Vec<String> = (0..40).map(|i| format!("r[{i}]")).collect();
         assert!(Regex::new(big).is_ok());
-        let bad = Patterns::compile("spec.monitors[3]", paths.iter().map(|p| (p.clone(), big)))
-            .unwrap_err();
+        let bad = Patterns::compile(
+            "spec.monitors[3]",
+            paths.iter().map(|p| (p.clone(), big, false)),
+        )
+        .unwrap_err();
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].path, "spec.monitors[3]");
+    }
+
+    #[test]
+    fn a_pattern_used_alone_is_checked_alone() {
+        // Capture groups count alone but not in the set: this one fits the
+        // size limit in the set and not alone.
+        let big = "(a){150000}";
+        let bad = Patterns::compile("m", [("r.pattern".to_string(), big, true)]).unwrap_err();
+        assert_eq!(bad[0].path, "r.pattern");
+        assert!(bad[0].message.starts_with("invalid regular expression"));
+        // Not used alone: the set is all that runs, and it compiles.
+        assert!(Patterns::compile("m", [("r.clearPattern".to_string(), big, false)]).is_ok());
     }
 }

@@ -18,7 +18,7 @@ use nodeguard::policy::NodeGuardPolicy;
 use support::dbus::{LogindPeer, PrivateBus};
 use support::pods::{
     PodsInThreeGroups, delete_pdb, ensure_priority_class, kubelet_sim, pods_in_three_groups,
-    running_pod,
+    running_pod, running_pod_with,
 };
 use support::*;
 
@@ -141,6 +141,25 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
         high,
         pdb: pdb_name,
     } = pods_in_three_groups(&s.admin, &s.node.name).await;
+    // In the first group too: one pod tolerating the shutdown taint by its
+    // value (left alone, as the scheduler would let it stay), one whose
+    // toleration names another value (terminated with its group).
+    let (tolerating, other_value) = (unique_name("tolerating"), unique_name("other-value"));
+    for (name, value) in [
+        (&tolerating, "shutting-down"),
+        (&other_value, "maintenance"),
+    ] {
+        running_pod_with(
+            &s.admin,
+            &s.node.name,
+            name,
+            "nodeguard-test-low",
+            serde_json::json!({"app": "low"}),
+            serde_json::json!({"tolerations": [
+                {"key": "nodeguard.io/shutdown", "operator": "Equal", "value": value, "effect": "NoSchedule"}]}),
+        )
+        .await;
+    }
 
     let (sim_marked, sim) = kubelet_sim(s.admin.clone(), s.node.name.clone());
     let (agent, _state) = s.start_agent().await;
@@ -182,7 +201,7 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     )
     .await;
     // Pods must be in the agent's view before the signal.
-    agent_sees_pods(&agent, 3).await;
+    agent_sees_pods(&agent, 5).await;
 
     // Timestamp the Node's versions as the API server sends them (a watch),
     // rather than by polling, so the measurement adds no load or delay.
@@ -244,6 +263,14 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     let (t_low, t_mid, t_high) = (at(&low), at(&mid), at(&high));
     eprintln!("terminated: low {t_low:?}, mid (PDB) {t_mid:?}, critical {t_high:?}");
     assert!(t_low < t_mid && t_mid < t_high, "groups in order");
+    assert!(
+        at(&other_value) < t_mid,
+        "a toleration of another value does not tolerate the taint"
+    );
+    assert!(
+        !marked.contains_key(&tolerating),
+        "the pod tolerating the taint was left alone: {marked:?}"
+    );
     // Escalated at 50 % of its 6 s window, which opened when the low pod was gone.
     assert!(
         t_mid >= t_low + Duration::from_millis(2_500),
@@ -275,12 +302,16 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
         metrics.contains("nodeguard_shutdown_pods_total{group=\"1000\",outcome=\"escalated\"} 1"),
         "{metrics}"
     );
-    assert!(metrics.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"evicted\"} 1"));
+    assert!(
+        metrics.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"evicted\"} 2"),
+        "the low pod and the one tolerating another value: {metrics}"
+    );
     assert!(metrics.contains("nodeguard_shutdown_inhibitor_held 0"));
 
     sim.abort();
     agent.stop().await;
     delete_pdb(&s.admin, &pdb_name).await;
+    force_delete(&s.admin, &[&tolerating]).await;
     s.cleanup().await;
 }
 

@@ -91,6 +91,7 @@ pub fn trim_pod(pod: &mut Pod) {
                 .map(|t| Toleration {
                     key: t.key,
                     operator: t.operator,
+                    value: t.value,
                     effect: t.effect,
                     ..Toleration::default()
                 })
@@ -459,6 +460,14 @@ pub(crate) fn realistic_pods() -> Vec<Pod> {
          "spec": spec(serde_json::json!({"restartPolicy": "Never",
             "tolerations": [{"key": "nodeguard.io/shutdown", "operator": "Exists", "effect": "NoExecute"}]})),
          "status": status("Failed", serde_json::json!([]))},
+        {"metadata": {"namespace": "b", "name": "tolerates-by-value", "uid": "u8", "labels": {"app": "db"}},
+         "spec": spec(serde_json::json!({"tolerations": [
+            {"key": "nodeguard.io/shutdown", "operator": "Equal", "value": "shutting-down", "effect": "NoSchedule"}]})),
+         "status": status("Running", serde_json::json!([]))},
+        {"metadata": {"namespace": "b", "name": "another-value", "uid": "u9", "labels": {"app": "db"}},
+         "spec": spec(serde_json::json!({"tolerations": [
+            {"key": "nodeguard.io/shutdown", "value": "maintenance"}]})),
+         "status": status("Running", serde_json::json!([]))},
         {"metadata": {"namespace": "b", "name": "new", "uid": "u6", "labels": {"app": "web"}},
          "spec": spec(serde_json::json!({})),
          "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}},

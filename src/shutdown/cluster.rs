@@ -15,7 +15,7 @@ use super::core::PodFacts;
 use crate::k8s::taints;
 use crate::policy::Selector;
 
-pub use super::core::{TAINT_EFFECT, TAINT_KEY};
+pub use super::core::{TAINT_EFFECT, TAINT_KEY, TAINT_VALUE};
 
 /// The outcome of one eviction request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,17 +70,28 @@ pub fn pod_facts(pod: &Pod) -> PodFacts {
             .annotations
             .as_ref()
             .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror")),
+        // As the scheduler matches a toleration to a taint: the effect and
+        // the key when given (no key: operator Exists, every taint), then
+        // Exists takes any value and Equal (the default) only the same.
         tolerates_shutdown: spec.and_then(|s| s.tolerations.as_ref()).is_some_and(|ts| {
             ts.iter().any(|t| {
+                let exists = t.operator.as_deref() == Some("Exists");
                 let key_ok = match t.key.as_deref() {
-                    None | Some("") => t.operator.as_deref() == Some("Exists"),
+                    None | Some("") => exists,
                     Some(k) => k == TAINT_KEY,
                 };
                 let effect_ok = t
                     .effect
                     .as_deref()
                     .is_none_or(|e| e.is_empty() || e == TAINT_EFFECT);
-                key_ok && effect_ok
+                let value_ok = match t.operator.as_deref() {
+                    Some("Exists") => true,
+                    None | Some("") | Some("Equal") => {
+                        t.value.as_deref().unwrap_or_default() == TAINT_VALUE
+                    }
+                    Some(_) => false,
+                };
+                key_ok && effect_ok && value_ok
             })
         }),
         terminal: matches!(
@@ -159,7 +170,7 @@ impl ClusterPort for KubeCluster {
             &self.client,
             &self.node_name,
             TAINT_KEY,
-            "shutting-down",
+            TAINT_VALUE,
             TAINT_EFFECT,
         )
         .await?)
@@ -274,6 +285,28 @@ mod tests {
             !pod_facts(&p).tolerates_shutdown,
             "another effect or key does not count"
         );
+
+        // Equal (the default operator) needs the taint's value.
+        let with = |toleration: serde_json::Value| {
+            pod_facts(&pod(serde_json::json!({
+                "metadata": {"namespace": "ns", "name": "x"},
+                "spec": {"containers": [], "tolerations": [toleration]},
+            })))
+            .tolerates_shutdown
+        };
+        assert!(with(
+            serde_json::json!({"key": "nodeguard.io/shutdown", "operator": "Equal", "value": "shutting-down"})
+        ));
+        assert!(with(
+            serde_json::json!({"key": "nodeguard.io/shutdown", "value": "shutting-down", "effect": "NoSchedule"})
+        ));
+        assert!(!with(
+            serde_json::json!({"key": "nodeguard.io/shutdown", "operator": "Equal", "value": "maintenance"})
+        ));
+        assert!(!with(serde_json::json!({"key": "nodeguard.io/shutdown"})));
+        assert!(!with(
+            serde_json::json!({"key": "nodeguard.io/shutdown", "operator": "Lt", "value": "shutting-down"})
+        ));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use crate::report::{Desired, Status};
 
 /// The taint nodeguard puts on a node that is shutting down.
 pub const TAINT_KEY: &str = "nodeguard.io/shutdown";
+pub const TAINT_VALUE: &str = "shutting-down";
 pub const TAINT_EFFECT: &str = "NoSchedule";
 
 /// The priority of `system-cluster-critical`/`system-node-critical` pods'

@@ -40,14 +40,29 @@ pub async fn running_pod(
     class: &str,
     labels: serde_json::Value,
 ) {
+    running_pod_with(client, node, name, class, labels, serde_json::json!({})).await
+}
+
+/// [`running_pod`] with more fields in its spec (`spec`, an object).
+pub async fn running_pod_with(
+    client: &Client,
+    node: &str,
+    name: &str,
+    class: &str,
+    labels: serde_json::Value,
+    spec: serde_json::Value,
+) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), TEST_NAMESPACE);
-    let pod: Pod = serde_json::from_value(serde_json::json!({
+    let mut value = serde_json::json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": labels},
         "spec": {"nodeName": node, "priorityClassName": class, "terminationGracePeriodSeconds": 30,
                  "containers": [{"name": "c", "image": "example.invalid/app"}]},
-    }))
-    .unwrap();
+    });
+    if let (Some(base), Some(more)) = (value["spec"].as_object_mut(), spec.as_object()) {
+        base.extend(more.clone());
+    }
+    let pod: Pod = serde_json::from_value(value).unwrap();
     // The API server's priority admission reads PriorityClasses from its
     // cache: one created a moment ago may not be there yet.
     let mut tries = 0;

@@ -306,17 +306,31 @@ impl Bench {
         let deadline = t0 + Duration::from_secs(120);
         let ready_port = p.ready_port;
         let label = peer.label();
+        // Both polls check that the peer is still running (the borrow is
+        // never held across an await).
+        let child = std::cell::RefCell::new(&mut p.child);
+        let running = || {
+            assert!(
+                child.borrow_mut().try_wait().unwrap().is_none(),
+                "{label} exited; log in {}",
+                dir.display()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{label} did not start within 120 s; log in {}",
+                dir.display()
+            );
+        };
         let ready = async {
             let port = ready_port?;
             loop {
                 if let Some((200, _)) = try_get(port, "/readyz").await {
                     return Some(t0.elapsed().as_secs_f64());
                 }
-                assert!(Instant::now() < deadline, "{label} not ready within 120 s");
+                running();
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         };
-        let child = &mut p.child;
         let condition = async {
             loop {
                 if condition_status(&admin, &node.name, "KernelDeadlock")
@@ -325,15 +339,7 @@ impl Bench {
                 {
                     return t0.elapsed().as_secs_f64();
                 }
-                assert!(
-                    child.try_wait().unwrap().is_none(),
-                    "{label} exited; log in {}",
-                    dir.display()
-                );
-                assert!(
-                    Instant::now() < deadline,
-                    "{label} did not start within 120 s"
-                );
+                running();
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         };

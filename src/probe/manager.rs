@@ -295,10 +295,6 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
     }
 }
 
-/// Runs a worker's task; when it panics: an ERROR naming the probe and its
-/// target, `nodeguard_probe_worker_panics_total`, and after
-/// [`PANIC_RESTART_DELAY`] the flag that has the manager restart it (a
-/// worker that ends normally is not restarted).
 /// A worker's task: [`run_worker`] under [`supervised`]. The worker is
 /// boxed: an async fn's future keeps its argument both as given and as
 /// moved into its own state, and the worker's is the bulk of the task.
@@ -323,6 +319,10 @@ fn worker_task<P: PodConditionPort>(
     supervised(shared, key, panicked, stop, worker)
 }
 
+/// Runs a worker's task; when it panics: an ERROR naming the probe and its
+/// target, `nodeguard_probe_worker_panics_total`, and after
+/// [`PANIC_RESTART_DELAY`] the flag that has the manager restart it (a
+/// worker that ends normally is not restarted).
 async fn supervised<P>(
     shared: Arc<Shared<P>>,
     key: WorkerKey,

@@ -97,6 +97,42 @@ spec:
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The shutdown's taint is nodeguard's: a monitor condition tainting with
+/// its key (another value) would stand in its place during a shutdown, and
+/// the pods tolerating it would be chosen by the wrong value.
+#[test]
+fn check_refuses_a_monitor_taint_with_the_shutdown_taints_key() {
+    let dir = std::env::temp_dir().join(support::unique_name("check-taint"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("policy.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: nodeguard.io/v1alpha1
+kind: NodeGuardPolicy
+metadata: {name: borrowed-taint}
+spec:
+  monitors:
+  - name: kernel
+    source: {kmsg: {path: /dev/kmsg}}
+    conditions:
+    - type: Broken
+      reason: NotBroken
+      message: fine
+      taint: {key: nodeguard.io/shutdown, value: maintenance, effect: NoSchedule}
+    rules:
+    - {type: permanent, condition: Broken, reason: Broken, pattern: 'broken'}
+",
+    )
+    .unwrap();
+    let (code, out, _) = nodeguard(&["check", "-f", f.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("spec.monitors[0].conditions[0].taint.key: nodeguard.io/shutdown is the graceful shutdown's taint"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn version_and_help() {
     let (code, out, _) = nodeguard(&["version"]);

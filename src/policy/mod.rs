@@ -22,6 +22,10 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// The taint the graceful shutdown puts on its node (value `shutting-down`,
+/// NoSchedule); reserved: a monitor condition may not taint with this key.
+pub const SHUTDOWN_TAINT_KEY: &str = "nodeguard.io/shutdown";
+
 pub use load::{PolicyDocument, load_policies};
 pub use select::{
     MAX_CONDITIONS, MAX_MONITORS, MAX_PROBES, OverLimit, Selection, select, select_with_last_good,

@@ -551,6 +551,17 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                     ));
                 }
                 check_label_key(&t.key, &format!("{cat}.taint.key"), &mut problems);
+                if t.key == super::SHUTDOWN_TAINT_KEY {
+                    // The shutdown's taint: which pods tolerate it is decided by
+                    // its value, and a monitor's would stand in its place.
+                    problems.push(Problem::new(
+                        format!("{cat}.taint.key"),
+                        format!(
+                            "{} is the graceful shutdown's taint; give the condition its own taint key",
+                            super::SHUTDOWN_TAINT_KEY
+                        ),
+                    ));
+                }
                 if !matches!(
                     t.effect.as_str(),
                     "NoSchedule" | "PreferNoSchedule" | "NoExecute"

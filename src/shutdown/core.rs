@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::report::{Desired, Status};
 
 /// The taint nodeguard puts on a node that is shutting down.
-pub const TAINT_KEY: &str = "nodeguard.io/shutdown";
+pub const TAINT_KEY: &str = crate::policy::SHUTDOWN_TAINT_KEY;
 pub const TAINT_VALUE: &str = "shutting-down";
 pub const TAINT_EFFECT: &str = "NoSchedule";
 

@@ -478,6 +478,24 @@ pub(crate) fn realistic_pods() -> Vec<Pod> {
     serde_json::from_value(pods).unwrap()
 }
 
+/// [`realistic_pods`] as a snapshot: whole, and as the pod watch keeps them.
+#[cfg(test)]
+pub(crate) fn realistic_snapshots() -> (Snapshot<Pod>, Snapshot<Pod>) {
+    let whole: Snapshot<Pod> = realistic_pods()
+        .into_iter()
+        .map(|p| (key(&p), Arc::new(p)))
+        .collect();
+    let trimmed = whole
+        .iter()
+        .map(|(k, p)| {
+            let mut p = (**p).clone();
+            trim_pod(&mut p);
+            (k.clone(), Arc::new(p))
+        })
+        .collect();
+    (whole, trimmed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -913,18 +913,7 @@ mod tests {
 
     #[test]
     fn probes_see_a_trimmed_pod_as_the_whole_one() {
-        let whole: Snapshot<Pod> = crate::k8s::watch::realistic_pods()
-            .into_iter()
-            .map(|p| (crate::k8s::watch::key(&p), Arc::new(p)))
-            .collect();
-        let trimmed: Snapshot<Pod> = whole
-            .iter()
-            .map(|(k, p)| {
-                let mut p = (**p).clone();
-                crate::k8s::watch::trim_pod(&mut p);
-                (k.clone(), Arc::new(p))
-            })
-            .collect();
+        let (whole, trimmed) = crate::k8s::watch::realistic_snapshots();
         let specs = vec![
             spec(
                 serde_json::json!({"name": "web", "pods": {"selector": {"matchLabels": {"app": "web"}}, "namespaces": ["a", "b"]},

@@ -1857,18 +1857,7 @@ async fn a_resumed_shutdown_with_the_policy_unchanged_says_no_policy_change() {
 
 #[test]
 fn trimmed_pods_are_terminating_since_the_same_time() {
-    let whole: Snapshot<Pod> = crate::k8s::watch::realistic_pods()
-        .into_iter()
-        .map(|p| (crate::k8s::watch::key(&p), Arc::new(p)))
-        .collect();
-    let trimmed: Snapshot<Pod> = whole
-        .iter()
-        .map(|(k, p)| {
-            let mut p = (**p).clone();
-            crate::k8s::watch::trim_pod(&mut p);
-            (k.clone(), Arc::new(p))
-        })
-        .collect();
+    let (whole, trimmed) = crate::k8s::watch::realistic_snapshots();
     for since in ["2030-01-01T00:00:00Z", "2030-01-01T00:00:31Z"] {
         let since: jiff::Timestamp = since.parse().unwrap();
         let expected = terminating_since(&Some(whole.clone()), since);

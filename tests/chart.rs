@@ -305,6 +305,42 @@ fn the_default_image_is_what_the_build_produces() {
     );
 }
 
+#[test]
+fn image_digest_pins_both_containers_and_a_malformed_one_is_refused() {
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let set = format!("image.digest={digest}");
+    let (ok, rendered, err) = helm(&[
+        "template",
+        "t",
+        &chart(),
+        "--set",
+        &set,
+        "--set",
+        "host.dbus.enabled=true",
+        "--set",
+        "host.logindDropIn.enabled=true",
+    ]);
+    assert!(ok, "{err}");
+    let images: Vec<&str> = rendered
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("image: "))
+        .collect();
+    // The agent and, with logind on, the inhibitor keeper.
+    assert_eq!(images.len(), 2, "{images:?}");
+    for i in images {
+        assert_eq!(
+            i,
+            format!(
+                "\"ghcr.io/nodeguard/nodeguard:{}@{digest}\"",
+                env!("CARGO_PKG_VERSION")
+            )
+        );
+    }
+    let (ok, _, err) = helm(&["template", "t", &chart(), "--set", "image.digest=latest"]);
+    assert!(!ok, "a digest that is not sha256:<64 hex> renders");
+    assert!(err.contains("image.digest"), "{err}");
+}
+
 #[tokio::test]
 async fn default_and_all_features_pass_a_server_side_dry_run() {
     let admin = admin_client().await;

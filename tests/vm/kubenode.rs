@@ -50,48 +50,89 @@ fn lib_dir(function: &str) -> PathBuf {
     PathBuf::from(out.trim())
 }
 
-/// The agent's image archive from e2e/image and its reference.
-/// The static agent binary `e2e/image` put into the image.
-fn static_binary() -> PathBuf {
-    ["x86_64-unknown-linux-musl", "x86_64-unknown-linux-gnu"]
-        .iter()
-        .map(|t| repo_root().join(format!("target/{t}/release/nodeguard")))
-        .find(|p| p.is_file())
-        .expect("the static binary of e2e/image (run e2e/image; make test does)")
+/// The static agent binary `e2e/image` put into the image of `arch`.
+fn static_binary(arch: &str) -> PathBuf {
+    let target = match arch {
+        "arm64" => "aarch64-unknown-linux-musl",
+        _ => "x86_64-unknown-linux-musl",
+    };
+    let p = repo_root().join(format!("target/{target}/release/nodeguard"));
+    assert!(
+        p.is_file(),
+        "the static binary of e2e/image is missing (run e2e/image; make test does)"
+    );
+    p
 }
 
-fn agent_image() -> (PathBuf, String, String) {
-    let cargo = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
-    let version = cargo
-        .lines()
-        .find_map(|l| l.strip_prefix("version = \""))
-        .and_then(|v| v.strip_suffix('"'))
-        .expect("version in Cargo.toml")
-        .to_string();
-    let archive = repo_root().join(format!("target/image/nodeguard-{version}.oci.tar"));
-    assert!(
-        archive.is_file(),
-        "{} is missing: run e2e/image (make test does)",
-        archive.display()
-    );
-    // The pod must run the agent as it is now: an archive older than the
+/// What e2e/release/publish pushed to the test registry, as users get it:
+/// the image index by tag, the chart as an OCI artifact.
+pub struct Published {
+    /// The registry's loopback address (`127.0.0.1:PORT`).
+    pub registry: String,
+    /// The tag and chart version (the crate's version).
+    pub version: String,
+    /// The image index's digest that e2e/image built from these sources.
+    pub digest: String,
+}
+
+impl Published {
+    /// The chart's `oci://` reference, as README's install line has it.
+    pub fn chart(&self) -> String {
+        format!("oci://{}/nodeguard/charts/nodeguard", self.registry)
+    }
+}
+
+/// The release e2e/image built (target/image/image.env) and
+/// e2e/release/publish pushed; fails when the build is older than the
+/// sources or the registry's tag names another index.
+pub fn published() -> Published {
+    let env_file = repo_root().join("target/image/image.env");
+    let image_env = std::fs::read_to_string(&env_file).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: run e2e/image and e2e/release/publish (make test does)",
+            env_file.display()
+        )
+    });
+    let field = |k: &str| {
+        image_env
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("{k} in {}", env_file.display()))
+            .trim_matches('"')
+            .to_string()
+    };
+    let (version, digest) = (field("VERSION"), field("DIGEST"));
+    // The pod must run the agent as it is now: an image older than the
     // sources would test an earlier agent and pass or fail for it.
     // (NODEGUARD_STALE_IMAGE_OK=1 runs an older one on purpose, e.g. to
     // see a scenario fail before a fix.)
     if std::env::var_os("NODEGUARD_STALE_IMAGE_OK").is_none() {
-        let built = archive.metadata().unwrap().modified().unwrap();
-        let newer = newest_source(&repo_root());
-        if let Some((path, at)) = newer
+        let built = env_file.metadata().unwrap().modified().unwrap();
+        if let Some((path, at)) = newest_source(&repo_root())
             && at > built
         {
             panic!(
-                "{} is older than {} (changed since the image was built): run e2e/image (make test does), or set NODEGUARD_STALE_IMAGE_OK=1",
-                archive.display(),
+                "the image in target/image is older than {} (changed since it was built): run e2e/image and e2e/release/publish (make test does), or set NODEGUARD_STALE_IMAGE_OK=1",
                 path.display()
             );
         }
     }
-    (archive, "ghcr.io/nodeguard/nodeguard".to_string(), version)
+    let registry = crate::qemu::registry_addr().expect(
+        "the test registry is not up: run e2e/registry/up and e2e/release/publish (make test does)",
+    );
+    let crane = e2e_dir("e2e/release/tools").join("crane");
+    let tag = format!("{registry}/nodeguard/nodeguard:{version}");
+    let in_registry = run(Command::new(&crane).args(["digest", "--insecure", &tag]));
+    assert_eq!(
+        in_registry.trim(),
+        digest,
+        "{tag} is not the image e2e/image built: run e2e/release/publish (make test does)"
+    );
+    Published {
+        registry,
+        version,
+        digest,
+    }
 }
 
 /// The most recently modified file the agent's image is built from
@@ -211,13 +252,7 @@ impl Drop for Release {
 /// A disk that boots as a Kubernetes node named `node`: hostname, kubelet,
 /// its identity and the CA, the image archives, kubelet.service enabled
 /// (it pulls in containerd and the image import).
-fn kube_disk(
-    env: &Env,
-    node: &str,
-    dir: &Path,
-    agent_archive: &Path,
-    shutdown_by: ShutdownBy,
-) -> Disk {
+fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk {
     let disk = Disk::copy_of(&env.image, dir);
     if shutdown_by == ShutdownBy::Kubelet {
         // The kubelet's graceful node shutdown with nodeguard's groups (10 s
@@ -244,10 +279,15 @@ fn kube_disk(
     disk.mkdir("/usr/local/lib/nodeguard/plugins");
     disk.write(
         kubework::PLUGIN,
-        &std::fs::read(static_binary()).unwrap(),
+        &std::fs::read(static_binary(env.image.arch)).unwrap(),
         0o755,
     );
-    let kubelet = lib_dir("node_bin_dir").join("kubelet");
+    // An arm64 node's kubelet and images come from e2e/vm/arm64's kit.
+    let arm64_kit = (env.image.arch == "arm64").then(|| e2e_dir("e2e/vm/arm64"));
+    let kubelet = match &arm64_kit {
+        Some(kit) => kit.join("kubelet"),
+        None => lib_dir("node_bin_dir").join("kubelet"),
+    };
     assert!(
         kubelet.is_file(),
         "{} is missing: run e2e/cluster/build",
@@ -265,14 +305,26 @@ fn kube_disk(
     );
     let ca = std::fs::read(kubeconfig_path().with_file_name("pki").join("ca.crt")).unwrap();
     disk.write("/etc/kubernetes/pki/ca.crt", &ca, 0o644);
-    let images = e2e_dir("e2e/vm/images");
+    let images = match &arm64_kit {
+        Some(kit) => kit.join("images"),
+        None => e2e_dir("e2e/vm/images"),
+    };
     for name in ["pause", "busybox"] {
         let bytes = std::fs::read(images.join(format!("{name}.oci.tar"))).unwrap();
         disk.write(&format!("/var/lib/e2e-images/{name}.tar"), &bytes, 0o644);
     }
+    // nodeguard's image comes from a registry, as on any node: ghcr.io's
+    // pulls go to the test registry (plain HTTP), which holds what
+    // e2e/release/publish pushed; nothing else answers for ghcr.io here, so
+    // a pull that misses the mirror fails.
+    disk.mkdir("/etc/containerd/certs.d/ghcr.io");
     disk.write(
-        "/var/lib/e2e-images/nodeguard.tar",
-        &std::fs::read(agent_archive).unwrap(),
+        "/etc/containerd/certs.d/ghcr.io/hosts.toml",
+        format!(
+            "server = \"https://ghcr.io\"\n\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            crate::qemu::GUEST_REGISTRY
+        )
+        .as_bytes(),
         0o644,
     );
     disk.symlink(
@@ -326,8 +378,8 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     let admin = env.admin.clone();
     let node = KubeNode(unique_name("vm-kube"));
     let dir = node_dir(&node.0);
-    let (archive, repository, tag) = agent_image();
-    let disk = kube_disk(env, &node.0, &dir, &archive, ShutdownBy::Nodeguard);
+    let published = published();
+    let disk = kube_disk(env, &node.0, &dir, ShutdownBy::Nodeguard);
     if steps.contains(&"kube-npd") {
         // node-problem-detector's binary (static, CGO off), as bench/npd
         // builds it from its Go module.
@@ -358,7 +410,13 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     .await;
     let mut boot = 1;
     let result = std::panic::AssertUnwindSafe(async {
-        daemonset(&mut vm, &admin, &node.0, &dir, &release, &repository, &tag, rows).await;
+        // The same install and kmsg check on an arm64 node is its own row.
+        let row = if env.image.arch == "arm64" {
+            "kube-arm64"
+        } else {
+            "daemonset"
+        };
+        daemonset(&mut vm, &admin, &node.0, &dir, &release, &published, row, rows).await;
         let wants = |s: &str| steps.contains(&s);
         let agent_ns = release.namespace.as_str();
         if wants("kube-probe") {
@@ -450,8 +508,8 @@ pub async fn gns_node(env: &Env, rows: &Rows) {
     let admin = env.admin.clone();
     let node = KubeNode(unique_name("vm-gns"));
     let dir = node_dir(&node.0);
-    let (archive, repository, tag) = agent_image();
-    let disk = kube_disk(env, &node.0, &dir, &archive, ShutdownBy::Kubelet);
+    let published = published();
+    let disk = kube_disk(env, &node.0, &dir, ShutdownBy::Kubelet);
     let release = Release {
         name: "nodeguard-gns".to_string(),
         namespace: unique_name("nodeguard-vm"),
@@ -475,8 +533,7 @@ pub async fn gns_node(env: &Env, rows: &Rows) {
             &node.0,
             &dir,
             &release,
-            &repository,
-            &tag,
+            &published,
             ShutdownBy::Kubelet,
         )
         .await;
@@ -557,6 +614,8 @@ struct Installed {
     running: Duration,
     pod_ready: Duration,
     policy_written: Duration,
+    /// How the image came: its digest and the kubelet's pull time.
+    pulled: String,
 }
 
 /// Whose graceful shutdown the node runs.
@@ -578,8 +637,7 @@ async fn install(
     node: &str,
     dir: &Path,
     release: &Release,
-    repository: &str,
-    tag: &str,
+    published: &Published,
     shutdown_by: ShutdownBy,
 ) -> Installed {
     let booted = vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
@@ -625,7 +683,6 @@ async fn install(
         }
     }
     let values = serde_json::json!({
-        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "apiServer": {"host": GUEST_APISERVER.split(':').next().unwrap(), "port": 6443},
         "nodeSelector": {"kubernetes.io/hostname": node},
         "logFormat": "text",
@@ -643,11 +700,13 @@ async fn install(
     let values_file = dir.join("values.json");
     std::fs::write(&values_file, serde_json::to_string_pretty(&values).unwrap()).unwrap();
     let t_install = Instant::now();
+    // The chart from the registry, as README's install line has it; its
+    // image is the chart's own reference (ghcr.io/nodeguard/nodeguard:<appVersion>).
     run(Command::new(&release.helm)
         .arg("--kubeconfig")
         .arg(kubeconfig_path())
-        .args(["install", &release.name])
-        .arg(repo_root().join("charts/nodeguard"))
+        .args(["install", &release.name, &published.chart()])
+        .args(["--version", &published.version, "--plain-http"])
         .args(["-n", &release.namespace, "--create-namespace", "-f"])
         .arg(&values_file));
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
@@ -683,6 +742,7 @@ async fn install(
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let running = running.unwrap_or(pod_ready_at);
+    let pulled = pulled_from_registry(admin, &release.namespace, &pod_name, published).await;
     eprintln!(
         "vm: {node}: pod {pod_name} Running {} and Ready {} after helm install",
         secs(running),
@@ -717,7 +777,66 @@ async fn install(
         running,
         pod_ready: pod_ready_at,
         policy_written,
+        pulled,
     }
+}
+
+/// The pod's containers run the index e2e/release/publish pushed, pulled by
+/// the node's containerd from the registry (not imported): every
+/// container's imageID is the chart's reference at that digest, and the
+/// kubelet's `Pulled` Event says how long the pull took.
+async fn pulled_from_registry(
+    admin: &Client,
+    namespace: &str,
+    pod_name: &str,
+    published: &Published,
+) -> String {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), namespace);
+    let pod = pods.get(pod_name).await.unwrap();
+    let statuses = pod
+        .status
+        .and_then(|s| s.container_statuses)
+        .unwrap_or_default();
+    assert!(
+        !statuses.is_empty(),
+        "pod {pod_name} has no container statuses"
+    );
+    let want = format!("ghcr.io/nodeguard/nodeguard@{}", published.digest);
+    for c in &statuses {
+        assert_eq!(
+            c.image_id, want,
+            "container {} runs {} ({}), not the published index",
+            c.name, c.image, c.image_id
+        );
+    }
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(admin.clone(), namespace);
+    let pulled = events
+        .list(
+            &ListParams::default().fields(&format!("involvedObject.name={pod_name},reason=Pulled")),
+        )
+        .await
+        .unwrap();
+    let message = pulled
+        .items
+        .iter()
+        .filter_map(|e| e.message.clone())
+        .find(|m| m.starts_with("Successfully pulled image"))
+        .unwrap_or_else(|| {
+            panic!(
+                "no 'Successfully pulled image' Event for {pod_name}: the image was not pulled from the registry ({:?})",
+                pulled.items.iter().map(|e| e.message.clone()).collect::<Vec<_>>()
+            )
+        });
+    // "Successfully pulled image "X" in 1.905s (1.905s including waiting). Image size: N bytes."
+    let took = message
+        .split(" in ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .unwrap_or("?");
+    format!(
+        "image pulled by tag from the registry in {took} ({}), chart from oci://",
+        &published.digest[..19]
+    )
 }
 
 /// The install, then a kernel problem line from /dev/kmsg becomes the
@@ -729,8 +848,8 @@ async fn daemonset(
     node: &str,
     dir: &Path,
     release: &Release,
-    repository: &str,
-    tag: &str,
+    published: &Published,
+    row: &'static str,
     rows: &Rows,
 ) {
     let Installed {
@@ -740,14 +859,14 @@ async fn daemonset(
         running,
         pod_ready: pod_ready_at,
         policy_written,
+        pulled,
     } = install(
         vm,
         admin,
         node,
         dir,
         release,
-        repository,
-        tag,
+        published,
         ShutdownBy::Nodeguard,
     )
     .await;
@@ -789,9 +908,9 @@ async fn daemonset(
     )
     .unwrap();
     rows.pass(
-        "daemonset",
+        row,
         format!(
-            "boot: guest agent {}, Node registered {}, Ready {}; helm install → pod Running {}, Ready {}, NodeGuardPolicyInvalid=False {}, KubeletUnhealthy=False; /dev/kmsg line → KernelDeadlock=True (DockerHung) from the pod {}",
+            "boot: guest agent {}, Node registered {}, Ready {}; helm install → {pulled}; pod Running {}, Ready {}, NodeGuardPolicyInvalid=False {}, KubeletUnhealthy=False; /dev/kmsg line → KernelDeadlock=True (DockerHung) from the pod {}",
             secs(booted),
             secs(registered),
             secs(ready),

@@ -1,6 +1,7 @@
 //! The node VM: a per-session copy of the cached Debian image (files written
 //! into it with debugfs, no loop mount), qemu under TCG with user networking
-//! (`restrict=on`, one guest forward to the host's loopback API server), the
+//! (`restrict=on`, guest forwards to the host's loopback API server and, when
+//! it is up, the test registry), the
 //! QEMU Machine Protocol for power events and the qemu guest agent as the
 //! command channel into the guest.
 
@@ -19,15 +20,40 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 /// cluster's serving certificate names this address.
 pub const GUEST_APISERVER: &str = "10.0.2.100:6443";
 
+/// Where the guest reaches the test registry (e2e/registry/up), forwarded
+/// to its loopback address; the node's containerd uses it as ghcr.io's
+/// mirror (hosts.toml), so the chart's own image reference is pulled.
+pub const GUEST_REGISTRY: &str = "10.0.2.101:5000";
+
+/// The test registry's loopback address (`127.0.0.1:PORT`) from
+/// e2e/registry/up's state, when it is up.
+pub fn registry_addr() -> Option<String> {
+    let cache = std::env::var("NODEGUARD_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"));
+    std::fs::read_to_string(cache.join("registry/addr"))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
 /// The cached image from `e2e/vm/build`: disk, kernel, initramfs.
 pub struct Image {
     pub dir: PathBuf,
+    /// `amd64` (qemu-system-x86_64) or `arm64` (qemu-system-aarch64, `virt`).
+    pub arch: &'static str,
 }
 
 impl Image {
     /// Builds the image when missing (e2e/setup normally has) and returns it.
     pub fn locate(repo: &Path) -> Image {
+        Image::locate_arch(repo, "amd64")
+    }
+
+    /// The image of a node of `arch` (`NODEGUARD_VM_ARCH` of e2e/vm/build).
+    pub fn locate_arch(repo: &Path, arch: &'static str) -> Image {
         let out = Command::new(repo.join("e2e/vm/build"))
+            .env("NODEGUARD_VM_ARCH", arch)
             .stderr(Stdio::inherit())
             .output()
             .expect("run e2e/vm/build");
@@ -43,7 +69,7 @@ impl Image {
                 dir.join(f).display()
             );
         }
-        Image { dir }
+        Image { dir, arch }
     }
 }
 
@@ -149,6 +175,7 @@ pub struct Vm {
 #[derive(Clone)]
 struct Launch {
     image_dir: PathBuf,
+    arch: &'static str,
     disk: PathBuf,
     apiserver_port: u16,
     dir: PathBuf,
@@ -209,6 +236,7 @@ impl Vm {
     ) -> Vm {
         Vm::launch(Launch {
             image_dir: image.dir.clone(),
+            arch: image.arch,
             disk: disk.path.clone(),
             apiserver_port,
             dir: dir.to_path_buf(),
@@ -232,25 +260,41 @@ impl Vm {
         let _ = std::fs::remove_file(&qmp_path);
         let _ = std::fs::remove_file(&qga_path);
         let (guest_ip, guest_port) = GUEST_APISERVER.split_once(':').unwrap();
-        let child = tokio::process::Command::new("qemu-system-x86_64")
-            .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2"])
+        // arm64: the `virt` board, PL011 console; the kernel is Debian's
+        // (gzip'd Image, which qemu unpacks).
+        // (pauth-impdef: TCG's pointer authentication without the slow
+        // architected algorithm.)
+        let (qemu, machine, console): (&str, &[&str], &str) = match l.arch {
+            "arm64" => (
+                "qemu-system-aarch64",
+                &["-M", "virt", "-cpu", "max,pauth-impdef=on"],
+                "ttyAMA0",
+            ),
+            _ => ("qemu-system-x86_64", &["-cpu", "max"], "ttyS0"),
+        };
+        let child = tokio::process::Command::new(qemu)
+            .args(machine)
+            .args(["-accel", "tcg,thread=multi", "-smp", "2"])
             .args(["-m", &l.memory_mib.to_string()])
             .args(["-display", "none", "-monitor", "none", "-no-reboot"])
             .arg("-kernel")
             .arg(l.image_dir.join("vmlinuz"))
             .arg("-initrd")
             .arg(l.image_dir.join("initrd.img"))
-            .args(["-append", "root=/dev/vda rw console=ttyS0"])
+            .args(["-append", &format!("root=/dev/vda rw console={console}")])
             .arg("-drive")
             .arg(format!("file={},if=virtio,format=raw", l.disk.display()))
             .arg("-serial")
             .arg(format!("file:{}", serial.display()))
             // The only network: user mode, no way out but one forward per
-            // connection to the loopback API server.
+            // connection to the loopback API server (and the test registry).
             .arg("-netdev")
             .arg(format!(
-                "user,id=n0,restrict=on,guestfwd=tcp:{guest_ip}:{guest_port}-cmd:socat STDIO TCP:127.0.0.1:{}",
-                l.apiserver_port
+                "user,id=n0,restrict=on,guestfwd=tcp:{guest_ip}:{guest_port}-cmd:socat STDIO TCP:127.0.0.1:{}{}",
+                l.apiserver_port,
+                registry_addr()
+                    .map(|addr| format!(",guestfwd=tcp:{GUEST_REGISTRY}-cmd:socat STDIO TCP:{addr}"))
+                    .unwrap_or_default()
             ))
             .args(["-device", "virtio-net-pci,netdev=n0"])
             .arg("-chardev")
@@ -266,7 +310,7 @@ impl Vm {
             ))
             .kill_on_drop(true)
             .spawn()
-            .expect("start qemu-system-x86_64 (apt-get install qemu-system-x86; e2e/setup does)");
+            .unwrap_or_else(|e| panic!("start {qemu}: {e} (apt-get install qemu-system-x86 or qemu-system-arm; e2e/setup installs the first)"));
         let started = Instant::now();
         let (r, mut w) = connect(&qmp_path).await.into_split();
         let mut lines = BufReader::new(r).lines();

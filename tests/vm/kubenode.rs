@@ -410,13 +410,17 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     .await;
     let mut boot = 1;
     let result = std::panic::AssertUnwindSafe(async {
-        // The same install and kmsg check on an arm64 node is its own row.
-        let row = if env.image.arch == "arm64" {
-            "kube-arm64"
-        } else {
-            "daemonset"
-        };
-        daemonset(&mut vm, &admin, &node.0, &dir, &release, &published, row, rows).await;
+        daemonset(
+            &mut vm,
+            &admin,
+            &node.0,
+            &dir,
+            &release,
+            &published,
+            env.image.arch,
+            rows,
+        )
+        .await;
         let wants = |s: &str| steps.contains(&s);
         let agent_ns = release.namespace.as_str();
         if wants("kube-probe") {
@@ -849,9 +853,15 @@ async fn daemonset(
     dir: &Path,
     release: &Release,
     published: &Published,
-    row: &'static str,
+    arch: &str,
     rows: &Rows,
 ) {
+    // The same install and kmsg check on an arm64 node is its own row.
+    let row = if arch == "arm64" {
+        "kube-arm64"
+    } else {
+        "daemonset"
+    };
     let Installed {
         booted,
         registered,
@@ -870,6 +880,17 @@ async fn daemonset(
         ShutdownBy::Nodeguard,
     )
     .await;
+    // The kubelet says which architecture the node is (and so which of the
+    // index's images containerd pulled).
+    let reported = Api::<Node>::all(admin.clone())
+        .get(node)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.node_info)
+        .map(|i| i.architecture)
+        .unwrap_or_default();
+    assert_eq!(reported, arch, "the Node's status.nodeInfo.architecture");
     // A kernel problem, from the pod: the default policy's kernel monitor.
     wait_condition(
         admin,

@@ -25,39 +25,10 @@ struct Release {
     public_key: PathBuf,
 }
 
-fn cache_dir() -> PathBuf {
-    std::env::var("NODEGUARD_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"))
-}
-
 fn release() -> Release {
-    let env_file = repo_root().join("target/image/image.env");
-    let text = std::fs::read_to_string(&env_file).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}: run e2e/image (make test does)",
-            env_file.display()
-        )
-    });
-    let field = |k: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{k}=")))
-            .unwrap_or_else(|| panic!("{k} in {}", env_file.display()))
-            .trim_matches('"')
-            .to_string()
-    };
-    let registry = std::fs::read_to_string(cache_dir().join("registry/addr"))
-        .expect("the test registry is not up: run e2e/registry/up and e2e/release/publish (make test does)")
-        .trim()
-        .to_string();
-    let out = Command::new(repo_root().join("e2e/release/tools"))
-        .arg("--path")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "e2e/release/tools --path: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let built = built_image();
+    let registry = registry_addr().expect(
+        "the test registry is not up: run e2e/registry/up and e2e/release/publish (make test does)",
     );
     let public_key = cache_dir().join("release/cosign.pub");
     assert!(
@@ -67,13 +38,10 @@ fn release() -> Release {
     );
     Release {
         registry,
-        version: field("VERSION"),
-        digest: field("DIGEST"),
-        platforms: field("PLATFORMS")
-            .split_whitespace()
-            .map(String::from)
-            .collect(),
-        tools: PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()),
+        version: built.version,
+        digest: built.digest,
+        platforms: built.platforms,
+        tools: cached_path("e2e/release/tools"),
         public_key,
     }
 }
@@ -121,7 +89,9 @@ impl Release {
             return Err(String::from_utf8_lossy(&out.stderr).into_owned());
         }
         let sigs: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
-        Ok(sigs
+        // The digests vouched for, once each (publishing the same build again
+        // adds a signature over the same digest).
+        let digests: BTreeSet<String> = sigs
             .iter()
             .map(|s| {
                 s["critical"]["image"]["docker-manifest-digest"]
@@ -129,7 +99,8 @@ impl Release {
                     .unwrap()
                     .to_string()
             })
-            .collect())
+            .collect();
+        Ok(digests.into_iter().collect())
     }
     /// Each platform's manifest digest in the published index.
     fn platform_digests(&self) -> Vec<(String, String)> {

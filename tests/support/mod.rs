@@ -236,6 +236,60 @@ pub fn cached_path(script: &str) -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
+/// nodeguard's cache directory (`$NODEGUARD_CACHE`, default ~/.cache/nodeguard).
+pub fn cache_dir() -> PathBuf {
+    std::env::var("NODEGUARD_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"))
+}
+
+/// The test registry's loopback address (`127.0.0.1:PORT`) from
+/// e2e/registry/up's state, when it is up.
+pub fn registry_addr() -> Option<String> {
+    std::fs::read_to_string(cache_dir().join("registry/addr"))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// What e2e/image built, from target/image/image.env.
+pub struct BuiltImage {
+    /// The file itself (its mtime is the build's).
+    pub env_file: PathBuf,
+    /// The tag and chart version (the crate's version).
+    pub version: String,
+    /// The image index's digest.
+    pub digest: String,
+    /// The platforms in the index (`amd64`, `arm64`).
+    pub platforms: Vec<String>,
+}
+
+pub fn built_image() -> BuiltImage {
+    let env_file = repo_root().join("target/image/image.env");
+    let text = std::fs::read_to_string(&env_file).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: run e2e/image and e2e/release/publish (make test does)",
+            env_file.display()
+        )
+    });
+    let field = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("{k} in {}", env_file.display()))
+            .trim_matches('"')
+            .to_string()
+    };
+    BuiltImage {
+        version: field("VERSION"),
+        digest: field("DIGEST"),
+        platforms: field("PLATFORMS")
+            .split_whitespace()
+            .map(String::from)
+            .collect(),
+        env_file,
+    }
+}
+
 /// node-problem-detector's own configs (`config/*.json` of the release
 /// bench/npd/go.mod pins), fetched by e2e/npd-configs.
 pub fn npd_configs() -> PathBuf {

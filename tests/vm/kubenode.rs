@@ -86,22 +86,12 @@ impl Published {
 /// e2e/release/publish pushed; fails when the build is older than the
 /// sources or the registry's tag names another index.
 pub fn published() -> Published {
-    let env_file = repo_root().join("target/image/image.env");
-    let image_env = std::fs::read_to_string(&env_file).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}: run e2e/image and e2e/release/publish (make test does)",
-            env_file.display()
-        )
-    });
-    let field = |k: &str| {
-        image_env
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{k}=")))
-            .unwrap_or_else(|| panic!("{k} in {}", env_file.display()))
-            .trim_matches('"')
-            .to_string()
-    };
-    let (version, digest) = (field("VERSION"), field("DIGEST"));
+    let BuiltImage {
+        env_file,
+        version,
+        digest,
+        ..
+    } = built_image();
     // The pod must run the agent as it is now: an image older than the
     // sources would test an earlier agent and pass or fail for it.
     // (NODEGUARD_STALE_IMAGE_OK=1 runs an older one on purpose, e.g. to
@@ -117,7 +107,7 @@ pub fn published() -> Published {
             );
         }
     }
-    let registry = crate::qemu::registry_addr().expect(
+    let registry = registry_addr().expect(
         "the test registry is not up: run e2e/registry/up and e2e/release/publish (make test does)",
     );
     let crane = e2e_dir("e2e/release/tools").join("crane");

@@ -25,18 +25,6 @@ pub const GUEST_APISERVER: &str = "10.0.2.100:6443";
 /// mirror (hosts.toml), so the chart's own image reference is pulled.
 pub const GUEST_REGISTRY: &str = "10.0.2.101:5000";
 
-/// The test registry's loopback address (`127.0.0.1:PORT`) from
-/// e2e/registry/up's state, when it is up.
-pub fn registry_addr() -> Option<String> {
-    let cache = std::env::var("NODEGUARD_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/nodeguard"));
-    std::fs::read_to_string(cache.join("registry/addr"))
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-}
-
 /// The cached image from `e2e/vm/build`: disk, kernel, initramfs.
 pub struct Image {
     pub dir: PathBuf,
@@ -292,7 +280,7 @@ impl Vm {
             .arg(format!(
                 "user,id=n0,restrict=on,guestfwd=tcp:{guest_ip}:{guest_port}-cmd:socat STDIO TCP:127.0.0.1:{}{}",
                 l.apiserver_port,
-                registry_addr()
+                crate::support::registry_addr()
                     .map(|addr| format!(",guestfwd=tcp:{GUEST_REGISTRY}-cmd:socat STDIO TCP:{addr}"))
                     .unwrap_or_default()
             ))

@@ -240,7 +240,8 @@ impl Drop for Release {
 }
 
 /// A disk that boots as a Kubernetes node named `node`: hostname, kubelet,
-/// its identity and the CA, the image archives, kubelet.service enabled
+/// its identity and the CA, the pause and busybox archives, ghcr.io's
+/// hosts.toml (the registry mirror), kubelet.service enabled
 /// (it pulls in containerd and the image import).
 fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk {
     let disk = Disk::copy_of(&env.image, dir);

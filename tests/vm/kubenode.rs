@@ -246,14 +246,17 @@ impl Drop for Release {
 fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk {
     let disk = Disk::copy_of(&env.image, dir);
     if shutdown_by == ShutdownBy::Kubelet {
-        // The kubelet's graceful node shutdown with nodeguard's groups (10 s
-        // for priority 0 and 1000, 10 s from 2000000000: the same 30 s as
-        // nodeguard's 10 + 10 + 8 + 2 s margin), as a KubeletConfiguration
-        // drop-in (--config-dir), the way operators layer node settings.
+        // The kubelet's graceful node shutdown with nodeguard's groups (the
+        // last one also gets nodeguard's margin: the same total), as a
+        // KubeletConfiguration drop-in (--config-dir), the way operators
+        // layer node settings.
+        let [a, b, c] = kubework::GROUP_SECS;
+        let last = kubework::KUBE_NEEDED_DELAY_SECS - a - b;
+        assert!(last > c);
         disk.mkdir("/etc/kubernetes/kubelet.conf.d");
         disk.write(
             "/etc/kubernetes/kubelet.conf.d/50-graceful-shutdown.conf",
-            b"apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nshutdownGracePeriodByPodPriority:\n- {priority: 0, shutdownGracePeriodSeconds: 10}\n- {priority: 1000, shutdownGracePeriodSeconds: 10}\n- {priority: 2000000000, shutdownGracePeriodSeconds: 10}\n",
+            format!("apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nshutdownGracePeriodByPodPriority:\n- {{priority: 0, shutdownGracePeriodSeconds: {a}}}\n- {{priority: 1000, shutdownGracePeriodSeconds: {b}}}\n- {{priority: 2000000000, shutdownGracePeriodSeconds: {last}}}\n").as_bytes(),
             0o644,
         );
         disk.mkdir("/etc/systemd/system/kubelet.service.d");
@@ -590,6 +593,12 @@ pub async fn gns_node(env: &Env, rows: &Rows) {
             .exec("journalctl -b -1 --no-pager -o short-monotonic -u kubelet -u systemd-logind | tail -300")
             .await;
         let _ = std::fs::write(dir.join("journal-kubelet-shutdown.txt"), j.stdout);
+        // Every unit's end of boot 1 (containerd's StopContainer, the CNI
+        // teardown, each unit's CPU): where a slow pod stop went.
+        let j = vm
+            .exec("journalctl -b -1 --no-pager -o short-monotonic | tail -3000")
+            .await;
+        let _ = std::fs::write(dir.join("journal-shutdown-boot-1.txt"), j.stdout);
     }
     vm.power_off().await;
     drop(work);
@@ -690,6 +699,9 @@ async fn install(
             "watchdog": {"enabled": shutdown_by == ShutdownBy::Nodeguard},
             "plugins": {"enabled": true},
         },
+        // The scenarios' wider groups need more than the chart's 32 s.
+        "trust": {"maxInhibitDelaySeconds": kubework::KUBE_NEEDED_DELAY_SECS},
+        "terminationGracePeriodSeconds": kubework::KUBE_NEEDED_DELAY_SECS + 5,
         "defaultPolicy": {"enabled": true, "spec": spec},
     });
     let values_file = dir.join("values.json");

@@ -20,23 +20,37 @@ use crate::support::pods::ensure_priority_class;
 use crate::support::*;
 use crate::{PolicyName, Rows, secs};
 
-/// The scenarios' shutdown groups (as the host-service `poweroff`): 10 s for
-/// priority 0, 10 s for 1000, 8 s for critical pods, 2 s margin: logind must
-/// allow 30 s (the chart's logind drop-in mount lets the agent raise it).
+/// The kubelet node's shutdown groups: priority 0, 1000, critical pods.
+///
+/// Wider than the host-service scenarios' 10, 10, 8 s: on this TCG node the
+/// kubelet and containerd take 8 to 10 s beyond the pod's own 3 s to stop
+/// one and report it (shim exit, the pause container, the CNI teardown;
+/// measured in kube-gns's `journal-shutdown-boot-1.txt`), so 10 s windows
+/// tested the node's speed, not the groups. The first is the longest:
+/// kube-reboot SIGKILLs the agent as the shutdown begins, and the kubelet's
+/// restart of its container took 20 s here, which must leave the resumed
+/// agent some of the first window. The kubelet's own graceful shutdown in
+/// kube-gns gets the same windows.
+pub const GROUP_SECS: [u64; 3] = [30, 20, 16];
+const MARGIN_SECS: u64 = 2;
+/// What logind must allow: the groups and the margin (the chart's logind
+/// drop-in mount lets the agent raise it).
+pub const KUBE_NEEDED_DELAY_SECS: u64 = GROUP_SECS[0] + GROUP_SECS[1] + GROUP_SECS[2] + MARGIN_SECS;
+
 pub fn shutdown_spec() -> serde_json::Value {
     serde_json::json!({
         "gracePeriodByPriority": [
-            {"priority": 0, "gracePeriodSeconds": 10},
-            {"priority": 1000, "gracePeriodSeconds": 10},
-            {"priority": 2000000000, "gracePeriodSeconds": 8},
+            {"priority": 0, "gracePeriodSeconds": GROUP_SECS[0]},
+            {"priority": 1000, "gracePeriodSeconds": GROUP_SECS[1]},
+            {"priority": 2000000000, "gracePeriodSeconds": GROUP_SECS[2]},
         ],
-        "safetyMarginSeconds": 2,
+        "safetyMarginSeconds": MARGIN_SECS,
         "escalateAfterPercent": 50,
         "escalation": "Delete",
         "logindDropInDir": "/etc/systemd/logind.conf.d",
     })
 }
-const INHIBIT_DELAY: Duration = Duration::from_secs(30);
+const INHIBIT_DELAY: Duration = Duration::from_secs(KUBE_NEEDED_DELAY_SECS);
 
 /// softdog through the chart's `host.watchdog` mount.
 pub fn watchdog_spec() -> serde_json::Value {
@@ -1007,7 +1021,8 @@ pub async fn graceful_reboot(
     );
     // A group begins when the one before is done or its window is over
     // (the kubelet's rule too): never earlier.
-    let window = Duration::from_secs(10);
+    let window = Duration::from_secs(GROUP_SECS[0]);
+    let mid_window = Duration::from_secs(GROUP_SECS[1]);
     let slack = Duration::from_millis(500);
     let mid_group = l_s.min(l_m + window);
     assert!(
@@ -1015,12 +1030,12 @@ pub async fn graceful_reboot(
         "mid deleted at {m_m:?}, before the low group was over ({mid_group:?})"
     );
     assert!(
-        c_m + slack >= m_s.min(mid_group + window),
+        c_m + slack >= m_s.min(mid_group + mid_window),
         "critical deleted at {c_m:?}, before the mid group was over"
     );
     // The PDB held the mid pod until the escalation (half its window).
     assert!(
-        m_m >= mid_group + Duration::from_secs(4),
+        m_m + Duration::from_secs(1) >= mid_group + mid_window / 2,
         "the PDB held mid: deleted {m_m:?}, its group began {mid_group:?}"
     );
     // Each pod got its grace: SLOW_TO_STOP exits 0, 3 s after SIGTERM.
@@ -1160,8 +1175,8 @@ pub async fn phases(admin: &Client, work_ns: &str) -> String {
 }
 
 /// The real node with the kubelet's own graceful node shutdown
-/// (shutdownGracePeriodByPodPriority: 10 s, 10 s, 10 s against nodeguard's
-/// 10, 10, 8 and a 2 s margin; the same 30 s) and nodeguard's
+/// (shutdownGracePeriodByPodPriority: the same windows, the last one taking
+/// nodeguard's 2 s margin too; the same total) and nodeguard's
 /// shutdown off: the same pods and PDB, `systemctl reboot`, boot 2. Returns
 /// the row's detail; writes the side-by-side table when kube-reboot ran.
 pub async fn kubelet_gns(
@@ -1304,8 +1319,9 @@ fn table(gns: &Run, ours: &Run) -> String {
         let low = o.stopped(0);
         match (o.at(o.pods[1].marked), o.stopped(1), low) {
             (Some(m), _, Some(l)) => format!(
-                "evictions refused; deleted {} after the low pod stopped (the policy escalates after 50 % of the 10 s window)",
-                secs(m.saturating_sub(l))
+                "evictions refused; deleted {} after the low pod stopped (the policy escalates after 50 % of the {} s window)",
+                secs(m.saturating_sub(l)),
+                GROUP_SECS[1]
             ),
             (None, Some(s), _) => format!(
                 "not consulted: mid stopped at {} with 0 disruptions allowed",
@@ -1322,8 +1338,10 @@ fn table(gns: &Run, ours: &Run) -> String {
             .collect::<Vec<_>>()
             .join("; ")
     };
-    let mut t = String::from(
-        "| | kubelet graceful node shutdown (10 s, 10 s, 10 s) | nodeguard (10 s, 10 s, 8 s + 2 s margin; its own pod deleted after the first group) |\n|---|---|---|\n",
+    let [a, b, c] = GROUP_SECS;
+    let mut t = format!(
+        "| | kubelet graceful node shutdown ({a} s, {b} s, {} s) | nodeguard ({a} s, {b} s, {c} s + {MARGIN_SECS} s margin; its own pod deleted after the first group) |\n|---|---|---|\n",
+        c + MARGIN_SECS
     );
     type Cell<'a> = &'a dyn Fn(&Run) -> String;
     let rows: [(&str, Cell); 7] = [
@@ -1699,8 +1717,7 @@ pub async fn alerts(
     let delay_max = value("nodeguard_shutdown_inhibit_delay_max_seconds");
     assert_eq!(held, 1.0, "the pod holds logind's delay inhibitor");
     assert_eq!(
-        needed,
-        crate::NEEDED_DELAY_SECS as f64,
+        needed, KUBE_NEEDED_DELAY_SECS as f64,
         "the policy's groups and margin"
     );
     assert!(

@@ -1121,13 +1121,18 @@ async fn poweroff(vm: &mut Vm, admin: &Client, node: &str, dir: &Path, rows: &Ro
         t_mid >= t_low + Duration::from_secs(4),
         "the PDB held the mid pod until escalation: {t_mid:?}"
     );
+    // Each group within the latest end the plan gives it (10 s, then 10,
+    // then 8): the agent is SIGKILLed once the taint is seen, and a slow
+    // restart (6 s once, in a cold CI run) delays the groups after it, but
+    // never past those ends. Measured from `systemctl poweroff`, since the
+    // plan starts there (low's eviction may come late for the same reason).
     assert!(
-        t_mid <= t_low + Duration::from_secs(10),
-        "the mid pod went within its 10 s window: {t_mid:?}"
+        t_mid <= Duration::from_secs(10 + 10),
+        "the mid pod went within its group's latest end (20 s): {t_mid:?}"
     );
     assert!(
-        t_high <= t_mid + Duration::from_secs(8),
-        "the critical pod went within its 8 s window"
+        t_high <= Duration::from_secs(10 + 10 + 8),
+        "the critical pod went within its group's latest end (28 s): {t_high:?}"
     );
     // logind waited for the agent: the machine went down after the last
     // group, and well before logind's own limit.

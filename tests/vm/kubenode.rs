@@ -250,13 +250,11 @@ fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk
         // last one also gets nodeguard's margin: the same total), as a
         // KubeletConfiguration drop-in (--config-dir), the way operators
         // layer node settings.
-        let [a, b, c] = kubework::GROUP_SECS;
-        let last = kubework::KUBE_NEEDED_DELAY_SECS - a - b;
-        assert!(last > c);
+        let [a, b, c] = kubework::KUBELET_GROUP_SECS;
         disk.mkdir("/etc/kubernetes/kubelet.conf.d");
         disk.write(
             "/etc/kubernetes/kubelet.conf.d/50-graceful-shutdown.conf",
-            format!("apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nshutdownGracePeriodByPodPriority:\n- {{priority: 0, shutdownGracePeriodSeconds: {a}}}\n- {{priority: 1000, shutdownGracePeriodSeconds: {b}}}\n- {{priority: 2000000000, shutdownGracePeriodSeconds: {last}}}\n").as_bytes(),
+            format!("apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nshutdownGracePeriodByPodPriority:\n- {{priority: 0, shutdownGracePeriodSeconds: {a}}}\n- {{priority: 1000, shutdownGracePeriodSeconds: {b}}}\n- {{priority: 2000000000, shutdownGracePeriodSeconds: {c}}}\n").as_bytes(),
             0o644,
         );
         disk.mkdir("/etc/systemd/system/kubelet.service.d");

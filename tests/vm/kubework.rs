@@ -36,6 +36,10 @@ const MARGIN_SECS: u64 = 2;
 /// What logind must allow: the groups and the margin (the chart's logind
 /// drop-in mount lets the agent raise it).
 pub const KUBE_NEEDED_DELAY_SECS: u64 = GROUP_SECS[0] + GROUP_SECS[1] + GROUP_SECS[2] + MARGIN_SECS;
+/// The kubelet's `shutdownGracePeriodByPodPriority` in kube-gns: the same
+/// windows, the last one taking nodeguard's margin too (the same total).
+pub const KUBELET_GROUP_SECS: [u64; 3] =
+    [GROUP_SECS[0], GROUP_SECS[1], GROUP_SECS[2] + MARGIN_SECS];
 
 pub fn shutdown_spec() -> serde_json::Value {
     serde_json::json!({
@@ -1339,9 +1343,9 @@ fn table(gns: &Run, ours: &Run) -> String {
             .join("; ")
     };
     let [a, b, c] = GROUP_SECS;
+    let [ka, kb, kc] = KUBELET_GROUP_SECS;
     let mut t = format!(
-        "| | kubelet graceful node shutdown ({a} s, {b} s, {} s) | nodeguard ({a} s, {b} s, {c} s + {MARGIN_SECS} s margin; its own pod deleted after the first group) |\n|---|---|---|\n",
-        c + MARGIN_SECS
+        "| | kubelet graceful node shutdown ({ka} s, {kb} s, {kc} s) | nodeguard ({a} s, {b} s, {c} s + {MARGIN_SECS} s margin; its own pod deleted after the first group) |\n|---|---|---|\n",
     );
     type Cell<'a> = &'a dyn Fn(&Run) -> String;
     let rows: [(&str, Cell); 7] = [

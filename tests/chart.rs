@@ -128,9 +128,23 @@ fn kubectl_stdin(args: &[&str], input: &str) -> (bool, String) {
 
 const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\n";
 
+/// A namespace as README has users make it: labelled for Pod Security's
+/// privileged level, which the chart checks before it installs.
 async fn namespace(client: &Client, name: &str) {
+    namespace_at(client, name, Some("privileged")).await
+}
+
+async fn namespace_at(client: &Client, name: &str, enforce: Option<&str>) {
+    let mut labels = serde_json::Map::new();
+    if let Some(level) = enforce {
+        labels.insert(
+            "pod-security.kubernetes.io/enforce".into(),
+            serde_json::Value::String(level.into()),
+        );
+    }
     let ns: Namespace =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name, "labels": labels}}))
+            .unwrap();
     let _ = Api::<Namespace>::all(client.clone())
         .create(&PostParams::default(), &ns)
         .await;
@@ -409,15 +423,8 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
     let admin = admin_client().await;
     let ns = unique_name("ng-install");
     let release = unique_name("ng");
-    let (ok, out, err) = helm(&[
-        "install",
-        &release,
-        &chart(),
-        "-n",
-        &ns,
-        "--create-namespace",
-        "--wait=false",
-    ]);
+    namespace(&admin, &ns).await;
+    let (ok, out, err) = helm(&["install", &release, &chart(), "-n", &ns, "--wait=false"]);
     assert!(ok, "helm install: {out}{err}");
     let _uninstall = Uninstall {
         release: release.clone(),
@@ -586,7 +593,13 @@ fn daemonset_args(rendered: &str) -> Vec<String> {
 /// agent's own command line.
 fn rendered_trust(set: &[&str]) -> nodeguard::policy::NodeTrust {
     let chart_path = chart();
-    let mut args = vec!["template", "x", chart_path.as_str()];
+    let mut args = vec![
+        "template",
+        "x",
+        chart_path.as_str(),
+        "--kube-version",
+        "1.33.0",
+    ];
     for s in set {
         args.extend(["--set", s]);
     }
@@ -693,15 +706,8 @@ async fn policy_write_access_is_never_aggregated_into_builtin_roles() {
     let admin = admin_client().await;
     let ns = unique_name("ng-aggr");
     let release = unique_name("ng");
-    let (ok, out, err) = helm(&[
-        "install",
-        &release,
-        &chart(),
-        "-n",
-        &ns,
-        "--create-namespace",
-        "--wait=false",
-    ]);
+    namespace(&admin, &ns).await;
+    let (ok, out, err) = helm(&["install", &release, &chart(), "-n", &ns, "--wait=false"]);
     assert!(ok, "helm install: {out}{err}");
     let _uninstall = Uninstall {
         release: release.clone(),
@@ -781,13 +787,13 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
     let ns = unique_name("ng-authority");
     let release = unique_name("ng");
     let trusted_group = unique_name("trusted-authors");
+    namespace(&admin, &ns).await;
     let (ok, out, err) = helm(&[
         "install",
         &release,
         &chart(),
         "-n",
         &ns,
-        "--create-namespace",
         "--wait=false",
         "--set",
         &format!("policyAuthority.groups={{{trusted_group}}}"),
@@ -961,4 +967,348 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
     let _ = Api::<Namespace>::all(admin)
         .delete(&ns, &DeleteParams::default())
         .await;
+}
+
+/// The rendered DaemonSet's args, mounts and security, for `set`.
+fn render(set: &[&str]) -> Result<String, String> {
+    let chart_path = chart();
+    let mut args = vec![
+        "template",
+        "x",
+        chart_path.as_str(),
+        "--kube-version",
+        "1.33.0",
+    ];
+    for s in set {
+        args.extend(["--set", s]);
+    }
+    let (ok, out, err) = helm(&args);
+    if ok { Ok(out) } else { Err(err) }
+}
+
+/// Host access on `auto` (the default) follows the policy the chart
+/// installs: the README's one flag gives the shipped default policy every
+/// mount it uses and nothing else; without a policy nothing is mounted but
+/// the state directory; an explicit false the policy needs stops the
+/// install naming both; a policy path the mount would not serve too.
+#[test]
+fn host_access_on_auto_is_what_the_charts_policy_uses() {
+    let mounts = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter_map(|l| l.trim().strip_prefix("mountPath: "))
+            .map(str::to_string)
+            .collect()
+    };
+    let none = render(&[]).unwrap();
+    assert_eq!(mounts(&none), ["/var/lib/nodeguard"], "{none}");
+    assert!(none.contains("privileged: false") && !none.contains("DBUS_SYSTEM_BUS_ADDRESS"));
+    assert!(
+        !none.contains("inhibitor-keeper"),
+        "no keeper without D-Bus"
+    );
+
+    let readme = render(&["defaultPolicy.enabled=true"]).unwrap();
+    assert_eq!(
+        mounts(&readme),
+        [
+            "/run/nodeguard",
+            "/var/lib/nodeguard",
+            "/run/nodeguard",
+            "/run/dbus/system_bus_socket",
+            "/etc/systemd/logind.conf.d",
+            "/dev/kmsg",
+            "/var/log/journal",
+        ],
+        "the shipped default policy's mounts (the keeper's socket in both containers; no watchdog: it is off there)"
+    );
+    assert!(readme.contains("privileged: true"), "/dev/kmsg needs it");
+    assert!(readme.contains("\"--allow-watchdog-device=\""));
+    assert!(readme.contains("--inhibitor-keeper=/run/nodeguard/keep.sock"));
+
+    let err = render(&["defaultPolicy.enabled=true", "host.kmsg.enabled=false"]).unwrap_err();
+    assert!(
+        err.contains("host.kmsg.enabled is false, but the chart's defaultPolicy needs it (monitor kernel reads /dev/kmsg)"),
+        "{err}"
+    );
+    let err = render(&["defaultPolicy.enabled=true", "host.dbus.enabled=false"]).unwrap_err();
+    assert!(
+        err.contains("shutdown holds logind's delay lock over D-Bus"),
+        "{err}"
+    );
+    // Explicit true is kept without a policy (for policies applied later).
+    let on = render(&[
+        "host.journal.enabled=true",
+        "host.journal.path=/run/log/journal",
+    ])
+    .unwrap();
+    assert_eq!(mounts(&on), ["/var/lib/nodeguard", "/run/log/journal"]);
+    // A value outside true, false, auto is refused by the schema.
+    let err = render(&["host.kmsg.enabled=yes"]).unwrap_err();
+    assert!(err.contains("/host/kmsg/enabled"), "{err}");
+
+    // A spec of one's own: a Device watchdog pulls in the device (it must
+    // be the mounted one), an empty drop-in dir leaves logind.conf.d out.
+    let spec = |extra: &str| {
+        format!(
+            "defaultPolicy.spec.shutdown.gracePeriodSeconds=20,defaultPolicy.spec.shutdown.logindDropInDir=,defaultPolicy.enabled=true{extra}"
+        )
+    };
+    let out = render(&[&spec(",defaultPolicy.spec.watchdog.mode=Device")]).unwrap();
+    assert_eq!(
+        mounts(&out),
+        [
+            "/run/nodeguard",
+            "/var/lib/nodeguard",
+            "/run/nodeguard",
+            "/run/dbus/system_bus_socket",
+            "/dev/watchdog"
+        ]
+    );
+    assert!(out.contains("\"--allow-watchdog-device=/dev/watchdog\""));
+    let err = render(&[&spec(
+        ",defaultPolicy.spec.watchdog.mode=Device,defaultPolicy.spec.watchdog.device=/dev/watchdog1",
+    )])
+    .unwrap_err();
+    assert!(
+        err.contains("watchdog.device is /dev/watchdog1, but the pod mounts host.watchdog.device (/dev/watchdog)"),
+        "{err}"
+    );
+    // The shipped policy follows the chart's paths; a spec of one's own
+    // that the mounts would not serve is refused.
+    let moved = render(&[
+        "defaultPolicy.enabled=true",
+        "host.logindDropIn.path=/run/systemd/logind.conf.d",
+        "host.journal.path=/run/log/journal",
+    ])
+    .unwrap();
+    assert!(
+        moved.contains("logindDropInDir: /run/systemd/logind.conf.d"),
+        "{moved}"
+    );
+    assert!(
+        moved.contains("directory: /run/log/journal")
+            && !moved.contains("directory: /var/log/journal")
+    );
+    assert!(moved.contains("\"--allow-read-path=/run/log/journal\""));
+    let err = render(&[&spec(",host.logindDropIn.path=/run/systemd/logind.conf.d,defaultPolicy.spec.shutdown.logindDropInDir=/etc/systemd/logind.conf.d")]).unwrap_err();
+    assert!(err.contains("shutdown.logindDropInDir is /etc/systemd/logind.conf.d, but the pod mounts host.logindDropIn.path"), "{err}");
+    // /dev/kmsg is readable whatever trust.readPaths says, when mounted.
+    let reads = render(&[
+        "defaultPolicy.enabled=true",
+        "trust.readPaths={/var/log/syslog}",
+    ])
+    .unwrap();
+    assert!(
+        reads.contains("\"--allow-read-path=/dev/kmsg\"")
+            && reads.contains("\"--allow-read-path=/var/log/journal\""),
+        "{reads}"
+    );
+    // What the pod cannot serve is refused at install, not dropped on
+    // every node afterwards.
+    for (set, want) in [
+        (spec(",defaultPolicy.spec.watchdog.mode=Systemd"), "watchdog mode Systemd pets systemd's watchdog, which a pod has not"),
+        (spec(",defaultPolicy.spec.shutdown.gracePeriodSeconds=60"), "shutdown needs an inhibit delay of 62 s"),
+        (
+            "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=j,defaultPolicy.spec.monitors[0].source.journald.unit=kubelet.service".to_string(),
+            "monitor j has no journald directory",
+        ),
+        (
+            "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=f,defaultPolicy.spec.monitors[0].source.file.path=/var/log/syslog".to_string(),
+            "monitor f reads the file /var/log/syslog; the chart mounts no log files",
+        ),
+        (
+            "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=k,defaultPolicy.spec.monitors[0].source.kmsg.path=/tmp/kmsg".to_string(),
+            "monitor k reads kmsg records from /tmp/kmsg",
+        ),
+        (
+            "defaultPolicy.enabled=true,defaultPolicy.spec.probes[0].name=e,defaultPolicy.spec.probes[0].conditionType=E,defaultPolicy.spec.probes[0].exec.command={/usr/local/bin/check}".to_string(),
+            "probe e runs /usr/local/bin/check, which the nodes do not allow",
+        ),
+        (
+            "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=s,defaultPolicy.spec.monitors[0].source.systemd.unit=kubelet.service,defaultPolicy.spec.monitors[0].source.systemd.repair.signal=SIGKILL".to_string(),
+            "monitor s repairs unit kubelet.service, which trust.repairUnits does not allow",
+        ),
+        ("defaultPolicy.enabled=true,hostNetwork=false".to_string(), "probe kubelet targets the node's loopback"),
+    ] {
+        let err = render(&[&set]).unwrap_err();
+        assert!(err.contains(want), "{set}: {err}");
+    }
+    // Allowed, they render: the command under host.plugins, the unit in
+    // trust.repairUnits (by prefix).
+    render(&["defaultPolicy.enabled=true,defaultPolicy.spec.probes[0].name=e,defaultPolicy.spec.probes[0].conditionType=E,defaultPolicy.spec.probes[0].exec.command={/usr/local/lib/nodeguard/plugins/check},host.plugins.enabled=true"]).unwrap();
+    render(&["defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=s,defaultPolicy.spec.monitors[0].source.systemd.unit=kubelet.service,defaultPolicy.spec.monitors[0].source.systemd.repair.signal=SIGKILL,trust.repairUnits={kube*}"]).unwrap();
+    // A value removed (null), as an upgrade with --reuse-values from an
+    // older release has none: auto, and the Pod Security check's default.
+    render(&[
+        "defaultPolicy.enabled=true",
+        "host.kmsg.enabled=null",
+        "podSecurity=null",
+    ])
+    .unwrap();
+}
+
+/// NOTES.txt, printed after `helm install`, says what is on and why.
+#[test]
+fn install_notes_say_what_host_access_is_on_and_why() {
+    let (ok, out, err) = helm(&[
+        "install",
+        "notes",
+        &chart(),
+        "--dry-run=client",
+        "-n",
+        "nodeguard-system",
+        "--set",
+        "defaultPolicy.enabled=true",
+    ]);
+    assert!(ok, "{err}");
+    for want in [
+        "host.kmsg: on  (auto: monitor kernel reads /dev/kmsg)",
+        "host.journal: on  (auto: monitor systemd-restarts reads the journal; monitor docker reads the journal)",
+        "host.dbus: on  (auto: shutdown holds logind's delay lock over D-Bus)",
+        "host.logindDropIn: on  (auto: shutdown raises logind's InhibitDelayMaxSec with a drop-in in /etc/systemd/logind.conf.d)",
+        "host.watchdog: off (auto: the chart's policy does not use it)",
+    ] {
+        assert!(out.contains(want), "NOTES lack {want:?}:\n{out}");
+    }
+    let (ok, out, err) = helm(&["install", "notes", &chart(), "--dry-run=client"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("host.kmsg: off (auto: the chart's policy does not use it)")
+            && out.contains("set host.<access>.enabled=true for what\nthey use"),
+        "{out}"
+    );
+}
+
+/// The DaemonSet's pod as the API server's Pod Security admission judges it
+/// in `ns`: a server-side dry-run create of its template.
+async fn pod_admitted(client: &Client, ns: &str, rendered: &str) -> Result<(), String> {
+    let ds = rendered
+        .split("\n---")
+        .find(|d| d.contains("\nkind: DaemonSet"))
+        .expect("a DaemonSet is rendered");
+    let mut ds: serde_json::Value = serde_saphyr::from_str(ds).unwrap();
+    // The release's service account is not there (nothing is installed);
+    // Pod Security does not look at it.
+    ds["spec"]["template"]["spec"]["serviceAccountName"] = "default".into();
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": unique_name("psa")},
+        "spec": ds["spec"]["template"]["spec"],
+    }))
+    .unwrap();
+    let pp = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&pp, &pod)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Pod Security on the real API server: where the namespace's level would
+/// refuse the pod (baseline, or no label: the cluster's default, unknown to
+/// the chart, or a namespace --create-namespace would make bare), `helm
+/// install` stops at once naming the label; labelled privileged it installs
+/// and the pod is admitted; with no host access the pod meets restricted
+/// and installs there.
+#[tokio::test]
+async fn an_install_the_namespaces_pod_security_would_refuse_stops_naming_the_label() {
+    let admin = admin_client().await;
+    let readme = ["--set", "defaultPolicy.enabled=true"];
+    let baseline = unique_name("ng-psa-baseline");
+    let bare = unique_name("ng-psa-bare");
+    let privileged = unique_name("ng-psa-privileged");
+    let restricted = unique_name("ng-psa-restricted");
+    let _gone = Namespaces(vec![
+        baseline.clone(),
+        bare.clone(),
+        privileged.clone(),
+        restricted.clone(),
+    ]);
+    namespace_at(&admin, &baseline, Some("baseline")).await;
+    namespace_at(&admin, &bare, None).await;
+    namespace_at(&admin, &privileged, Some("privileged")).await;
+    namespace_at(&admin, &restricted, Some("restricted")).await;
+    let rendered = render(&["defaultPolicy.enabled=true"]).unwrap();
+    // The premise: this cluster's admission refuses the pod under baseline.
+    let refused = pod_admitted(&admin, &baseline, &rendered)
+        .await
+        .unwrap_err();
+    assert!(
+        refused.contains("violates PodSecurity \"baseline"),
+        "{refused}"
+    );
+    pod_admitted(&admin, &privileged, &rendered).await.unwrap();
+
+    let install = |ns: &str, extra: &[&str]| {
+        let chart_path = chart();
+        let mut args = vec![
+            "install",
+            "psa",
+            chart_path.as_str(),
+            "-n",
+            ns,
+            "--dry-run=server",
+        ];
+        args.extend(extra);
+        helm(&args)
+    };
+    let label = "pod-security.kubernetes.io/enforce=privileged";
+    let (ok, _, err) = install(&baseline, &readme);
+    assert!(
+        !ok && err.contains("has Pod Security enforce level \"baseline\""),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("kubectl label namespace {baseline} {label}")),
+        "{err}"
+    );
+    assert!(
+        err.contains("host.kmsg (/dev/kmsg, a privileged container)"),
+        "{err}"
+    );
+    let (ok, _, err) = install(&bare, &readme);
+    assert!(
+        !ok && err.contains("enforce level unset (the cluster's default"),
+        "{err}"
+    );
+    let missing = unique_name("ng-psa-missing");
+    let (ok, _, err) = install(&missing, &["--create-namespace"]);
+    assert!(
+        !ok && err.contains(&format!("namespace {missing} does not exist yet")),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "kubectl create namespace {missing} && kubectl label namespace {missing} {label}"
+        )),
+        "{err}"
+    );
+    let (ok, _, err) = install(&privileged, &readme);
+    assert!(ok, "{err}");
+    let (ok, _, err) = install(&baseline, &["--set", "podSecurity.check=false"]);
+    assert!(ok, "the check can be turned off: {err}");
+    // No host access: the pod meets restricted, and the chart says nothing.
+    let plain = [
+        "--set",
+        "hostNetwork=false",
+        "--set",
+        "host.stateDir.enabled=false",
+    ];
+    let (ok, _, err) = install(&restricted, &plain);
+    assert!(ok, "{err}");
+    let rendered = render(&["hostNetwork=false", "host.stateDir.enabled=false"]).unwrap();
+    pod_admitted(&admin, &restricted, &rendered).await.unwrap();
+}
+
+/// Deletes the namespaces when dropped (a failed test too).
+struct Namespaces(Vec<String>);
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = kubectl_status(&["delete", "namespace", ns, "--wait=false"]);
+        }
+    }
 }

@@ -349,7 +349,8 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
 }
 
 /// The real node's scenarios, in the order they run on its boots.
-pub const STEPS: [&str; 10] = [
+pub const STEPS: [&str; 11] = [
+    "kube-install",
     "daemonset",
     "kube-probe",
     "kube-journald",
@@ -402,6 +403,12 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     .await;
     let mut boot = 1;
     let result = std::panic::AssertUnwindSafe(async {
+        let wants = |s: &str| steps.contains(&s);
+        let earlier = if wants("kube-install") {
+            Some(readme_install(&mut vm, &admin, &node.0, &dir, &published, rows).await)
+        } else {
+            None
+        };
         daemonset(
             &mut vm,
             &admin,
@@ -410,10 +417,10 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
             &release,
             &published,
             env.image.arch,
+            earlier,
             rows,
         )
         .await;
-        let wants = |s: &str| steps.contains(&s);
         let agent_ns = release.namespace.as_str();
         if wants("kube-probe") {
             kubework::kubelet_probe(&mut vm, &admin, &node.0, rows).await;
@@ -531,6 +538,7 @@ pub async fn gns_node(env: &Env, rows: &Rows) {
             &release,
             &published,
             ShutdownBy::Kubelet,
+            None,
         )
         .await;
         let observed = kubework::kubelet_gns(&mut vm, &admin, &node.0, &dir, &work.0).await;
@@ -629,19 +637,17 @@ enum ShutdownBy {
     Kubelet,
 }
 
-/// Boot → Node Ready → `helm install` of the chart with the shipped
-/// default policy (scoped to this node) → the DaemonSet pod Running and
-/// Ready, its policy in force and its kubelet probe passing.
-#[allow(clippy::too_many_arguments)]
-async fn install(
-    vm: &mut Vm,
-    admin: &Client,
-    node: &str,
-    dir: &Path,
-    release: &Release,
-    published: &Published,
-    shutdown_by: ShutdownBy,
-) -> Installed {
+/// When the node came up, since qemu started.
+#[derive(Clone, Copy)]
+struct NodeUp {
+    booted: Duration,
+    registered: Duration,
+    ready: Duration,
+}
+
+/// Boot → the guest agent answers → the kubelet registers the Node → Ready
+/// with the not-ready taint gone. Returns at once (same figures) if it is.
+async fn node_up(vm: &mut Vm, admin: &Client, node: &str) -> NodeUp {
     let booted = vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
     let nodes: Api<Node> = Api::all(admin.clone());
     let mut registered = None;
@@ -667,6 +673,37 @@ async fn install(
         secs(registered),
         secs(ready)
     );
+    NodeUp {
+        booted,
+        registered,
+        ready,
+    }
+}
+
+/// Boot → Node Ready → `helm install` of the chart with the shipped
+/// default policy (scoped to this node) → the DaemonSet pod Running and
+/// Ready, its policy in force and its kubelet probe passing.
+#[allow(clippy::too_many_arguments)]
+async fn install(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &Path,
+    release: &Release,
+    published: &Published,
+    shutdown_by: ShutdownBy,
+    earlier: Option<NodeUp>,
+) -> Installed {
+    // After kube-install the node is up, and the image on it.
+    let image_present = earlier.is_some();
+    let NodeUp {
+        booted,
+        registered,
+        ready,
+    } = match earlier {
+        Some(up) => up,
+        None => node_up(vm, admin, node).await,
+    };
 
     // helm install as users do, scoped to this Node so the shared cluster's
     // other (kubelet-less) Nodes get no pods and no policy.
@@ -704,6 +741,7 @@ async fn install(
     });
     let values_file = dir.join("values.json");
     std::fs::write(&values_file, serde_json::to_string_pretty(&values).unwrap()).unwrap();
+    labelled_namespace(&release.namespace);
     let t_install = Instant::now();
     // The chart from the registry, as README's install line has it; its
     // image is the chart's own reference (ghcr.io/nodeguard/nodeguard:<appVersion>).
@@ -712,7 +750,7 @@ async fn install(
         .arg(kubeconfig_path())
         .args(["install", &release.name, &published.chart()])
         .args(["--version", &published.version, "--plain-http"])
-        .args(["-n", &release.namespace, "--create-namespace", "-f"])
+        .args(["-n", &release.namespace, "-f"])
         .arg(&values_file));
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
     let deadline = Instant::now() + POD_READY_TIMEOUT;
@@ -747,7 +785,14 @@ async fn install(
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let running = running.unwrap_or(pod_ready_at);
-    let pulled = pulled_from_registry(admin, &release.namespace, &pod_name, published).await;
+    let pulled = pulled_from_registry(
+        admin,
+        &release.namespace,
+        &pod_name,
+        published,
+        image_present,
+    )
+    .await;
     eprintln!(
         "vm: {node}: pod {pod_name} Running {} and Ready {} after helm install",
         secs(running),
@@ -795,6 +840,7 @@ async fn pulled_from_registry(
     namespace: &str,
     pod_name: &str,
     published: &Published,
+    image_present: bool,
 ) -> String {
     let pods: Api<Pod> = Api::namespaced(admin.clone(), namespace);
     let pod = pods.get(pod_name).await.unwrap();
@@ -812,6 +858,12 @@ async fn pulled_from_registry(
             c.image_id, want,
             "container {} runs {} ({}), not the published index",
             c.name, c.image, c.image_id
+        );
+    }
+    if image_present {
+        return format!(
+            "the published index ({}), already on the node from kube-install's pull; chart from oci://",
+            &published.digest[..19]
         );
     }
     let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(admin.clone(), namespace);
@@ -855,6 +907,7 @@ async fn daemonset(
     release: &Release,
     published: &Published,
     arch: &str,
+    earlier: Option<NodeUp>,
     rows: &Rows,
 ) {
     // The same install and kmsg check on an arm64 node is its own row.
@@ -879,6 +932,7 @@ async fn daemonset(
         release,
         published,
         ShutdownBy::Nodeguard,
+        earlier,
     )
     .await;
     // The kubelet says which architecture the node is (and so which of the
@@ -958,4 +1012,205 @@ fn shipped_default_policy() -> serde_json::Value {
             .unwrap(),
     ]);
     serde_json::from_str(&out).unwrap()
+}
+
+/// The Pod Security label README has users put on the namespace before
+/// `helm install` (the chart stops the install without it).
+const PRIVILEGED: &str = "pod-security.kubernetes.io/enforce=privileged";
+
+/// `kubectl create namespace NS` then `kubectl label namespace NS …`, as
+/// README "Installing it" has it.
+fn labelled_namespace(ns: &str) {
+    kubectl(&["create", "namespace", ns]);
+    kubectl(&["label", "namespace", ns, PRIVILEGED]);
+}
+
+/// README "Installing it" as printed: the namespace created and labelled,
+/// then `helm install` with README's one value, `defaultPolicy.enabled=true`
+/// (the chart from this test bed's registry, so over plain HTTP; a release
+/// and namespace name of its own, since the host-mode scenarios' RBAC holds
+/// `nodeguard` in nodeguard-system). The shipped default policy is then in
+/// force from the pod: valid, every condition it declares has a verdict
+/// read from its source (none `MonitorSourceUnavailable`), logind's delay
+/// raised by the drop-in and the delay inhibitor held. Then `helm
+/// uninstall`, and the pod is gone before the scenarios' own install.
+async fn readme_install(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &Path,
+    published: &Published,
+    rows: &Rows,
+) -> NodeUp {
+    let up = node_up(vm, admin, node).await;
+    // No service proxy runs on this node. The rule kube-proxy would make
+    // for the in-cluster address (the `kubernetes` Service, 10.0.0.1:443)
+    // is added by hand, to the API server's address on the VM's network, so
+    // the pod uses the in-cluster defaults the kubelet injects, as on any
+    // cluster: README's install sets no apiServer.host. (The VM's network
+    // has no default route: the service range gets one, or the connect
+    // fails before the rule is reached.)
+    vm.sh(&format!(
+        "ip route add 10.0.0.0/24 via 10.0.2.2 && iptables -t nat -A OUTPUT -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER}"
+    ))
+    .await;
+    let release = Release {
+        name: "nodeguard-readme".to_string(),
+        namespace: unique_name("nodeguard-system"),
+        helm: lib_dir("bin_dir").join("helm"),
+    };
+    labelled_namespace(&release.namespace);
+    let t_install = Instant::now();
+    let notes = run(Command::new(&release.helm)
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(["install", &release.name, &published.chart()])
+        .args(["--version", &published.version, "--plain-http"])
+        .args(["-n", &release.namespace])
+        .args(["--set", "defaultPolicy.enabled=true"]));
+    std::fs::write(dir.join("readme-install-notes.txt"), &notes).unwrap();
+    for on in ["kmsg", "journal", "dbus", "logindDropIn"] {
+        assert!(
+            notes.contains(&format!("host.{on}: on  (auto: ")),
+            "NOTES say host.{on} is on for the default policy:\n{notes}"
+        );
+    }
+    assert!(notes.contains("host.watchdog: off (auto: "), "{notes}");
+
+    // The pod on this node (the DaemonSet also makes pods for the shared
+    // cluster's kubelet-less Nodes; they stay Pending).
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
+    let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
+    let deadline = Instant::now() + POD_READY_TIMEOUT;
+    let pod_name = loop {
+        let list = pods.list(&on_node).await.unwrap();
+        if let Some(p) = list.items.iter().find(|p| {
+            p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") && pod_ready(p)
+        }) {
+            break p.metadata.name.clone().unwrap();
+        }
+        if Instant::now() > deadline {
+            let describe = kubectl_status(&["describe", "pods", "-n", &release.namespace])
+                .unwrap_or_else(|e| e);
+            panic!(
+                "README's install: no Running and Ready pod on {node} {POD_READY_TIMEOUT:?} after helm install:\n{describe}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let pod_ready_at = t_install.elapsed();
+    let pulled = pulled_from_registry(admin, &release.namespace, &pod_name, published, false).await;
+
+    wait_condition(
+        admin,
+        node,
+        "NodeGuardPolicyInvalid",
+        "False",
+        Duration::from_secs(60),
+        "NodeGuardPolicyInvalid=False (README's install)",
+    )
+    .await;
+    // Every condition the shipped default policy declares gets a verdict
+    // from its own source: the kernel log, the journal, the probes.
+    let policy = shipped_default_policy();
+    let mut declared: Vec<String> = Vec::new();
+    for m in policy["spec"]["monitors"].as_array().unwrap() {
+        for c in m["conditions"].as_array().unwrap() {
+            declared.push(c["type"].as_str().unwrap().to_string());
+        }
+    }
+    for p in policy["spec"]["probes"].as_array().unwrap() {
+        declared.push(p["conditionType"].as_str().unwrap().to_string());
+    }
+    declared.push("GracefulShutdownUnavailable".to_string());
+    let mut verdicts = Vec::new();
+    for t in &declared {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let c = loop {
+            let c = node_conditions(admin, node, t).await;
+            if let Some(c) = c
+                .into_iter()
+                .find(|c| c.status == "True" || c.status == "False")
+            {
+                break c;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{t} has no verdict (True or False) 90 s after README's install"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        assert_ne!(
+            c.reason.as_deref(),
+            Some("MonitorSourceUnavailable"),
+            "{t}: a monitor cannot read its source from the pod: {c:?}"
+        );
+        verdicts.push(format!("{t}={}", c.status));
+    }
+    assert!(condition_is(admin, node, "GracefulShutdownUnavailable", "False").await);
+    let events = kubectl(&["events", "-A", "--for", &format!("node/{node}")]);
+    assert!(
+        !events.contains("MonitorSourceUnavailable"),
+        "a monitor cannot read its source from the pod:\n{events}"
+    );
+    // Graceful shutdown armed: the delay lock held, logind's limit raised
+    // from Debian's 5 s to the default policy's 30 s + 2 s margin.
+    let logind = kubework::inhibitor_held(vm, "nodeguard").await;
+    let secs_allowed: u64 = logind.trim_end_matches(" s").parse().unwrap();
+    assert!(
+        secs_allowed >= 32,
+        "logind allows {logind}; the default policy needs 32 s (its drop-in was not written)"
+    );
+    let dropin = vm.sh("cat /etc/systemd/logind.conf.d/*nodeguard* 2>/dev/null || ls -la /etc/systemd/logind.conf.d").await;
+    std::fs::write(dir.join("readme-install-dropin.txt"), &dropin).unwrap();
+
+    // An install made before the chart checked Pod Security, in a
+    // namespace without the label: its upgrade goes on, since the namespace
+    // evidently admits the pod (the DaemonSet has Ready pods).
+    kubectl(&[
+        "label",
+        "namespace",
+        &release.namespace,
+        "pod-security.kubernetes.io/enforce-",
+    ]);
+    run(Command::new(&release.helm)
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args(["upgrade", &release.name, &published.chart()])
+        .args(["--version", &published.version, "--plain-http"])
+        .args(["-n", &release.namespace, "--reuse-values"]));
+
+    // Out again, before the scenarios' own release (same host port).
+    run(Command::new(&release.helm)
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args([
+            "uninstall",
+            &release.name,
+            "-n",
+            &release.namespace,
+            "--wait",
+        ]));
+    eventually(
+        Duration::from_secs(90),
+        "README install's pods gone",
+        || async {
+            pods.list(&ListParams::default())
+                .await
+                .unwrap()
+                .items
+                .is_empty()
+        },
+    )
+    .await;
+    drop(release);
+    rows.pass(
+        "kube-install",
+        format!(
+            "README's install (namespace labelled privileged, `helm install … --set defaultPolicy.enabled=true`, nothing else; in-cluster API address): NOTES list kmsg, journal, dbus, logindDropIn on (auto), watchdog off; {pulled}; pod Ready {} after helm install; NodeGuardPolicyInvalid=False, every declared condition has a verdict ({}), none MonitorSourceUnavailable; delay inhibitor held, logind allows {logind}; `helm upgrade` with the label removed goes on (the DaemonSet's pods are Ready)",
+            secs(pod_ready_at),
+            verdicts.join(", ")
+        ),
+    );
+    up
 }

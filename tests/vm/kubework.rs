@@ -811,7 +811,7 @@ async fn start_workloads(admin: &Client, node: &str, work_ns: &str) -> String {
 }
 
 /// Waits for a delay inhibitor whose `who` contains `who`; logind's maximum.
-async fn inhibitor_held(vm: &mut Vm, who: &str) -> String {
+pub(crate) async fn inhibitor_held(vm: &mut Vm, who: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let l = vm

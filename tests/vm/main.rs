@@ -27,7 +27,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 20] = [
+const SCENARIOS: [&str; 21] = [
     "inhibit-delay",
     "kernel-problem",
     "clock-step",
@@ -36,6 +36,7 @@ const SCENARIOS: [&str; 20] = [
     "poweroff",
     "reboot",
     "device-watchdog",
+    "kube-install",
     "daemonset",
     "kube-probe",
     "kube-journald",
@@ -257,8 +258,17 @@ async fn run(selected: &[&'static str], rows: &Rows) -> bool {
     if !kube_steps.is_empty() {
         let (e, r, steps) = (env.clone(), rows.clone(), kube_steps.clone());
         let res = tokio::spawn(async move { kubenode::daemonset_node(&e, &r, &steps).await }).await;
-        let mut scen = vec!["daemonset"];
-        scen.extend(kube_steps.into_iter().filter(|s| *s != "daemonset"));
+        let mut scen: Vec<&str> = kube_steps
+            .iter()
+            .copied()
+            .filter(|s| *s == "kube-install")
+            .collect();
+        scen.push("daemonset");
+        scen.extend(
+            kube_steps
+                .into_iter()
+                .filter(|s| *s != "daemonset" && *s != "kube-install"),
+        );
         record(&scen, res.map_err(|e| e.into_panic()));
     }
     if wants("kube-gns") {

@@ -1166,7 +1166,8 @@ async fn readme_install(
 
     // An install made before the chart checked Pod Security, in a
     // namespace without the label: its upgrade goes on, since the namespace
-    // evidently admits the pod (the DaemonSet has Ready pods).
+    // evidently admits the pod (the DaemonSet has pods from a template
+    // that needed privileged).
     kubectl(&[
         "label",
         "namespace",
@@ -1207,7 +1208,7 @@ async fn readme_install(
     rows.pass(
         "kube-install",
         format!(
-            "README's install (namespace labelled privileged, `helm install … --set defaultPolicy.enabled=true`, nothing else; in-cluster API address): NOTES list kmsg, journal, dbus, logindDropIn on (auto), watchdog off; {pulled}; pod Ready {} after helm install; NodeGuardPolicyInvalid=False, every declared condition has a verdict ({}), none MonitorSourceUnavailable; delay inhibitor held, logind allows {logind}; `helm upgrade` with the label removed goes on (the DaemonSet's pods are Ready)",
+            "README's install (namespace labelled privileged, `helm install … --set defaultPolicy.enabled=true`, nothing else; in-cluster API address): NOTES list kmsg, journal, dbus, logindDropIn on (auto), watchdog off; {pulled}; pod Ready {} after helm install; NodeGuardPolicyInvalid=False, every declared condition has a verdict ({}), none MonitorSourceUnavailable; delay inhibitor held, logind allows {logind}; `helm upgrade` with the label removed goes on (the DaemonSet has pods from a template that needed privileged)",
             secs(pod_ready_at),
             verdicts.join(", ")
         ),

@@ -592,19 +592,7 @@ fn daemonset_args(rendered: &str) -> Vec<String> {
 /// The node-local trust the agent gets from the chart's args, parsed by the
 /// agent's own command line.
 fn rendered_trust(set: &[&str]) -> nodeguard::policy::NodeTrust {
-    let chart_path = chart();
-    let mut args = vec![
-        "template",
-        "x",
-        chart_path.as_str(),
-        "--kube-version",
-        "1.33.0",
-    ];
-    for s in set {
-        args.extend(["--set", s]);
-    }
-    let (ok, out, err) = helm(&args);
-    assert!(ok, "{err}");
+    let out = render(set).unwrap_or_else(|err| panic!("{err}"));
     let mut argv = vec!["nodeguard".to_string()];
     argv.extend(daemonset_args(&out));
     argv.extend(["--node-name".into(), "n".into()]);
@@ -969,7 +957,8 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
         .await;
 }
 
-/// The rendered DaemonSet's args, mounts and security, for `set`.
+/// `helm template` of the chart for a 1.33 cluster with `--set` for each
+/// of `set`: the manifests, or helm's error.
 fn render(set: &[&str]) -> Result<String, String> {
     let chart_path = chart();
     let mut args = vec![

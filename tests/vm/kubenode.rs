@@ -752,39 +752,20 @@ async fn install(
         .args(["--version", &published.version, "--plain-http"])
         .args(["-n", &release.namespace, "-f"])
         .arg(&values_file));
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
-    let deadline = Instant::now() + POD_READY_TIMEOUT;
-    let mut running = None;
-    let (pod_name, pod_ready_at) = loop {
-        let list = pods.list(&ListParams::default()).await.unwrap();
-        if let Some(p) = list.items.first() {
-            let phase = p
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.clone())
-                .unwrap_or_default();
-            if phase == "Running" {
-                running.get_or_insert_with(|| t_install.elapsed());
-            }
-            if phase == "Running" && pod_ready(p) {
-                assert_eq!(
-                    p.spec.as_ref().and_then(|s| s.node_name.as_deref()),
-                    Some(node),
-                    "the DaemonSet pod runs on the VM's Node"
-                );
-                break (p.metadata.name.clone().unwrap(), t_install.elapsed());
-            }
-        }
-        if Instant::now() > deadline {
-            let describe = kubectl_status(&["describe", "pods", "-n", &release.namespace])
-                .unwrap_or_else(|e| e);
-            panic!(
-                "the DaemonSet pod was not Running and Ready {POD_READY_TIMEOUT:?} after helm install:\n{describe}"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    let running = running.unwrap_or(pod_ready_at);
+    let (pod, running, pod_ready_at) = running_and_ready(
+        admin,
+        &release.namespace,
+        &ListParams::default(),
+        t_install,
+        "the DaemonSet pod",
+    )
+    .await;
+    assert_eq!(
+        pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+        Some(node),
+        "the DaemonSet pod runs on the VM's Node"
+    );
+    let pod_name = pod.metadata.name.unwrap();
     let pulled = pulled_from_registry(
         admin,
         &release.namespace,
@@ -1081,24 +1062,15 @@ async fn readme_install(
     // cluster's kubelet-less Nodes; they stay Pending).
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &release.namespace);
     let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
-    let deadline = Instant::now() + POD_READY_TIMEOUT;
-    let pod_name = loop {
-        let list = pods.list(&on_node).await.unwrap();
-        if let Some(p) = list.items.iter().find(|p| {
-            p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") && pod_ready(p)
-        }) {
-            break p.metadata.name.clone().unwrap();
-        }
-        if Instant::now() > deadline {
-            let describe = kubectl_status(&["describe", "pods", "-n", &release.namespace])
-                .unwrap_or_else(|e| e);
-            panic!(
-                "README's install: no Running and Ready pod on {node} {POD_READY_TIMEOUT:?} after helm install:\n{describe}"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    let pod_ready_at = t_install.elapsed();
+    let (pod, _, pod_ready_at) = running_and_ready(
+        admin,
+        &release.namespace,
+        &on_node,
+        t_install,
+        &format!("README's install: the pod on {node}"),
+    )
+    .await;
+    let pod_name = pod.metadata.name.unwrap();
     let pulled = pulled_from_registry(admin, &release.namespace, &pod_name, published, false).await;
 
     wait_condition(
@@ -1214,4 +1186,39 @@ async fn readme_install(
         ),
     );
     up
+}
+
+/// Polls `ns` (pods matching `list`) until one is Running and Ready, at most
+/// POD_READY_TIMEOUT: that pod, when a pod was first Running and when it
+/// was Ready (both since `t_install`). On time-out, panics naming `what`
+/// with `kubectl describe pods`.
+async fn running_and_ready(
+    admin: &Client,
+    ns: &str,
+    list: &ListParams,
+    t_install: Instant,
+    what: &str,
+) -> (Pod, Duration, Duration) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let deadline = Instant::now() + POD_READY_TIMEOUT;
+    let mut running = None;
+    loop {
+        let items = pods.list(list).await.unwrap().items;
+        let is_running =
+            |p: &Pod| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+        if items.iter().any(is_running) {
+            running.get_or_insert_with(|| t_install.elapsed());
+        }
+        if let Some(p) = items.into_iter().find(|p| is_running(p) && pod_ready(p)) {
+            let ready = t_install.elapsed();
+            return (p, running.unwrap_or(ready), ready);
+        }
+        if Instant::now() > deadline {
+            let describe = kubectl_status(&["describe", "pods", "-n", ns]).unwrap_or_else(|e| e);
+            panic!(
+                "{what} was not Running and Ready {POD_READY_TIMEOUT:?} after helm install:\n{describe}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }

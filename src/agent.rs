@@ -84,6 +84,9 @@ pub struct AgentConfig {
     /// The inhibitor a previous process left with the keeper, taken back
     /// before any thread started (so no child process inherits it).
     pub reclaimed_inhibitor: Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>,
+    /// The `journalctl` journald monitors run; by default the one on PATH
+    /// (the image's own, or the host's in host mode).
+    pub journalctl: PathBuf,
 }
 
 impl AgentConfig {
@@ -106,6 +109,7 @@ impl AgentConfig {
             trust: NodeTrust::default(),
             keeper: Keeper::None,
             reclaimed_inhibitor: Arc::default(),
+            journalctl: "journalctl".into(),
         }
     }
 }
@@ -434,6 +438,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 health: health.clone(),
                 boot_id: config.boot_id.clone(),
                 read_roots: resolved,
+                journalctl: config.journalctl.clone(),
             },
             shutdown.clone(),
         ),

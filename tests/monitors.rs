@@ -630,6 +630,229 @@ async fn a_journald_monitor_reads_a_new_boots_first_entry() {
     delete_policy(&admin, &policy).await;
 }
 
+/// Before systemd 250, `journalctl --follow` does not keep to the current
+/// boot: a journald monitor starting a new boot's journal from its start
+/// (`--lines=all`) read every earlier boot too, so after each reboot a
+/// problem logged months ago set its condition again (and counting windows
+/// filled from history). With systemd 247's own journalctl (Debian 11's,
+/// as in host mode there), the new boot is read from its start and nothing
+/// of the earlier boot is.
+#[tokio::test]
+async fn a_journald_monitor_on_systemd_247_reads_no_earlier_boot_after_a_reboot() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "journal-247").await;
+    let journal = TempDir::new("journal-247");
+    let journalctl = support::old_journalctl();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let earlier_boot = "0123456789abcdef0123456789abcdef";
+    let problem = "returned error: readlink /var/lib/docker/overlay2/b: invalid argument";
+    // Boot A: the entry the agent read last (its cursor), then the problem.
+    support::journal_entry_of_boot(
+        &journal.path,
+        "dockerd",
+        "Daemon has completed initialization",
+        now - 60_000_000,
+        earlier_boot,
+    );
+    support::journal_entry_of_boot(
+        &journal.path,
+        "dockerd",
+        problem,
+        now - 59_000_000,
+        earlier_boot,
+    );
+    // This boot, before the agent started: a harmless entry.
+    support::journal_entry(
+        &journal.path,
+        "dockerd",
+        "API listen on /run/docker.sock",
+        now - 10_000_000,
+    );
+    let out = std::process::Command::new(&journalctl)
+        .arg(format!("--directory={}", journal.path.display()))
+        .args([
+            "--output=json",
+            "--identifier=dockerd",
+            "--lines=all",
+            "--no-pager",
+        ])
+        .output()
+        .unwrap();
+    let entries: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(entries.len(), 3, "systemd 247 reads the journal: {:?}", out);
+    let cursor = entries[0]["__CURSOR"].as_str().unwrap().to_string();
+
+    let policy = unique_name("journal-247");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([docker_journal_monitor(&journal.path)]),
+    )
+    .await;
+    let state = TempDir::new("journal-247-state");
+    write_saved_state(
+        &state.path,
+        "docker",
+        serde_json::json!({"bootId": "boot-a", "conditions": {}, "cursor": {"journal": cursor}}),
+    );
+    let state_dir = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir;
+        c.boot_id = "boot-b".into();
+        c.journalctl = journalctl;
+    })
+    .await;
+    eventually(
+        Duration::from_secs(15),
+        "this boot's entry read",
+        || async {
+            metric_value(&agent, "nodeguard_monitor_lines_total{monitor=\"docker\"}").await >= 1
+        },
+    )
+    .await;
+    // Time for more to come, were any earlier boot read.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        metric_value(&agent, "nodeguard_monitor_lines_total{monitor=\"docker\"}").await,
+        1,
+        "only this boot's entry is read, not boot A's"
+    );
+    let (status, reason, _) = condition(&admin, &node.name, "CorruptDockerOverlay2")
+        .await
+        .expect("the monitor's condition");
+    assert_eq!(
+        status, "False",
+        "boot A's problem set the condition ({reason})"
+    );
+    // The monitor follows this boot: a new problem is seen.
+    support::journal_entry(&journal.path, "dockerd", problem, now);
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "True",
+        Duration::from_secs(15),
+        "CorruptDockerOverlay2=True from this boot's problem",
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// The names of `pid`'s threads, and of its child processes with their
+/// state (`Z`: a zombie).
+fn threads_and_children(pid: u32) -> (Vec<String>, Vec<(String, char)>) {
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+                .map(|c| c.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        if rest.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid) {
+            let state = rest[0].chars().next().unwrap_or('?');
+            children.push((stat[open + 1..close].to_string(), state));
+        }
+    }
+    (threads, children)
+}
+
+/// Removing a monitor stops its reader: the kernel log reader's thread
+/// waited in `read()` for the next record, so on a quiet kernel log it and
+/// its /dev/kmsg descriptor stayed for ever, one more per policy edit; the
+/// journal reader killed journalctl without reaping it, a zombie per edit.
+/// The shipped binary, a kmsg and a journald monitor, the policy deleted:
+/// within 3 s neither reader thread nor journalctl is left, zombie or not.
+#[tokio::test]
+async fn a_removed_monitor_leaves_no_reader_thread_and_no_journalctl_behind() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "reader-stop").await;
+    let journal = TempDir::new("reader-stop-journal");
+    support::journal_entry(
+        &journal.path,
+        "dockerd",
+        "API listen on /run/docker.sock",
+        1_700_000_000_000_000,
+    );
+    let policy = unique_name("reader-stop");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            docker_journal_monitor(&journal.path),
+            {"name": "kernel", "source": {"kmsg": {"path": "/dev/kmsg"}},
+             "conditions": [{"type": "QuietKernelProblem", "reason": "NoProblem", "message": "fine"}],
+             "rules": [{"type": "permanent", "condition": "QuietKernelProblem", "reason": "Never",
+                        "pattern": "nodeguard test pattern that never matches 7f3a"}]},
+        ]),
+    )
+    .await;
+    let state = TempDir::new("reader-stop-state");
+    let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", &node.name])
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .arg("--state-dir")
+        .arg(&state.path)
+        .arg(format!(
+            "--allow-read-path=/dev/kmsg,{}",
+            journal.path.display()
+        ))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = agent.id();
+    eventually(Duration::from_secs(20), "both readers running", || {
+        let (threads, children) = threads_and_children(pid);
+        std::future::ready(
+            threads.iter().any(|t| t == "nodeguard-kmsg")
+                && children.iter().any(|(c, s)| c == "journalctl" && *s != 'Z'),
+        )
+    })
+    .await;
+    delete_policy(&admin, &policy).await;
+    let started = std::time::Instant::now();
+    let mut left = threads_and_children(pid);
+    while started.elapsed() < Duration::from_secs(3) {
+        left = threads_and_children(pid);
+        if !left.0.iter().any(|t| t.starts_with("nodeguard-")) && left.1.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let readers: Vec<&String> = left
+        .0
+        .iter()
+        .filter(|t| t.starts_with("nodeguard-"))
+        .collect();
+    assert!(
+        readers.is_empty() && left.1.is_empty(),
+        "3 s after the monitors were removed: reader threads {readers:?}, child processes {:?}",
+        left.1
+    );
+}
+
 /// The agent's peak resident memory (VmHWM) in KiB, after resetting it when
 /// `reset` (Linux: "5" to /proc/self/clear_refs).
 fn peak_rss_kib(reset: bool) -> u64 {

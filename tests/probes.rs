@@ -1195,3 +1195,116 @@ async fn a_gate_write_for_a_deleted_pod_does_not_land_on_its_namesake() {
     assert_eq!(pod_gate(&admin, &name, gate).await.as_deref(), Some("True"));
     delete_pod(&admin, &name).await;
 }
+
+/// The processes (pid, state) whose command name is `comm`, zombies
+/// included.
+fn processes_named(comm: &str) -> Vec<(u32, char)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        if &stat[open + 1..close] == comm {
+            let state = stat[close + 1..].trim_start().chars().next().unwrap_or('?');
+            found.push((pid, state));
+        }
+    }
+    found
+}
+
+/// An exec probe whose script hangs in a child of its own: at the timeout
+/// only the script was killed, and its child ran on for ever, one more per
+/// period. In the DaemonSet the agent is PID 1, so what a command leaves
+/// behind becomes the agent's, and nothing reaped it: zombies. The shipped
+/// binary runs here as PID 1 of its own PID namespace, as in its container;
+/// after each timed-out run nothing of the script is left, running or
+/// zombie.
+#[tokio::test]
+async fn a_timed_out_exec_probe_leaves_no_process_behind_when_the_agent_is_pid_1() {
+    use std::os::unix::fs::PermissionsExt;
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "exec-orphans").await;
+    let dir = TempDir::new("exec-orphans");
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    // The kernel names a script's process after its file (up to 15 bytes).
+    let comm = format!("ngh{:x}", (nanos ^ std::process::id()) & 0xffffff);
+    let script = dir.path.join(&comm);
+    std::fs::write(
+        &script,
+        "#!/bin/sh\nif [ \"$1\" = child ]; then sleep 300; exit 0; fi\n\"$0\" child &\nwait\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let policy = unique_name("exec-orphans");
+    apply_probes(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            {"name": "hangs", "exec": {"command": [script.display().to_string()]},
+             "timeoutSeconds": 1, "periodSeconds": 2, "failureThreshold": 1,
+             "conditionType": "HangingCheckFailed"},
+        ]),
+    )
+    .await;
+    let state = TempDir::new("exec-orphans-state");
+    let mut agent = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child"])
+        .arg(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", &node.name])
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .arg("--state-dir")
+        .arg(&state.path)
+        .arg(format!("--allow-command={}/", dir.path.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("unshare (util-linux) runs the agent as PID 1 of a new PID namespace");
+    wait_condition(
+        &admin,
+        &node.name,
+        "HangingCheckFailed",
+        "True",
+        Duration::from_secs(30),
+        "HangingCheckFailed=True from the timed-out probe",
+    )
+    .await;
+    let (_, _, message) = condition(&admin, &node.name, "HangingCheckFailed")
+        .await
+        .unwrap();
+    assert!(message.contains("timed out"), "{message}");
+    // Three more timed-out runs.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // A run may be under way: what is left must be at most its own two
+    // processes, both running (not zombies), and never more.
+    let mut worst = Vec::new();
+    for _ in 0..20 {
+        let left = processes_named(&comm);
+        if left.len() > worst.len() || left.iter().any(|(_, s)| *s == 'Z') {
+            worst = left.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert!(
+        worst.len() <= 2 && worst.iter().all(|(_, s)| *s != 'Z'),
+        "processes of the timed-out script left behind (pid, state): {worst:?}"
+    );
+    // With the agent gone, so is its namespace: nothing of the script stays.
+    eventually(Duration::from_secs(5), "no process of the script", || {
+        std::future::ready(processes_named(&comm).is_empty())
+    })
+    .await;
+    delete_policy(&admin, &policy).await;
+}

@@ -319,6 +319,8 @@ pub struct MonitorContext<T> {
     /// start (`sources::resolve_roots`): an opened source whose real path
     /// (links resolved) is outside them is refused.
     pub read_roots: Vec<PathBuf>,
+    /// The `journalctl` journald monitors run (`journalctl`: found on PATH).
+    pub journalctl: PathBuf,
 }
 
 struct Running {
@@ -733,6 +735,7 @@ async fn run_monitor<T: TaintPort>(
     } else if let Some(j) = &spec.source.journald {
         let r = sources::spawn_journald(
             j.clone(),
+            &ctx.journalctl,
             &ctx.read_roots,
             resume.journal.clone(),
             tx,
@@ -1473,6 +1476,7 @@ mod tests {
             health,
             boot_id: "this-boot".into(),
             read_roots: vec![PathBuf::from("/")],
+            journalctl: "journalctl".into(),
         });
         (spec, ctx, handle)
     }

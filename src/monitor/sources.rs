@@ -620,6 +620,12 @@ pub fn spawn_kmsg(
                 {
                     return;
                 }
+                // Waits for a record a second at a time, so that a stop is
+                // seen within a second on a quiet kernel log, not at its
+                // next record.
+                if reader.buffer().is_empty() && !readable_within(fd, POLL_STOP) {
+                    continue;
+                }
                 buf.clear();
                 match reader.read_until(b'\n', &mut buf) {
                     Ok(0) => {
@@ -671,13 +677,25 @@ pub fn spawn_kmsg(
 /// Whether a read of `fd` would return at once (a record is waiting, or
 /// the end of a regular file).
 fn readable_now(fd: std::os::fd::RawFd) -> bool {
+    readable_within(fd, Duration::ZERO)
+}
+
+/// How long the kernel log reader waits for a record before it looks at
+/// its stop flag again.
+const POLL_STOP: Duration = Duration::from_secs(1);
+
+/// Whether a read of `fd` would return within `wait` (a record, an error
+/// such as overwritten records, or the end of a regular file).
+fn readable_within(fd: std::os::fd::RawFd, wait: Duration) -> bool {
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: poll on one descriptor this reader owns, without waiting.
-    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    // SAFETY: poll on one descriptor this reader owns.
+    let r = unsafe { libc::poll(&mut p, 1, wait.as_millis() as libc::c_int) };
+    // An error other than a signal: the read says what it is.
+    r > 0 || (r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
 }
 
 /// The node's read roots with their links resolved, once, when the agent
@@ -988,6 +1006,7 @@ pub fn salvage_journal_line(line: &str) -> Option<(Option<String>, Option<String
 /// dependency in the agent, and the cursor gives exact resumption.
 pub fn spawn_journald(
     source: crate::policy::monitors::JournaldSource,
+    program: &Path,
     roots: &[PathBuf],
     start: JournalStart,
     tx: mpsc::Sender<Batch>,
@@ -1003,7 +1022,7 @@ pub fn spawn_journald(
     };
     spawn_journalctl(
         Journalctl {
-            program: "journalctl".into(),
+            program: program.to_path_buf(),
             restart_min: JOURNAL_RESTART_MIN,
             source,
             roots: roots.to_vec(),
@@ -1023,6 +1042,23 @@ const JOURNAL_RESTART_MIN: Duration = Duration::from_secs(1);
 /// A journalctl run shorter than this that read nothing failed at start.
 const RUN_FAILED_AT_ONCE: Duration = Duration::from_secs(2);
 const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
+
+/// Kills and reaps a journalctl child, forgetting its pid first (under the
+/// lock [`StopFlag::stop`] signals it with): once reaped the pid may be
+/// another process's, and a stop must not signal that one.
+fn end_journalctl(stop: &StopFlag, child: &mut std::process::Child) {
+    let _ = child.kill();
+    *stop.1.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    let _ = child.wait();
+}
+
+/// This boot's id as journalctl's `--boot` takes it (32 hex digits), from
+/// the kernel; `None` when it cannot be read (then `--boot` is left out).
+fn journal_boot_id() -> Option<String> {
+    let raw = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let id: String = raw.trim().chars().filter(|c| *c != '-').collect();
+    (id.len() == 32 && id.chars().all(|c| c.is_ascii_hexdigit())).then_some(id)
+}
 
 /// What the journal reader runs, and what it may read.
 struct Journalctl {
@@ -1055,6 +1091,9 @@ fn spawn_journalctl(
             };
             let mut backoff = restart_min;
             let mut last_err: Option<String> = None;
+            // The kernel's boot id, as journald writes it in `_BOOT_ID` (in
+            // a container too: the kernel is the host's).
+            let this_boot = journal_boot_id();
             while !stop.stopped() {
                 let mut delivered = false;
                 let mut cmd = std::process::Command::new(&program);
@@ -1104,7 +1143,15 @@ fn spawn_journalctl(
                 }
                 match &cursor {
                     Some(c) => cmd.arg(format!("--after-cursor={c}")),
-                    None if whole_boot => cmd.arg("--lines=all"),
+                    None if whole_boot => {
+                        // This boot, named: before systemd 250 `--follow`
+                        // does not keep to the current boot, and
+                        // `--lines=all` would replay every earlier one.
+                        if let Some(boot) = &this_boot {
+                            cmd.arg(format!("--boot={boot}"));
+                        }
+                        cmd.arg("--lines=all")
+                    }
                     None => cmd.arg("--lines=0"),
                 };
                 let run_started = std::time::Instant::now();
@@ -1129,7 +1176,7 @@ fn spawn_journalctl(
                     if (batch.full() || reader.buffer().is_empty())
                         && !deliver(&tx, &counters, &mut batch)
                     {
-                        let _ = child.kill();
+                        end_journalctl(&stop, &mut child);
                         return;
                     }
                     buf.clear();
@@ -1175,7 +1222,7 @@ fn spawn_journalctl(
                     delivered = true;
                 }
                 if !deliver(&tx, &counters, &mut batch) {
-                    let _ = child.kill();
+                    end_journalctl(&stop, &mut child);
                     return;
                 }
                 let _ = child.kill();
@@ -1184,7 +1231,7 @@ fn spawn_journalctl(
                     use std::io::Read;
                     let _ = (&mut e).take(4096).read_to_string(&mut err);
                 }
-                let _ = child.wait();
+                end_journalctl(&stop, &mut child);
                 if stop.stopped() {
                     break;
                 }

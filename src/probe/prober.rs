@@ -445,14 +445,18 @@ pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, P
     let Some((program, args)) = command.split_first() else {
         return Err(ProberError("no command".into()));
     };
+    // Its own process group: what the command starts (a script's
+    // children) is ended with it.
     let mut child = tokio::process::Command::new(program)
         .args(args)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| ProberError(format!("cannot run {program}: {e}")))?;
+    let group = EndGroup(child.id());
     let mut stdout = child.stdout.take().expect("piped");
     let mut stderr = child.stderr.take().expect("piped");
     let read = async { tokio::join!(read_capped(&mut stdout), read_capped(&mut stderr)) };
@@ -461,7 +465,15 @@ pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, P
         let status = child.wait().await;
         (status, out, err)
     };
-    match tokio::time::timeout(timeout, run).await {
+    let ran = tokio::time::timeout(timeout, run).await;
+    if ran.is_err() {
+        // Timed out: the command is killed and reaped first (tokio's).
+        let _ = child.start_kill();
+        let _ = tokio::time::timeout(REAP_WAIT, child.wait()).await;
+    }
+    // The command has ended: so does everything it left in its group.
+    group.end().await;
+    match ran {
         Err(_) => Ok(Ran::TimedOut),
         Ok((Err(e), _, _)) => Err(ProberError(format!("waiting for {program}: {e}"))),
         Ok((Ok(status), out, err)) => {
@@ -470,6 +482,67 @@ pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, P
                 output = String::from_utf8_lossy(&err).into_owned();
             }
             Ok(Ran::Exited(status.code(), truncate(&output)))
+        }
+    }
+}
+
+/// How long the end of a command's process group is waited for.
+const REAP_WAIT: Duration = Duration::from_secs(2);
+
+/// The process group of one command (its pid; `None` once it was reaped
+/// before its id was read, or once it was ended). Dropped before
+/// [`EndGroup::end`] (a cancelled run), it still kills and reaps the group.
+struct EndGroup(Option<u32>);
+
+impl EndGroup {
+    /// SIGKILL to every process left in the group, then reaps those handed
+    /// to this process. Call it once the command was reaped or killed.
+    async fn end(mut self) {
+        if let Some(pgid) = self.0.take() {
+            kill_group(pgid);
+            reap_group(pgid).await;
+        }
+    }
+}
+
+impl Drop for EndGroup {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0.take() {
+            kill_group(pgid);
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(reap_group(pgid));
+            }
+        }
+    }
+}
+
+fn kill_group(pgid: u32) {
+    // SAFETY: a signal to the group one run created. Its id is the
+    // command's pid, held while the command is unreaped or the group has a
+    // member, and otherwise reused only after the pids wrapped around.
+    unsafe {
+        libc::kill(-(pgid as libc::pid_t), libc::SIGKILL);
+    }
+}
+
+/// Reaps the group's processes that were handed to this process: when the
+/// agent is PID 1 (the DaemonSet's container) or a subreaper, a command's
+/// orphans become its children, and unreaped they stay zombies for ever.
+/// Only this group's: tokio reaps the children it spawned.
+async fn reap_group(pgid: u32) {
+    let deadline = tokio::time::Instant::now() + REAP_WAIT;
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on one run's process group, without blocking.
+        let r = unsafe { libc::waitpid(-(pgid as libc::pid_t), &mut status, libc::WNOHANG) };
+        match r {
+            r if r > 0 => continue,
+            // Members not ended yet (the signal is on its way).
+            0 if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            // None left that is ours (ECHILD), or out of time.
+            _ => return,
         }
     }
 }

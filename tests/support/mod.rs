@@ -296,6 +296,12 @@ pub fn npd_configs() -> PathBuf {
     cached_path("e2e/npd-configs")
 }
 
+/// systemd 247's journalctl (Debian bullseye's), fetched by
+/// e2e/old-journalctl: the oldest systemd the journald monitors are tested on.
+pub fn old_journalctl() -> PathBuf {
+    cached_path("e2e/old-journalctl")
+}
+
 /// The helm e2e/cluster/build installed (or `NODEGUARD_HELM`).
 pub fn helm_binary() -> PathBuf {
     if let Ok(h) = std::env::var("NODEGUARD_HELM") {
@@ -837,7 +843,10 @@ pub fn journal_entry_of_boot(
     let export = format!(
         "__REALTIME_TIMESTAMP={at_usec}\nMESSAGE={message}\nSYSLOG_IDENTIFIER={identifier}\n_BOOT_ID={boot}\n_HOSTNAME=test\n\n"
     );
+    // Without compact mode (systemd 252's default), which journalctl before
+    // 252 cannot read: the files are readable by systemd 247 too.
     let mut child = Command::new("/lib/systemd/systemd-journal-remote")
+        .env("SYSTEMD_JOURNAL_COMPACT", "0")
         .arg(format!("--output={}/remote.journal", dir.display()))
         .arg("-")
         .stdin(Stdio::piped())

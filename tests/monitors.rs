@@ -853,6 +853,106 @@ async fn a_removed_monitor_leaves_no_reader_thread_and_no_journalctl_behind() {
     );
 }
 
+/// A counting window had no bound and one entry per matching second: a
+/// day-long window on a rule that matches every second held 86,400 entries,
+/// summed on every match and rewritten into the state file every second
+/// (2.3 MB each time, measured). The API server now refuses a window over a day, and
+/// a window over 20 minutes keeps wider buckets: the agent that restores a
+/// day of per-second counts saves at most 1,200 entries, the count kept.
+#[tokio::test]
+async fn a_day_long_counting_window_saves_at_most_1200_entries() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "count-window").await;
+    let logs = TempDir::new("count-window");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let monitor = |window: u32| {
+        serde_json::json!([{
+            "name": "chatty", "source": {"file": {"path": app_log.display().to_string()}},
+            "conditions": [{"type": "AppRetrying", "reason": "AppIsFine", "message": "fine"}],
+            "rules": [{"type": "permanent", "condition": "AppRetrying", "reason": "Retries",
+                       "pattern": "retrying", "count": {"threshold": 1000000, "windowSeconds": window}}],
+        }])
+    };
+    let policy = unique_name("count-window");
+    // A week is refused where the author writes it.
+    let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
+    let week: nodeguard::policy::NodeGuardPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+        "metadata": {"name": policy},
+        "spec": {"nodeSelector": selecting(&node.name), "monitors": monitor(604_800)},
+    }))
+    .unwrap();
+    let refused = api
+        .create(&Default::default(), &week)
+        .await
+        .expect_err("a week-long window is refused");
+    let text = refused.to_string();
+    assert!(
+        text.contains("windowSeconds") && text.contains("86400"),
+        "{text}"
+    );
+    apply_monitors(&admin, &policy, &node.name, monitor(86_400)).await;
+
+    // A day of one match a second, as saved by an agent before buckets.
+    let now = jiff::Timestamp::now().as_second();
+    let counts: Vec<serde_json::Value> = (0..86_000)
+        .map(|s| serde_json::json!([jiff::Timestamp::from_second(now - 86_000 + s).unwrap(), 1]))
+        .collect();
+    let state = TempDir::new("count-window-state");
+    write_saved_state(
+        &state.path,
+        "chatty",
+        serde_json::json!({"bootId": "this-boot", "conditions": {}, "counts": {"Retries": counts}}),
+    );
+    let file = state.path.join("monitors/chatty.json");
+    let before = std::fs::metadata(&file).unwrap().len();
+    let state_dir = state.path.clone();
+    let (agent, _unused) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.state_dir = state_dir;
+        c.boot_id = "this-boot".into();
+    })
+    .await;
+    // Lines go on matching: the state is saved each second.
+    let mut log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&app_log)
+        .unwrap();
+    let mut saved = serde_json::Value::Null;
+    for _ in 0..4 {
+        writeln!(log, "connection reset, retrying").unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the state saved with the new lines",
+        || {
+            saved = std::fs::read_to_string(&file)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or_default();
+            let total: i64 = saved["counts"]["Retries"]
+                .as_array()
+                .map(|a| a.iter().map(|e| e[1].as_i64().unwrap_or(0)).sum())
+                .unwrap_or(0);
+            std::future::ready(total >= 86_000)
+        },
+    )
+    .await;
+    let entries = saved["counts"]["Retries"].as_array().unwrap().len();
+    let after = std::fs::metadata(&file).unwrap().len();
+    eprintln!(
+        "state file: {before} bytes with 86,000 entries before, {after} bytes with {entries} after"
+    );
+    assert!(
+        entries <= 1201,
+        "{entries} entries saved for a day-long window"
+    );
+    assert!(after < 100_000, "the state file is {after} bytes");
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 /// The agent's peak resident memory (VmHWM) in KiB, after resetting it when
 /// `reset` (Linux: "5" to /proc/self/clear_refs).
 fn peak_rss_kib(reset: bool) -> u64 {

@@ -269,14 +269,49 @@ pub fn go_quote(s: &str) -> String {
     out
 }
 
-/// Adds `delta` at `now` (to the same second's entry when there is one)
-/// and drops what is older than `window`; the net count in the window.
+/// The most entries a counting window keeps: one per second up to a
+/// 20-minute window (node-problem-detector's usual), wider buckets beyond
+/// (72 s for a day), so a long window on a chatty rule stays a few KiB in
+/// memory and in the state file saved each second.
+pub const MAX_COUNT_BUCKETS: u64 = 1200;
+
+/// How many seconds one entry of `window` covers.
+fn bucket_seconds(window: Duration) -> i64 {
+    window.as_secs().div_ceil(MAX_COUNT_BUCKETS).max(1) as i64
+}
+
+/// Adds `delta` at `now` (to the entry of the same bucket when there is
+/// one: the same second, or for a window over 20 minutes the same
+/// `window / 1200`) and drops what is older than `window`; the net count in
+/// the window. An entry carries the time of its first match, so a bucket
+/// leaves the window up to its width early.
 fn count(q: &mut VecDeque<(Timestamp, i64)>, now: Timestamp, delta: i64, window: Duration) -> i64 {
+    let width = bucket_seconds(window);
     match q.back_mut() {
-        Some((t, d)) if t.as_second() == now.as_second() => *d += delta,
+        Some((t, d)) if t.as_second().div_euclid(width) == now.as_second().div_euclid(width) => {
+            *d += delta
+        }
         _ => q.push_back((now, delta)),
     }
     net(q, now, window)
+}
+
+/// Saved entries merged into `window`'s buckets (a state file written with
+/// a narrower bucket, or by hand), in time order.
+fn rebucket(saved: &[(Timestamp, i64)], window: Duration) -> VecDeque<(Timestamp, i64)> {
+    let width = bucket_seconds(window);
+    let mut sorted = saved.to_vec();
+    sorted.sort_by_key(|(t, _)| *t);
+    let mut q: VecDeque<(Timestamp, i64)> = VecDeque::new();
+    for (t, d) in sorted {
+        match q.back_mut() {
+            Some((b, n)) if b.as_second().div_euclid(width) == t.as_second().div_euclid(width) => {
+                *n += d
+            }
+            _ => q.push_back((t, d)),
+        }
+    }
+    q
 }
 
 /// Drops what is older than `window`; the net count left.
@@ -480,12 +515,12 @@ impl Engine {
     /// that, not at once.
     pub fn restore_counts(&mut self, saved: BTreeMap<String, Vec<(Timestamp, i64)>>) {
         for r in 0..self.rules.len() {
-            let Some((threshold, _)) = self.rules[r].count else {
+            let Some((threshold, window)) = self.rules[r].count else {
                 continue;
             };
             match saved.get(&self.count_key(r)) {
                 Some(q) => {
-                    self.counts.insert(r, q.iter().copied().collect());
+                    self.counts.insert(r, rebucket(q, window));
                 }
                 None if self.npd.is_some() => {
                     let held = self.rules[r].condition.and_then(|c| {

@@ -1164,3 +1164,76 @@ fn restored_times_in_the_future_are_taken_as_now() {
     e.on_tick(t(71));
     assert!(!e.state()["AppBroken"].active, "cleared 60 s later");
 }
+
+/// A counting window keeps at most `MAX_COUNT_BUCKETS` entries: one a
+/// second up to 20 minutes, wider buckets beyond, so a day-long window on
+/// a rule matching every second holds 1,200 entries, not 86,400.
+#[test]
+fn a_long_counting_window_keeps_at_most_1200_entries() {
+    let cases: [(u64, i64); 6] = [
+        (1, 1),
+        (60, 1),
+        (1200, 1),
+        (1201, 2),
+        (3600, 3),
+        (86_400, 72),
+    ];
+    for (window, width) in cases {
+        assert_eq!(
+            bucket_seconds(Duration::from_secs(window)),
+            width,
+            "window {window}"
+        );
+        let mut q = VecDeque::new();
+        let w = Duration::from_secs(window);
+        let mut total = 0;
+        // A match every second for twice the window.
+        for s in 0..(2 * window as i64) {
+            total = count(&mut q, t(s), 1, w);
+            assert!(
+                q.len() as u64 <= MAX_COUNT_BUCKETS + 1,
+                "window {window}: {} entries",
+                q.len()
+            );
+        }
+        // The net count is the window's, to within one bucket.
+        let window = window as i64;
+        assert!(
+            (window - width..=window + 1).contains(&total),
+            "window {window}: {total} counted"
+        );
+    }
+}
+
+/// A day-long window counts a threshold of matches spread over the day,
+/// and forgets them a day (to within a bucket) after the first.
+#[test]
+fn a_day_long_window_counts_across_the_day_and_forgets_after_it() {
+    let w = Duration::from_secs(86_400);
+    let mut q = VecDeque::new();
+    assert_eq!(count(&mut q, t(0), 1, w), 1);
+    assert_eq!(count(&mut q, t(40_000), 1, w), 2);
+    assert_eq!(count(&mut q, t(86_000), 1, w), 3);
+    // 86,400 s after the first match it has left; the others have not.
+    assert_eq!(net(&mut q, t(86_401), w), 2);
+    assert_eq!(net(&mut q, t(126_401), w), 1);
+    assert_eq!(net(&mut q, t(172_401), w), 0);
+    assert!(q.is_empty());
+}
+
+/// Saved entries (one a second, from an agent before buckets, or out of
+/// order by hand) are merged into the window's buckets on restore, counts
+/// kept.
+#[test]
+fn saved_counts_are_merged_into_buckets_on_restore() {
+    let w = Duration::from_secs(86_400);
+    let saved: Vec<(Timestamp, i64)> = (0..86_400).rev().map(|s| (t(s), 1)).collect();
+    let q = rebucket(&saved, w);
+    assert_eq!(q.len(), 1200);
+    assert_eq!(q.iter().map(|(_, d)| d).sum::<i64>(), 86_400);
+    assert!(q.iter().zip(q.iter().skip(1)).all(|(a, b)| a.0 < b.0));
+    // A short window keeps its seconds.
+    let saved = vec![(t(5), 1), (t(3), 2), (t(5), -1)];
+    let q = rebucket(&saved, Duration::from_secs(60));
+    assert_eq!(q, VecDeque::from([(t(3), 2), (t(5), 0)]));
+}

@@ -807,6 +807,27 @@ fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
         problems_here.push(message);
         reason.get_or_insert("PolicyOverLimit");
     }
+    for u in &selection.ungated {
+        tracing::warn!(%node, policy = %u.policy, probe = %u.probe, gate = %u.gate, why = %u.why, "gated probe left out: its gate is not in force");
+        reporter.event(
+            EventKind::Warning,
+            "PolicyGateNotInForce",
+            "LoadPolicy",
+            format!("{u}. Fix the Startup probe or remove gatedBy."),
+        );
+    }
+    if let Some(first) = selection.ungated.first() {
+        let more = match selection.ungated.len() {
+            1 => String::new(),
+            n => format!(
+                " {} more gated probe{} left out (PolicyGateNotInForce Events).",
+                n - 1,
+                if n == 2 { " is" } else { "s are" }
+            ),
+        };
+        problems_here.push(format!("{first}.{more}"));
+        reason.get_or_insert("PolicyGateNotInForce");
+    }
     if let Some(reason) = reason {
         reporter.set(
             POLICY_CONDITION,

@@ -1308,3 +1308,168 @@ async fn a_timed_out_exec_probe_leaves_no_process_behind_when_the_agent_is_pid_1
     .await;
     delete_policy(&admin, &policy).await;
 }
+
+/// A probe gated by a Startup probe that is not in force waited for ever
+/// without a word, or, when another policy's probe had the gate's name,
+/// ran behind that probe instead. Policy b's `warmup` loses its name to
+/// policy a's: b's gated probe is left out and the policy condition says
+/// why; then b's renamed gate is refused by the node's trust, said the same
+/// way; then b's gate is allowed and the gated probe runs behind it.
+#[tokio::test]
+async fn a_probe_whose_gate_is_not_in_force_is_left_out_and_said_why() {
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "gate-missing").await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let tcp = |name: &str, extra: serde_json::Value| {
+        let mut p = serde_json::json!({"name": name, "tcp": {"port": port}, "periodSeconds": 1});
+        p.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        p
+    };
+    let a = unique_name("a-gate");
+    let b = unique_name("b-gate");
+    apply_probes(
+        &admin,
+        &a,
+        &node.name,
+        serde_json::json!([tcp(
+            "warmup",
+            serde_json::json!({"role": "Startup", "conditionType": "WarmupA"})
+        )]),
+    )
+    .await;
+    let b_probes = |gate: serde_json::Value| {
+        serde_json::json!([
+            gate,
+            tcp(
+                "checked",
+                serde_json::json!({"gatedBy": "warmup", "conditionType": "CheckedB"})
+            ),
+        ])
+    };
+    apply_probes(
+        &admin,
+        &b,
+        &node.name,
+        b_probes(tcp(
+            "warmup",
+            serde_json::json!({"role": "Startup", "conditionType": "WarmupB"}),
+        )),
+    )
+    .await;
+    // The node's own trust, as shipped: /bin/sh is not a command it allows.
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.trust = nodeguard::policy::NodeTrust::default()
+    })
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "WarmupA",
+        "False",
+        Duration::from_secs(15),
+        "a's Startup probe passed",
+    )
+    .await;
+    let said = |wanted: &'static [&'static str]| {
+        let admin = admin.clone();
+        let node = node.name.clone();
+        async move {
+            condition(&admin, &node, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|(status, reason, message)| {
+                    status == "True"
+                        && reason == "PolicyGateNotInForce"
+                        && wanted.iter().all(|w| message.contains(w))
+                })
+        }
+    };
+    eventually(
+        Duration::from_secs(15),
+        "NodeGuardPolicyInvalid=True (PolicyGateNotInForce) naming b's gated probe",
+        || {
+            said(&[
+                "probe checked is gated by its Startup probe warmup",
+                "is NodeGuardPolicy a-gate",
+            ])
+        },
+    )
+    .await;
+    // Periods go by: b's gated probe never follows a's warmup.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        condition(&admin, &node.name, "CheckedB").await.is_none(),
+        "b's gated probe ran behind a's Startup probe"
+    );
+
+    // b's own gate, under its own name, refused by the node's trust.
+    apply_probes(
+        &admin,
+        &b,
+        &node.name,
+        serde_json::json!([
+            {"name": "warm-b", "role": "Startup", "conditionType": "WarmupB",
+             "exec": {"command": ["/bin/sh", "-c", "true"]}},
+            tcp("checked", serde_json::json!({"gatedBy": "warm-b", "conditionType": "CheckedB"})),
+        ]),
+    )
+    .await;
+    eventually(
+        Duration::from_secs(15),
+        "the refused gate named",
+        || async {
+            condition(&admin, &node.name, "NodeGuardPolicyInvalid")
+                .await
+                .is_some_and(|(status, _, message)| {
+                    status == "True"
+                        && message.contains("probe checked is gated by its Startup probe warm-b")
+                        && message.contains("refused by this node's trust")
+                })
+        },
+    )
+    .await;
+    assert!(condition(&admin, &node.name, "CheckedB").await.is_none());
+
+    // A gate in force: the gated probe runs behind it.
+    apply_probes(
+        &admin,
+        &b,
+        &node.name,
+        b_probes(tcp(
+            "warm-b",
+            serde_json::json!({"role": "Startup", "conditionType": "WarmupB"}),
+        ))
+        .as_array()
+        .map(|v| {
+            let mut v = v.clone();
+            v[1]["gatedBy"] = "warm-b".into();
+            serde_json::Value::Array(v)
+        })
+        .unwrap(),
+    )
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "CheckedB",
+        "False",
+        Duration::from_secs(15),
+        "b's gated probe runs once its own gate passed",
+    )
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "NodeGuardPolicyInvalid",
+        "False",
+        Duration::from_secs(15),
+        "the policies are valid again",
+    )
+    .await;
+    agent.stop().await;
+    drop(listener);
+    delete_policy(&admin, &a).await;
+    delete_policy(&admin, &b).await;
+}

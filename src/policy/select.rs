@@ -44,6 +44,31 @@ pub struct Selection {
     pub over_limit: Vec<OverLimit>,
     /// The limits reached, e.g. `"128 conditions"`.
     pub limits_reached: Vec<String>,
+    /// Probes left out because the Startup probe that gates them is not in
+    /// force (refused, over the limits, or its name or condition taken by
+    /// another policy's): gated by nothing, they would never run.
+    pub ungated: Vec<Ungated>,
+}
+
+/// A probe left out because its gate is not in force.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ungated {
+    pub policy: String,
+    pub probe: String,
+    /// The Startup probe it names in `gatedBy`.
+    pub gate: String,
+    /// Why that probe is not in force, e.g. `refused by this node's trust`.
+    pub why: String,
+}
+
+impl std::fmt::Display for Ungated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NodeGuardPolicy {}: probe {} is gated by its Startup probe {}, which is not in force here ({}), so {} is not in force either (it would never run)",
+            self.policy, self.probe, self.gate, self.why, self.probe
+        )
+    }
 }
 
 /// Most probes a node runs from all its policies together (each a task per
@@ -278,6 +303,79 @@ fn apply_limits(
     }
 }
 
+/// Leaves out the probes whose gate is not in force. A gate is a Startup
+/// probe of the gated probe's own policy: when that one was refused, left
+/// over the limits or lost its name or condition to another policy's, the
+/// gated probe would wait for ever (or, under a name another policy's probe
+/// took, be gated by that one), so it is left out and said why. Repeated
+/// while it finds any: a Startup probe can be gated too.
+fn drop_ungated(out: &mut Selection, probe_from: &BTreeMap<String, String>) {
+    loop {
+        let in_force: BTreeMap<&str, &str> = out
+            .probes
+            .iter()
+            .map(|p| {
+                let from = probe_from.get(&p.name).map(String::as_str).unwrap_or("");
+                (p.name.as_str(), from)
+            })
+            .collect();
+        let mut dropped: Vec<Ungated> = Vec::new();
+        for p in &out.probes {
+            let Some(gate) = &p.gated_by else { continue };
+            let policy = probe_from.get(&p.name).cloned().unwrap_or_default();
+            if in_force.get(gate.as_str()) == Some(&policy.as_str()) {
+                continue;
+            }
+            let why = gate_missing_why(out, &policy, gate, in_force.get(gate.as_str()).copied());
+            dropped.push(Ungated {
+                policy,
+                probe: p.name.clone(),
+                gate: gate.clone(),
+                why,
+            });
+        }
+        if dropped.is_empty() {
+            break;
+        }
+        out.probes
+            .retain(|p| !dropped.iter().any(|d| d.probe == p.name));
+        out.ungated.extend(dropped);
+    }
+}
+
+/// Why `policy`'s Startup probe `gate` is not in force (`holder`: the
+/// policy whose probe of that name is).
+fn gate_missing_why(out: &Selection, policy: &str, gate: &str, holder: Option<&str>) -> String {
+    let dropped = format!("probe {gate}");
+    if out
+        .refused
+        .iter()
+        .any(|r| r.policy == policy && r.dropped == dropped)
+    {
+        return "refused by this node's trust, see PolicyRefused".into();
+    }
+    if out
+        .over_limit
+        .iter()
+        .any(|o| o.policy == policy && o.probes.iter().any(|p| p == gate))
+    {
+        return "over the node's limits".into();
+    }
+    if out
+        .ungated
+        .iter()
+        .any(|u| u.policy == policy && u.probe == gate)
+    {
+        return "its own gate is not in force".into();
+    }
+    match holder {
+        Some(other) if other != policy => {
+            format!("the name {gate} is NodeGuardPolicy {other}'s probe on this node")
+        }
+        _ => "its condition type is set by another source, see PolicyConflict".into(),
+    }
+}
+
 /// Selects the policies for a node with `labels`. Applied policies combine
 /// by union (sorted, without duplicates); issue-specific sections add their
 /// own merge rules.
@@ -433,6 +531,7 @@ pub fn select<'a>(
     out.ineligible_taints.dedup();
     drop_condition_conflicts(&mut out);
     apply_limits(&mut out, &created, &probe_from, &monitor_from);
+    drop_ungated(&mut out, &probe_from);
     out.shutdown = shutdown.finish("spec.shutdown", &mut out.conflicts);
     out.watchdog = watchdog.finish("spec.watchdog", &mut out.conflicts);
     out
@@ -657,6 +756,143 @@ mod tests {
             "policy a wins by name"
         );
         assert_eq!(s.conflicts[0].0, "spec.probes[kubelet]");
+    }
+
+    fn probe(v: serde_json::Value) -> super::super::probes::ProbeSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn startup(name: &str, port: u16) -> super::super::probes::ProbeSpec {
+        probe(
+            serde_json::json!({"name": name, "role": "Startup", "tcp": {"port": port},
+                                 "conditionType": format!("NotStarted{port}")}),
+        )
+    }
+
+    fn gated(name: &str, gate: &str, condition: &str) -> super::super::probes::ProbeSpec {
+        probe(
+            serde_json::json!({"name": name, "gatedBy": gate, "tcp": {"port": 9},
+                                 "conditionType": condition}),
+        )
+    }
+
+    fn ungated(s: &Selection) -> Vec<(String, String, String, String)> {
+        s.ungated
+            .iter()
+            .map(|u| {
+                (
+                    u.policy.clone(),
+                    u.probe.clone(),
+                    u.gate.clone(),
+                    u.why.clone(),
+                )
+            })
+            .collect()
+    }
+
+    fn names(s: &Selection) -> Vec<&str> {
+        s.probes.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_gated_probe_runs_with_its_own_policys_gate() {
+        let mut a = policy("a", &[], &[]);
+        a.spec.probes = vec![startup("warmup", 1), gated("checked", "warmup", "CheckedA")];
+        let s = select(&[a], &labels(&[]), &NodeTrust::default());
+        assert!(s.invalid.is_empty(), "{:?}", s.invalid);
+        assert_eq!(names(&s), ["warmup", "checked"]);
+        assert!(s.ungated.is_empty());
+    }
+
+    #[test]
+    fn a_gate_refused_by_the_nodes_trust_leaves_its_gated_probes_out() {
+        let mut a = policy("a", &[], &[]);
+        a.spec.probes = vec![
+            probe(
+                serde_json::json!({"name": "warmup", "role": "Startup", "conditionType": "NotStarted",
+                                     "exec": {"command": ["/bin/sh", "-c", "true"]}}),
+            ),
+            gated("checked", "warmup", "Checked"),
+            probe(
+                serde_json::json!({"name": "other", "tcp": {"port": 2}, "conditionType": "Other"}),
+            ),
+        ];
+        let s = select(&[a], &labels(&[]), &NodeTrust::default());
+        assert_eq!(names(&s), ["other"], "the rest of the policy applies");
+        assert_eq!(s.refused.len(), 1);
+        assert_eq!(
+            ungated(&s),
+            [(
+                "a".into(),
+                "checked".into(),
+                "warmup".into(),
+                "refused by this node's trust, see PolicyRefused".into()
+            )]
+        );
+        let text = s.ungated[0].to_string();
+        assert!(
+            text.contains("probe checked is gated by its Startup probe warmup"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_gate_named_like_another_policys_probe_is_not_that_probe() {
+        // a's warmup wins the name; b's own warmup is not in force, and b's
+        // gated probe does not follow a's.
+        let mut a = policy("a", &[], &[]);
+        a.spec.probes = vec![startup("warmup", 1)];
+        let mut b = policy("b", &[], &[]);
+        b.spec.probes = vec![startup("warmup", 2), gated("checked", "warmup", "CheckedB")];
+        let s = select(&[b, a], &labels(&[]), &NodeTrust::default());
+        assert_eq!(names(&s), ["warmup"]);
+        assert_eq!(s.conflicts[0].0, "spec.probes[warmup]");
+        assert_eq!(
+            ungated(&s),
+            [(
+                "b".into(),
+                "checked".into(),
+                "warmup".into(),
+                "the name warmup is NodeGuardPolicy a's probe on this node".into()
+            )]
+        );
+    }
+
+    #[test]
+    fn a_gate_whose_condition_is_taken_or_over_the_limits_leaves_its_gated_probes_out() {
+        // The gate's condition type is a's: b's gate is dropped as a conflict.
+        let mut a = policy("a", &[], &[]);
+        a.spec.probes = vec![probe(
+            serde_json::json!({"name": "first", "tcp": {"port": 1}, "conditionType": "Warm"}),
+        )];
+        let mut b = policy("b", &[], &[]);
+        let mut warm = startup("warmup", 2);
+        warm.condition_type = Some("Warm".into());
+        b.spec.probes = vec![warm, gated("checked", "warmup", "CheckedB")];
+        let s = select(&[a, b], &labels(&[]), &NodeTrust::default());
+        assert_eq!(names(&s), ["first"]);
+        assert_eq!(
+            ungated(&s)[0].3,
+            "its condition type is set by another source, see PolicyConflict"
+        );
+
+        // Past the limit of conditions: the gate (after its gated probe in
+        // the spec) is left out, so the gated probe is too.
+        let mut big = policy("a", &[], &[]);
+        big.spec.probes = (0..MAX_CONDITIONS - 1)
+            .map(|i| {
+                probe(
+                    serde_json::json!({"name": format!("p{i}"), "tcp": {"port": 1},
+                                         "conditionType": format!("P{i}")}),
+                )
+            })
+            .collect();
+        let mut b = policy("b", &[], &[]);
+        b.spec.probes = vec![gated("checked", "warmup", "CheckedB"), startup("warmup", 2)];
+        let s = select(&[big, b], &labels(&[]), &NodeTrust::default());
+        assert_eq!(s.probes.len(), MAX_CONDITIONS - 1);
+        assert_eq!(ungated(&s)[0].1, "checked");
+        assert_eq!(ungated(&s)[0].3, "over the node's limits");
     }
 
     #[test]

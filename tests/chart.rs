@@ -225,6 +225,8 @@ fn kmsg_is_privileged_probes_see_the_node_and_the_api_server_is_settable() {
     for want in [
         "privileged: true",
         "hostNetwork: true",
+        // The pause container reaps what commands leave behind, not the agent.
+        "shareProcessNamespace: true",
         "name: KUBERNETES_SERVICE_HOST\n              value: \"10.0.2.100\"",
         "name: KUBERNETES_SERVICE_PORT\n              value: \"6443\"",
     ] {

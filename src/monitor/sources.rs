@@ -63,8 +63,8 @@ pub struct Resume {
     pub journal: JournalStart,
 }
 
-/// Where a journald reader starts. `journalctl --follow` reads only the
-/// current boot.
+/// Where a journald reader starts. Every run reads only the current boot
+/// (`--boot=<this boot's id>`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JournalStart {
     /// After the newest entry: only what is logged from now on.
@@ -1042,6 +1042,8 @@ const JOURNAL_RESTART_MIN: Duration = Duration::from_secs(1);
 /// A journalctl run shorter than this that read nothing failed at start.
 const RUN_FAILED_AT_ONCE: Duration = Duration::from_secs(2);
 const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
+/// The longest pause while the journal has no entry of this boot yet.
+const NO_ENTRY_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Kills and reaps a journalctl child, forgetting its pid first (under the
 /// lock [`StopFlag::stop`] signals it with): once reaped the pid may be
@@ -1094,6 +1096,9 @@ fn spawn_journalctl(
             // The kernel's boot id, as journald writes it in `_BOOT_ID` (in
             // a container too: the kernel is the host's).
             let this_boot = journal_boot_id();
+            if this_boot.is_none() {
+                tracing::warn!("cannot read this boot's id (/proc/sys/kernel/random/boot_id): journalctl runs without --boot, and before systemd 250 reads earlier boots too");
+            }
             while !stop.stopped() {
                 let mut delivered = false;
                 let mut cmd = std::process::Command::new(&program);
@@ -1141,17 +1146,17 @@ fn spawn_journalctl(
                 if let Some(i) = &source.identifier {
                     cmd.arg(format!("--identifier={i}"));
                 }
+                // This boot, named on every run: before systemd 250
+                // `--follow` does not keep to the current boot (and
+                // `--lines=all` would replay every earlier one), and with
+                // `--directory` a newer one takes the directory's newest
+                // boot, which need not be the running kernel's.
+                if let Some(boot) = &this_boot {
+                    cmd.arg(format!("--boot={boot}"));
+                }
                 match &cursor {
                     Some(c) => cmd.arg(format!("--after-cursor={c}")),
-                    None if whole_boot => {
-                        // This boot, named: before systemd 250 `--follow`
-                        // does not keep to the current boot, and
-                        // `--lines=all` would replay every earlier one.
-                        if let Some(boot) = &this_boot {
-                            cmd.arg(format!("--boot={boot}"));
-                        }
-                        cmd.arg("--lines=all")
-                    }
+                    None if whole_boot => cmd.arg("--lines=all"),
                     None => cmd.arg("--lines=0"),
                 };
                 let run_started = std::time::Instant::now();
@@ -1166,6 +1171,12 @@ fn spawn_journalctl(
                     }
                 };
                 *stop.1.lock().unwrap_or_else(|e| e.into_inner()) = Some(child.id());
+                // A stop between the check above and the pid's record
+                // signalled nothing: seen now.
+                if stop.stopped() {
+                    end_journalctl(&stop, &mut child);
+                    break;
+                }
                 let mut reader =
                     BufReader::with_capacity(64 * 1024, child.stdout.take().expect("piped"));
                 let mut buf = Vec::new();
@@ -1244,7 +1255,9 @@ fn spawn_journalctl(
                 // this boot it finds later came after the monitor started,
                 // so the next runs read the boot from its start. No clock
                 // is involved, so a wall-clock step cannot hide entries.
-                if cursor.is_none() && !delivered && run_started.elapsed() < RUN_FAILED_AT_ONCE {
+                let no_entry_yet =
+                    cursor.is_none() && !delivered && run_started.elapsed() < RUN_FAILED_AT_ONCE;
+                if no_entry_yet {
                     whole_boot = true;
                 }
                 // Said once per distinct error, not once per restart.
@@ -1263,7 +1276,15 @@ fn spawn_journalctl(
                             .min(Duration::from_millis(100)),
                     );
                 }
-                backoff = (backoff * 2).min(JOURNAL_RESTART_MAX);
+                // Waiting for this boot's first entry (journalctl exits at
+                // once until there is one): looked for every 5 s, not once
+                // a minute, so a new boot's first problems are not late.
+                let most = if no_entry_yet {
+                    NO_ENTRY_RETRY_MAX
+                } else {
+                    JOURNAL_RESTART_MAX
+                };
+                backoff = (backoff * 2).min(most);
             }
         })?;
     Ok(())

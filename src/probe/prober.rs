@@ -467,12 +467,16 @@ pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, P
     };
     let ran = tokio::time::timeout(timeout, run).await;
     if ran.is_err() {
-        // Timed out: the command is killed and reaped first (tokio's).
-        let _ = child.start_kill();
+        // Timed out: the whole group is killed (as node-problem-detector
+        // does), the command reaped (by tokio), then the rest of the group.
+        group.kill();
         let _ = tokio::time::timeout(REAP_WAIT, child.wait()).await;
+        group.reap().await;
+    } else {
+        // Exited: what it left running goes on (as with node-problem-
+        // detector); what of it has ended already is reaped.
+        group.reap_ended();
     }
-    // The command has ended: so does everything it left in its group.
-    group.end().await;
     match ran {
         Err(_) => Ok(Ran::TimedOut),
         Ok((Err(e), _, _)) => Err(ProberError(format!("waiting for {program}: {e}"))),
@@ -490,17 +494,31 @@ pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, P
 const REAP_WAIT: Duration = Duration::from_secs(2);
 
 /// The process group of one command (its pid; `None` once it was reaped
-/// before its id was read, or once it was ended). Dropped before
-/// [`EndGroup::end`] (a cancelled run), it still kills and reaps the group.
+/// before its id was read, or once it was dealt with). Dropped before that
+/// (a cancelled run), it kills the group and reaps it.
 struct EndGroup(Option<u32>);
 
 impl EndGroup {
-    /// SIGKILL to every process left in the group, then reaps those handed
-    /// to this process. Call it once the command was reaped or killed.
-    async fn end(mut self) {
-        if let Some(pgid) = self.0.take() {
+    /// SIGKILL to every process of the group.
+    fn kill(&self) {
+        if let Some(pgid) = self.0 {
             kill_group(pgid);
+        }
+    }
+
+    /// Reaps the group's processes handed to this process, waiting (up to
+    /// [`REAP_WAIT`]) for those still ending. After [`EndGroup::kill`].
+    async fn reap(mut self) {
+        if let Some(pgid) = self.0.take() {
             reap_group(pgid).await;
+        }
+    }
+
+    /// Reaps those of the group's processes handed to this process that
+    /// have ended, without waiting for the others.
+    fn reap_ended(mut self) {
+        if let Some(pgid) = self.0.take() {
+            while reap_one(pgid) > 0 {}
         }
     }
 }
@@ -526,16 +544,14 @@ fn kill_group(pgid: u32) {
 }
 
 /// Reaps the group's processes that were handed to this process: when the
-/// agent is PID 1 (the DaemonSet's container) or a subreaper, a command's
-/// orphans become its children, and unreaped they stay zombies for ever.
-/// Only this group's: tokio reaps the children it spawned.
+/// agent is PID 1 of its container (without the chart's shared process
+/// namespace) or a subreaper, a command's orphans become its children, and
+/// unreaped they stay zombies. Only this group's: tokio reaps the children
+/// it spawned.
 async fn reap_group(pgid: u32) {
     let deadline = tokio::time::Instant::now() + REAP_WAIT;
     loop {
-        let mut status = 0;
-        // SAFETY: waitpid on one run's process group, without blocking.
-        let r = unsafe { libc::waitpid(-(pgid as libc::pid_t), &mut status, libc::WNOHANG) };
-        match r {
+        match reap_one(pgid) {
             r if r > 0 => continue,
             // Members not ended yet (the signal is on its way).
             0 if tokio::time::Instant::now() < deadline => {
@@ -545,6 +561,14 @@ async fn reap_group(pgid: u32) {
             _ => return,
         }
     }
+}
+
+/// One `waitpid` of the group, without blocking: a pid reaped, 0 while
+/// members of ours are still running, -1 when none is ours.
+fn reap_one(pgid: u32) -> libc::pid_t {
+    let mut status = 0;
+    // SAFETY: waitpid on one run's process group, without blocking.
+    unsafe { libc::waitpid(-(pgid as libc::pid_t), &mut status, libc::WNOHANG) }
 }
 
 async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberError> {

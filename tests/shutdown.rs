@@ -1465,3 +1465,80 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
     force_delete(&s.admin, &[&low]).await;
     s.cleanup().await;
 }
+
+/// An agent killed during a shutdown that was then cancelled while logind
+/// did not answer its successor at start: the successor resumed the
+/// shutdown (taint kept, groups run) on a node that stayed up, holding no
+/// inhibitor, and ignored the next PrepareForShutdown(true) (a shutdown
+/// was "running"), so that one went through unprotected. Once logind
+/// answers, the successor sees there is no shutdown, undoes it
+/// (`ShutdownCancelled`, the taint removed), holds its inhibitor and
+/// protects the next shutdown.
+#[tokio::test]
+async fn a_resumed_shutdown_that_was_cancelled_while_logind_did_not_answer_is_undone() {
+    let mut s = setup(
+        "resume-cancelled",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    // No kubelet: the evicted pod stays, so the group takes its 4 s window.
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let state = TempDir::new("state");
+    let record_path = state.path.join("shutdown-state.json");
+    let mut first = AgentProcess::start(&s, &state.path, None);
+    first.ready().await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(5), "the node tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    first.kill();
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    assert!(
+        record["endedAt"].is_null(),
+        "killed with its group under way: {record}"
+    );
+    // The shutdown is cancelled, and logind is away when the successor
+    // starts (its start-up question gets no answer).
+    s.peer.prepare_for_shutdown(false).await;
+    s.peer.kill().await;
+    let second = AgentProcess::start(&s, &state.path, None);
+    // Its start-up is over well within this (it asks logind first).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    s.peer.come_back().await;
+    eventually(
+        Duration::from_secs(20),
+        "the inhibitor held and the taint removed",
+        || async { s.peer.held() == 1 && !tainted(&nodes.get(&s.node.name).await.unwrap()) },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "a ShutdownCancelled Event",
+        || async { events_for(&s.node.name).await.contains("ShutdownCancelled") },
+    )
+    .await;
+    // The next shutdown is seen and protected.
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(
+        Duration::from_secs(5),
+        "the next shutdown taints the node",
+        || async { tainted(&nodes.get(&s.node.name).await.unwrap()) },
+    )
+    .await;
+    drop(second);
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}

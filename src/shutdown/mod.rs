@@ -449,6 +449,27 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 }
             };
         backoff = RECONNECT_MIN;
+        // A shutdown resumed because logind did not answer at start-up (or
+        // was asked before it ended): logind answers now. If it prepares for
+        // no shutdown, that one was cancelled meanwhile and its signal is
+        // gone: undo it rather than evict pods on a node that stays up (and
+        // then, holding no inhibitor, let the next shutdown through).
+        if let Some(r) = &resume
+            && matches!(
+                tokio::time::timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                Ok(Ok(false))
+            )
+        {
+            tracing::warn!(
+                "the shutdown on record is no longer under way (cancelled while logind did not answer); undoing it instead of resuming"
+            );
+            let taint_added = r.taint_ours();
+            resume = None;
+            last = Some(cancelled_meanwhile(&ctx, taint_added, core::CancelCause::Logind).await);
+            // A lock taken back from the keeper protects the next shutdown.
+            reclaimed = lock;
+            continue;
+        }
         handle.updated();
         if failing_since.take().is_some() {
             tracing::info!("logind reachable again; delay inhibitor taken");

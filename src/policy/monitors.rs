@@ -472,8 +472,9 @@ pub struct RuleSpec {
 pub struct CountSpec {
     #[schemars(range(min = 1))]
     pub threshold: u32,
-    /// At most 86400 (one day). Matches are counted per second up to 1200
-    /// seconds, in `windowSeconds / 1200`-second buckets beyond.
+    /// At most 86400 (one day) for new writes. Matches are counted per
+    /// second up to 1200 seconds, in `windowSeconds / 1200`-second buckets
+    /// beyond (a longer window stored earlier runs the same way).
     #[schemars(range(min = 1, max = 86400))]
     pub window_seconds: u32,
     /// A line matching this cancels one match in the window (NPD
@@ -487,10 +488,6 @@ pub struct CountSpec {
 fn camel(s: &str) -> bool {
     crate::report::conditions::is_camel_case(s)
 }
-
-/// The longest counting window (`rules[].count.windowSeconds`), also in the
-/// CRD schema; checked again for files and objects stored before it.
-pub const MAX_WINDOW_SECONDS: u32 = 86_400;
 
 /// Rules beyond the schema (regular expressions are compiled by the agent
 /// and by `nodeguard check`, which reports them with their paths).
@@ -599,17 +596,6 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                     "only plugin monitors run commands",
                 )),
                 _ => {}
-            }
-            if let Some(c) = &r.count
-                && !(1..=MAX_WINDOW_SECONDS).contains(&c.window_seconds)
-            {
-                problems.push(Problem::new(
-                    format!("{rat}.count.windowSeconds"),
-                    format!(
-                        "{} is out of range: a counting window is 1 to {MAX_WINDOW_SECONDS} seconds (one day)",
-                        c.window_seconds
-                    ),
-                ));
             }
             if !camel(&r.reason) {
                 problems.push(Problem::new(

@@ -65,7 +65,7 @@ impl std::fmt::Display for Ungated {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "NodeGuardPolicy {}: probe {} is gated by its Startup probe {}, which is not in force here ({}), so {} is not in force either (it would never run)",
+            "NodeGuardPolicy {}: probe {} is gated by its Startup probe {}, which is not in force here ({}), so {} is not in force either",
             self.policy, self.probe, self.gate, self.why, self.probe
         )
     }
@@ -220,26 +220,29 @@ fn apply_limits(
             .copied()
             .unwrap_or(usize::MAX)
     };
-    // (rank, probe?, index): a policy's probes, then its monitors.
-    let mut items: Vec<(usize, bool, usize)> = Vec::new();
-    items.extend(
-        out.probes
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (rank_of(probe_from, &p.name), true, i)),
-    );
+    // (rank, probe?, not a Startup probe?, index): a policy's monitors, its
+    // Startup probes (the gates), then its other probes.
+    let mut items: Vec<(usize, bool, bool, usize)> = Vec::new();
+    items.extend(out.probes.iter().enumerate().map(|(i, p)| {
+        (
+            rank_of(probe_from, &p.name),
+            true,
+            p.role != super::probes::ProbeRole::Startup,
+            i,
+        )
+    }));
     items.extend(
         out.monitors
             .iter()
             .enumerate()
-            .map(|(i, m)| (rank_of(monitor_from, &m.name), false, i)),
+            .map(|(i, m)| (rank_of(monitor_from, &m.name), false, false, i)),
     );
     items.sort();
     let (mut probes, mut monitors, mut conditions) = (0usize, 0usize, 0usize);
     let (mut probes_full, mut monitors_full, mut conditions_full) = (false, false, false);
     let mut keep_probe = vec![false; out.probes.len()];
     let mut keep_monitor = vec![false; out.monitors.len()];
-    for (_, is_probe, i) in items {
+    for (_, is_probe, _, i) in items {
         if is_probe {
             let p = &out.probes[i];
             let needs = usize::from(p.pods.is_none() && p.condition_type.is_some());
@@ -321,6 +324,10 @@ fn drop_ungated(out: &mut Selection, probe_from: &BTreeMap<String, String>) {
             .collect();
         let mut dropped: Vec<Ungated> = Vec::new();
         for p in &out.probes {
+            // The prober does not gate Startup probes (as the kubelet's).
+            if p.role == super::probes::ProbeRole::Startup {
+                continue;
+            }
             let Some(gate) = &p.gated_by else { continue };
             let policy = probe_from.get(&p.name).cloned().unwrap_or_default();
             if in_force.get(gate.as_str()) == Some(&policy.as_str()) {
@@ -361,12 +368,10 @@ fn gate_missing_why(out: &Selection, policy: &str, gate: &str, holder: Option<&s
     {
         return "over the node's limits".into();
     }
-    if out
-        .ungated
-        .iter()
-        .any(|u| u.policy == policy && u.probe == gate)
-    {
-        return "its own gate is not in force".into();
+    if let Some((_, first, _)) = out.conflicts.iter().find(|(section, _, ignored)| {
+        *section == format!("spec.probes[{gate}]") && ignored.iter().any(|i| i == policy)
+    }) {
+        return format!("the name {gate} is NodeGuardPolicy {first}'s probe on this node");
     }
     match holder {
         Some(other) if other != policy => {
@@ -530,6 +535,9 @@ pub fn select<'a>(
     out.ineligible_taints.sort();
     out.ineligible_taints.dedup();
     drop_condition_conflicts(&mut out);
+    // Before the limits, so that probes which cannot run take no place;
+    // after them for gates the limits left out.
+    drop_ungated(&mut out, &probe_from);
     apply_limits(&mut out, &created, &probe_from, &monitor_from);
     drop_ungated(&mut out, &probe_from);
     out.shutdown = shutdown.finish("spec.shutdown", &mut out.conflicts);
@@ -889,10 +897,31 @@ mod tests {
             .collect();
         let mut b = policy("b", &[], &[]);
         b.spec.probes = vec![gated("checked", "warmup", "CheckedB"), startup("warmup", 2)];
+        // The gate goes first (Startup probes before the others of their
+        // policy): it takes the last condition, and its gated probe is over
+        // the limit, not left waiting.
         let s = select(&[big, b], &labels(&[]), &NodeTrust::default());
-        assert_eq!(s.probes.len(), MAX_CONDITIONS - 1);
-        assert_eq!(ungated(&s)[0].1, "checked");
-        assert_eq!(ungated(&s)[0].3, "over the node's limits");
+        assert_eq!(s.probes.len(), MAX_CONDITIONS);
+        assert_eq!(s.probes.last().unwrap().name, "warmup");
+        assert!(s.ungated.is_empty(), "{:?}", s.ungated);
+        assert_eq!(s.over_limit[0].probes, ["checked"]);
+
+        // A Startup probe gated by a refused one still runs (the prober
+        // gates no Startup probe), and so does what it gates.
+        let mut c = policy("c", &[], &[]);
+        let mut net = startup("net-ready", 3);
+        net.gated_by = Some("disk-ready".into());
+        c.spec.probes = vec![
+            probe(
+                serde_json::json!({"name": "disk-ready", "role": "Startup", "conditionType": "DiskNotReady",
+                                     "exec": {"command": ["/bin/sh", "-c", "true"]}}),
+            ),
+            net,
+            gated("app", "net-ready", "AppNotReady"),
+        ];
+        let s = select(&[c], &labels(&[]), &NodeTrust::default());
+        assert_eq!(names(&s), ["net-ready", "app"]);
+        assert!(s.ungated.is_empty(), "{:?}", s.ungated);
     }
 
     #[test]

@@ -1205,6 +1205,25 @@ fn a_long_counting_window_keeps_at_most_1200_entries() {
     }
 }
 
+/// A window longer than the schema allows now (a policy stored before)
+/// is bounded the same way: 504-second buckets for a week.
+#[test]
+fn a_week_long_window_stored_earlier_keeps_at_most_1200_entries() {
+    let w = Duration::from_secs(604_800);
+    assert_eq!(bucket_seconds(w), 504);
+    let mut q = VecDeque::new();
+    let mut total = 0;
+    for s in (0..2 * 604_800).step_by(60) {
+        total = count(&mut q, t(s), 1, w);
+        assert!(
+            q.len() as u64 <= MAX_COUNT_BUCKETS + 1,
+            "{} entries",
+            q.len()
+        );
+    }
+    assert!((10_080 - 9..=10_081).contains(&total), "{total} counted");
+}
+
 /// A day-long window counts a threshold of matches spread over the day,
 /// and forgets them a day (to within a bucket) after the first.
 #[test]

@@ -832,6 +832,19 @@ async fn shutdown_turned_off_during_a_shutdown_is_not_re_armed_after_the_cancel(
 /// inhibitor is taken again for the edited policy.
 #[tokio::test]
 async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
+    policy_edit_during_a_shutdown_case(12).await;
+}
+
+/// An edit during a shutdown that needs more than logind's delay: after the
+/// cancel the agent wrote the drop-in, made logind reload and polled for up
+/// to 2 s before it took its inhibitor again, so a reboot asked for in that
+/// gap got no delay. The inhibitor is now held when logind reloads.
+#[tokio::test]
+async fn after_a_cancel_the_inhibitor_is_held_before_logind_reloads_for_an_edit() {
+    policy_edit_during_a_shutdown_case(90).await;
+}
+
+async fn policy_edit_during_a_shutdown_case(edited_grace: u64) {
     let s = setup(
         "editmidway",
         Duration::from_secs(60),
@@ -859,7 +872,7 @@ async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
         shutdown_spec(
             &s.node.name,
             Some(&s.drop_in.path),
-            serde_json::json!([{"priority": 0, "gracePeriodSeconds": 12}]),
+            serde_json::json!([{"priority": 0, "gracePeriodSeconds": edited_grace}]),
         ),
     )
     .await;
@@ -880,24 +893,34 @@ async fn a_policy_edit_during_a_shutdown_applies_after_the_cancel() {
         || {
             std::future::ready(
                 held_whys(&s.peer)
-                    == vec![
-                        "nodeguard moves pods off the node in 1 priority group(s) within 12s"
-                            .to_string(),
-                    ],
+                    == vec![format!(
+                        "nodeguard moves pods off the node in 1 priority group(s) within {edited_grace}s"
+                    )],
             )
         },
     )
     .await;
+    let within = format!("within {edited_grace}s");
     eventually(
         Duration::from_secs(10),
-        "GracefulShutdownUnavailable says 12s",
+        "GracefulShutdownUnavailable says the edited window",
         || async {
             condition_of(&nodes, &s.node.name, "GracefulShutdownUnavailable")
                 .await
-                .is_some_and(|(st, _, message)| st == "False" && message.contains("within 12s"))
+                .is_some_and(|(st, _, message)| st == "False" && message.contains(&within))
         },
     )
     .await;
+    let held_at_reloads = s.peer.state.lock().unwrap().held_at_reloads.clone();
+    if edited_grace > 60 {
+        // The edit needs more than logind's 60 s: one reload, after the
+        // cancel, with the inhibitor held.
+        assert_eq!(
+            held_at_reloads.last(),
+            Some(&1),
+            "inhibitors held at logind's reloads: {held_at_reloads:?}"
+        );
+    }
     agent.stop().await;
     s.cleanup().await;
 }

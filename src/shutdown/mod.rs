@@ -779,17 +779,16 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
             core::AfterCancel::PolicyOff
         }
         Some(new) => {
-            if new != st.cfg {
+            let changed = new != st.cfg;
+            if changed {
                 handle.queued();
                 tracing::info!("applying the policy change made during the shutdown");
                 st.cfg = new;
-                if let Ok(d) = ensure_delay(ctx, port, &st.cfg).await {
-                    st.delay_max = d;
-                }
-                // The old lock (if the shutdown never took it) names the old plan.
-                st.lock = None;
             }
-            if st.lock.is_none() {
+            // The lock first: a reboot asked for while logind reloads its
+            // delay (below) is delayed too. A lock the shutdown never took
+            // names the old plan; it goes once the new one is held.
+            let held = if changed || st.lock.is_none() {
                 match port.inhibit(&why(&st.cfg)).await {
                     Ok(l) => {
                         st.lock = Some(l);
@@ -803,7 +802,11 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
                 }
             } else {
                 core::AfterCancel::Held
+            };
+            if changed && let Ok(d) = ensure_delay(ctx, port, &st.cfg).await {
+                st.delay_max = d;
             }
+            held
         }
     };
     if inhibitor != core::AfterCancel::Held {

@@ -109,6 +109,9 @@ pub struct LogindState {
     pub inhibitors: Vec<Inhibitor>,
     pub drop_in_dir: Option<PathBuf>,
     pub reloads: usize,
+    /// How many delay inhibitors were held at each reload (a shutdown asked
+    /// for while logind reloads is delayed only by those).
+    pub held_at_reloads: Vec<usize>,
     /// Units the systemd peer knows, by name.
     pub units: std::collections::BTreeMap<String, UnitState>,
 }
@@ -230,6 +233,8 @@ impl LogindState {
     /// What logind does on SIGHUP: re-read InhibitDelayMaxSec= from the drop-ins.
     fn reload(&mut self) {
         self.reloads += 1;
+        let held = self.held();
+        self.held_at_reloads.push(held);
         let Some(dir) = &self.drop_in_dir else { return };
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
             .into_iter()

@@ -1565,3 +1565,89 @@ async fn a_resumed_shutdown_that_was_cancelled_while_logind_did_not_answer_is_un
     force_delete(&s.admin, &[&low]).await;
     s.cleanup().await;
 }
+
+/// The shutdown's taint request and its first evictions went out at once,
+/// so a pod could be evicted while the node was still open to the
+/// scheduler and its replacement land on this very node. The groups now
+/// wait for the taint request's answer (1 s at most): in the API server's
+/// own audit log, the node's taint PATCH has completed before the first
+/// eviction is received.
+#[tokio::test]
+async fn the_node_is_tainted_before_the_first_eviction() {
+    let s = setup(
+        "taint-first",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let (agent, _state) = s.start_armed().await;
+    let key = format!("{TEST_NAMESPACE}/{low}");
+    eventually(
+        Duration::from_secs(15),
+        "the pod in the agent's watch",
+        || {
+            std::future::ready(
+                agent
+                    .pods
+                    .borrow()
+                    .as_ref()
+                    .is_some_and(|p| p.contains_key(&key)),
+            )
+        },
+    )
+    .await;
+    let signalled = jiff::Timestamp::now();
+    s.peer.prepare_for_shutdown(true).await;
+    let at = |e: &serde_json::Value, field: &str| -> jiff::Timestamp {
+        e[field].as_str().unwrap().parse().unwrap()
+    };
+    let mut order = None;
+    eventually(
+        Duration::from_secs(10),
+        "the taint and the eviction in the audit log",
+        || {
+            let entries = audit_completed();
+            let after = |e: &&serde_json::Value| at(e, "requestReceivedTimestamp") >= signalled;
+            let taint = entries.iter().filter(after).find(|e| {
+                e["verb"] == "patch"
+                    && e["objectRef"]["resource"] == "nodes"
+                    && e["objectRef"]["name"] == s.node.name.as_str()
+                    && e["objectRef"]["subresource"].is_null()
+            });
+            let eviction = entries.iter().filter(after).find(|e| {
+                e["verb"] == "create"
+                    && e["objectRef"]["resource"] == "pods"
+                    && e["objectRef"]["name"] == low.as_str()
+                    && e["objectRef"]["subresource"] == "eviction"
+            });
+            if let (Some(t), Some(e)) = (taint, eviction) {
+                order = Some((at(t, "stageTimestamp"), at(e, "requestReceivedTimestamp")));
+            }
+            std::future::ready(order.is_some())
+        },
+    )
+    .await;
+    let (tainted_at, evicted_at) = order.unwrap();
+    eprintln!(
+        "taint PATCH completed {:?} after the signal, eviction received {:?} after it",
+        tainted_at.duration_since(signalled),
+        evicted_at.duration_since(signalled)
+    );
+    assert!(
+        tainted_at <= evicted_at,
+        "the eviction reached the API server ({evicted_at}) before the taint had landed ({tainted_at})"
+    );
+    agent.stop().await;
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}

@@ -1413,6 +1413,10 @@ async fn execute<C: ClusterPort>(
         // have been applied (the answer lost), so the taint a later attempt
         // finds is then nodeguard's, as after a predecessor killed with its
         // request in flight; the record says so until an answer comes.
+        // The first answer to the taint request (or none within
+        // `CALL_HEADROOM`) lets the groups begin: a pod evicted before the
+        // node is tainted may be replaced on this very node.
+        let first_answer = tokio::sync::Notify::new();
         let taint = async {
             // A taint left by an earlier shutdown is this one's now: the
             // background removal stops, and one in flight is waited out.
@@ -1425,7 +1429,9 @@ async fn execute<C: ClusterPort>(
             let mut attempts = 0u32;
             loop {
                 attempts += 1;
-                match ctx.cluster.add_taint().await {
+                let answer = ctx.cluster.add_taint().await;
+                first_answer.notify_one();
+                match answer {
                     Ok(added) => {
                         if attempts > 1 {
                             tracing::info!(attempts, "the node is tainted");
@@ -1449,7 +1455,10 @@ async fn execute<C: ClusterPort>(
                 }
             }
         };
-        let work = run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already);
+        let work = async {
+            let _ = tokio::time::timeout(core::CALL_HEADROOM, first_answer.notified()).await;
+            run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already).await
+        };
         // The record (written before the groups) goes to disk again once
         // the taint request has answered, so a successor knows whose taint
         // it is.
@@ -1464,12 +1473,12 @@ async fn execute<C: ClusterPort>(
             }
         };
         if !taint_done && outcome != "cancelled" {
-            // Give the taint request a moment (it is usually in flight when
-            // no group had pods: the plan then ends at once), so the node
-            // is tainted and the record knows whose taint it is; one that
-            // does not answer holds the release 1 s at most, never past
-            // logind's limit.
-            let until = (start + limit).min(Instant::now() + core::CALL_HEADROOM);
+            // Give the taint request its moment (the groups waited for it
+            // up to 1 s already), so the node is tainted and the record
+            // knows whose taint it is; one that does not answer holds the
+            // release 1 s from the start at most, never past logind's
+            // limit.
+            let until = (start + limit).min(start + core::CALL_HEADROOM);
             tokio::select! {
                 _ = &mut taint => taint_done = true,
                 _ = sleep_until(until) => {}

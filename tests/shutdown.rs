@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use nodeguard::policy::NodeGuardPolicy;
@@ -1649,5 +1649,95 @@ async fn the_node_is_tainted_before_the_first_eviction() {
     );
     agent.stop().await;
     force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}
+
+/// A shutdown that began while the state directory was full tainted the
+/// node but could write no record of it: after the reboot nothing said the
+/// taint was nodeguard's, and the node came back NoSchedule for good. The
+/// next start now removes nodeguard's own taint (`shutting-down`) while
+/// logind prepares for no shutdown, with an Event; an operator's taint of
+/// the same key with another value stays.
+#[tokio::test]
+async fn a_shutdown_taint_that_could_not_be_recorded_is_removed_after_the_reboot() {
+    let s = setup(
+        "unrecorded-taint",
+        Duration::from_secs(15),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 2}]),
+    )
+    .await;
+    let fs = SmallFs::mount("64k");
+    let start = |boot: &'static str| {
+        let dir = fs.dir.path.clone();
+        let address = s.bus.address.clone();
+        start_agent_with(s.admin.clone(), &s.node.name, move |c| {
+            c.system_bus_address = Some(address);
+            c.boot_id = boot.into();
+            c.state_dir = dir;
+        })
+    };
+    let (agent, _unused) = start("boot-1").await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    let filler = fs.fill();
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(2), "tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the inhibitor released after the group",
+        || std::future::ready(s.peer.held() == 0),
+    )
+    .await;
+    assert!(
+        !fs.dir.path.join("shutdown-state.json").exists(),
+        "no record could be written"
+    );
+    // The host goes down with the agent; the next boot's logind prepares
+    // for nothing, and the disk has room again.
+    agent.stop().await;
+    s.peer.state.lock().unwrap().preparing = false;
+    std::fs::remove_file(filler).unwrap();
+    let (again, _unused) = start("boot-2").await;
+    eventually(
+        Duration::from_secs(10),
+        "nodeguard's unrecorded taint removed",
+        || async { !tainted(&nodes.get(&s.node.name).await.unwrap()) },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "a ShutdownTaintRemoved Event",
+        || async {
+            events_for(&s.node.name)
+                .await
+                .contains("ShutdownTaintRemoved")
+        },
+    )
+    .await;
+    again.stop().await;
+
+    // An operator's taint of that key, with its own value, is not nodeguard's.
+    let patch = serde_json::json!({"spec": {"taints": [
+        {"key": "nodeguard.io/shutdown", "value": "maintenance", "effect": "NoSchedule"}]}});
+    nodes
+        .patch(&s.node.name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let (third, _unused) = start("boot-3").await;
+    eventually(Duration::from_secs(15), "inhibitor taken", || {
+        std::future::ready(s.peer.held() == 1)
+    })
+    .await;
+    assert!(
+        tainted(&nodes.get(&s.node.name).await.unwrap()),
+        "the operator's maintenance taint stays"
+    );
+    third.stop().await;
     s.cleanup().await;
 }

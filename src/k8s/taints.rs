@@ -112,6 +112,26 @@ pub async fn remove(
     .map(|_| ())
 }
 
+/// Removes the taint with this key, value and effect, if present; `true`
+/// when it was there. A taint of the same key with another value is
+/// someone else's and stays.
+pub async fn remove_valued(
+    client: &Client,
+    node: &str,
+    key: &str,
+    value: &str,
+    effect: &str,
+) -> Result<bool, TaintError> {
+    edit(client, node, |taints| {
+        let before = taints.len();
+        taints.retain(|t| {
+            !(t.key == key && t.effect == effect && t.value.as_deref().unwrap_or_default() == value)
+        });
+        taints.len() != before
+    })
+    .await
+}
+
 /// The monitor's taint port ([`TaintPort`], defined by the monitor that
 /// uses it) on the API.
 #[derive(Clone)]

@@ -296,8 +296,21 @@ fn boot_time() -> Option<SystemTime> {
 /// once a second under load, and a power loss costs at most that second).
 /// True when written.
 fn save_state(writes: &StateWrites, dir: &Path, monitor: &str, state: &MonitorState) -> bool {
+    save_state_as(writes, dir, monitor, state, false)
+}
+
+/// [`save_state`], synced to disk when `durable`: whose taint is on the
+/// Node must survive a power loss, or the next start takes nodeguard's
+/// taint for someone else's and never removes it.
+fn save_state_as(
+    writes: &StateWrites,
+    dir: &Path,
+    monitor: &str,
+    state: &MonitorState,
+    durable: bool,
+) -> bool {
     let bytes = serde_json::to_vec(state).expect("state serializes");
-    writes.write(&state_path(dir, monitor), &bytes, false)
+    writes.write(&state_path(dir, monitor), &bytes, durable)
 }
 
 /// What the monitors share: where they report, the Node's taints, where
@@ -801,12 +814,19 @@ async fn run_monitor<T: TaintPort>(
         .map(|c| (c.type_.clone(), c.reason.clone()))
         .collect();
     let wall = clock.clock;
-    let save = |state: &mut MonitorState, engine: &Engine| {
+    let save_as = |state: &mut MonitorState, engine: &Engine, durable: bool| {
         state.conditions = engine.state().clone();
         state.counts = engine.counts_state();
         state.saved_at = Some((wall.now(), wall.monotonic().as_millis() as u64));
-        save_state(&ctx.state_writes, &ctx.state_dir, &spec.name, state)
+        save_state_as(
+            &ctx.state_writes,
+            &ctx.state_dir,
+            &spec.name,
+            state,
+            durable,
+        )
     };
+    let save = |state: &mut MonitorState, engine: &Engine| save_as(state, engine, false);
     handle.queued();
     if new_boot {
         let reset = {
@@ -873,7 +893,7 @@ async fn run_monitor<T: TaintPort>(
                         // of a flood is not an fsync per line.
                         if actions.iter().any(|a| matches!(a, Action::Taint { .. })) {
                             state.cursor = batch.cursor(i).clone();
-                            dirty = !save(&mut state, &engine);
+                            dirty = !save_as(&mut state, &engine, true);
                             last_save = tokio::time::Instant::now();
                         }
                         now = clock.now(&mut engine);
@@ -889,7 +909,8 @@ async fn run_monitor<T: TaintPort>(
                 let actions = { let now = clock.now(&mut engine); engine.on_plugin(rule, status, &output, now) };
                 if !actions.is_empty() {
                     apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
-                    dirty = !save(&mut state, &engine);
+                    let taint = actions.iter().any(|a| matches!(a, Action::Taint { .. }));
+                    dirty = !save_as(&mut state, &engine, taint);
                 }
                 handle.updated();
             }

@@ -37,6 +37,10 @@ pub trait ClusterPort: Send + Sync + 'static {
     /// when it was already there (then nodeguard must not remove it).
     fn add_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
     fn remove_taint(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    /// Removes the shutdown taint only when it carries nodeguard's own
+    /// value ([`TAINT_VALUE`]): one left by a shutdown nodeguard could not
+    /// record. `true` when one was removed.
+    fn remove_left_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
     fn evict(
         &self,
         key: &str,
@@ -178,6 +182,17 @@ impl ClusterPort for KubeCluster {
 
     async fn remove_taint(&self) -> Result<(), ShutdownError> {
         Ok(taints::remove(&self.client, &self.node_name, TAINT_KEY, TAINT_EFFECT).await?)
+    }
+
+    async fn remove_left_taint(&self) -> Result<bool, ShutdownError> {
+        Ok(taints::remove_valued(
+            &self.client,
+            &self.node_name,
+            TAINT_KEY,
+            TAINT_VALUE,
+            TAINT_EFFECT,
+        )
+        .await?)
     }
 
     async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {

@@ -1027,6 +1027,10 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
         None
     };
     match state::on_start(record.as_ref(), &ctx.boot_id, preparing) {
+        OnStart::Nothing if record.is_none() => {
+            remove_unrecorded_taint(ctx, logind).await;
+            (None, None, None)
+        }
         OnStart::Nothing => (None, None, None),
         OnStart::Resume => (record, None, None),
         OnStart::GoingDown => {
@@ -1068,6 +1072,40 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
             state::clear(&ctx.state_writes, &ctx.state_dir);
             (None, Some(last), None)
         }
+    }
+}
+
+/// No shutdown on record, but the Node may carry nodeguard's own shutdown
+/// taint (`nodeguard.io/shutdown=shutting-down`): one a shutdown added
+/// while the state directory was full or read-only, so no record said it
+/// was nodeguard's. While logind prepares for no shutdown it is removed
+/// (a taint of that key with another value is someone else's and stays).
+async fn remove_unrecorded_taint<C: ClusterPort, L: LogindConnector>(ctx: &Ctx<C>, logind: &L) {
+    if preparing_for_shutdown(logind).await != Some(false) {
+        return;
+    }
+    match timeout(CALL_TIMEOUT, ctx.cluster.remove_left_taint()).await {
+        Ok(Ok(true)) => {
+            let message = format!(
+                "nodeguard removed its shutdown taint {}={}, which a shutdown left with no record of it (the state directory could not be written then).",
+                cluster::TAINT_KEY,
+                cluster::TAINT_VALUE
+            );
+            tracing::info!("{message}");
+            ctx.reporter.event(
+                EventKind::Normal,
+                "ShutdownTaintRemoved",
+                "RemoveTaint",
+                message,
+            );
+        }
+        Ok(Ok(false)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cannot look for a shutdown taint left without a record")
+        }
+        Err(_) => tracing::warn!(
+            "the API server did not answer the look for a shutdown taint left without a record"
+        ),
     }
 }
 

@@ -143,6 +143,8 @@ enum Call {
 struct ClusterState {
     calls: Vec<(Instant, Call)>,
     tainted: bool,
+    /// The taint carries another value than nodeguard's (an operator's).
+    foreign_value: bool,
     /// Pods whose eviction a PDB refuses.
     blocked: BTreeMap<String, String>,
     /// Pods that stay (terminating) after their eviction, like pods whose
@@ -220,6 +222,16 @@ impl ClusterPort for FakeCluster {
             s.tainted = false;
             Ok(())
         })
+    }
+    async fn remove_left_taint(&self) -> Result<bool, ShutdownError> {
+        Ok(self.with(|s| {
+            if !s.tainted || s.foreign_value {
+                return false;
+            }
+            s.calls.push((Instant::now(), Call::Untaint));
+            s.tainted = false;
+            true
+        }))
     }
     async fn evict(&self, key: &str, grace: i64) -> Result<Evicted, ShutdownError> {
         let (blocked, hung, lingers) = self.with(|s| {
@@ -750,6 +762,7 @@ async fn a_taint_that_was_already_there_is_not_removed() {
     let logind = FakeLogind::new(Duration::from_secs(120));
     let pre = ClusterState {
         tainted: true,
+        foreign_value: true,
         ..Default::default()
     };
     let r = rig_in(
@@ -771,6 +784,42 @@ async fn a_taint_that_was_already_there_is_not_removed() {
     assert!(!r.cluster.calls().iter().any(|(_, c)| *c == Call::Untaint));
     r.stop.cancel();
     r.task.await.unwrap();
+}
+
+/// A shutdown taint with nodeguard's value and no record (a shutdown that
+/// could not write one) goes at start while logind prepares for none; one
+/// with another value, or while logind prepares for a shutdown, stays.
+#[tokio::test(start_paused = true)]
+async fn an_unrecorded_shutdown_taint_of_nodeguards_goes_at_start() {
+    for (foreign, preparing, removed) in [
+        (false, false, true),
+        (true, false, false),
+        (false, true, false),
+    ] {
+        let logind = FakeLogind::new(Duration::from_secs(120));
+        logind.with(|s| s.preparing = preparing);
+        let pre = ClusterState {
+            tainted: true,
+            foreign_value: foreign,
+            ..Default::default()
+        };
+        let r = rig_in(
+            tmp(&format!("unrecorded-{foreign}-{preparing}")),
+            logind,
+            Some(config(&[(0, 5)])),
+            vec![],
+            "b1",
+            pre,
+        );
+        ms(500).await;
+        assert_eq!(
+            !r.cluster.with(|s| s.tainted),
+            removed,
+            "foreign value {foreign}, logind preparing {preparing}"
+        );
+        r.stop.cancel();
+        r.task.await.unwrap();
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -105,6 +105,17 @@ pub fn pod_facts(pod: &Pod) -> PodFacts {
     }
 }
 
+/// Whether a 429 answer to an eviction is a PodDisruptionBudget's refusal
+/// (its cause `DisruptionBudget`, or the API server's wording), not API
+/// Priority and Fairness throttling ("Too many requests").
+pub fn is_budget_refusal(status: &kube::core::Status) -> bool {
+    status
+        .details
+        .as_ref()
+        .is_some_and(|d| d.causes.iter().any(|c| c.reason == "DisruptionBudget"))
+        || status.message.contains("disruption budget")
+}
+
 /// The PodDisruptionBudget name in an eviction refusal, when the API
 /// server names it ("The disruption budget NAME needs …").
 pub fn pdb_from_message(message: &str) -> Option<String> {
@@ -208,6 +219,12 @@ impl ClusterPort for KubeCluster {
         {
             Ok(_) => Ok(Evicted::Yes),
             Err(kube::Error::Api(s)) if s.code == 404 => Ok(Evicted::Gone),
+            // API Priority and Fairness answers 429 to any request when it
+            // sheds load: a failure to retry, not a budget's refusal (no
+            // escalation, no PDB named).
+            Err(kube::Error::Api(s)) if s.code == 429 && !is_budget_refusal(&s) => {
+                Err(ShutdownError::Throttled(s.message.clone()))
+            }
             Err(kube::Error::Api(s)) if s.code == 429 => {
                 let from_causes = s
                     .details
@@ -243,6 +260,34 @@ impl ClusterPort for KubeCluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The two 429s an eviction gets, as the API server writes them: a
+    /// budget's refusal (pkg/registry/core/pod/storage/eviction.go) and API
+    /// Priority and Fairness shedding load. Only the first is a refusal.
+    #[test]
+    fn a_429_is_a_budget_refusal_only_when_it_says_so() {
+        let status =
+            |v: serde_json::Value| -> kube::core::Status { serde_json::from_value(v).unwrap() };
+        let budget = status(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 429,
+            "reason": "TooManyRequests",
+            "message": "Cannot evict pod as it would violate the pod's disruption budget.",
+            "details": {"causes": [{"reason": "DisruptionBudget",
+                "message": "The disruption budget web needs 2 healthy pods and has 2 currently"}]}
+        }));
+        assert!(is_budget_refusal(&budget));
+        let wording_only = status(serde_json::json!({
+            "kind": "Status", "status": "Failure", "code": 429, "reason": "TooManyRequests",
+            "message": "Cannot evict pod as it would violate the pod's disruption budget."
+        }));
+        assert!(is_budget_refusal(&wording_only));
+        let throttled = status(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 429,
+            "reason": "TooManyRequests", "message": "Too many requests, please try again later.",
+            "details": {"retryAfterSeconds": 1}
+        }));
+        assert!(!is_budget_refusal(&throttled));
+    }
 
     fn pod(v: serde_json::Value) -> Pod {
         serde_json::from_value(v).unwrap()

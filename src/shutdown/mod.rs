@@ -64,6 +64,8 @@ pub enum ShutdownError {
     Api(#[from] kube::Error),
     #[error("conflicting updates to {0}; gave up after retries")]
     Conflict(String),
+    #[error("the API server throttles requests (429: {0})")]
+    Throttled(String),
     #[error(transparent)]
     Taint(#[from] crate::k8s::taints::TaintError),
     #[error("cannot write the shutdown state {path}: {source}")]

@@ -958,6 +958,75 @@ async fn a_day_long_counting_window_saves_at_most_1200_entries() {
     delete_policy(&admin, &policy).await;
 }
 
+/// The kernel overwrote records before the agent read them (its ring
+/// buffer wrapped: `read()` answers EPIPE): the loss was counted as one,
+/// whatever its size, and said nowhere but a counter. The gap in sequence
+/// numbers is now counted in `nodeguard_monitor_lines_dropped_total` and
+/// said in a `MonitorLinesDropped` Event.
+#[tokio::test]
+async fn kernel_records_overwritten_before_they_were_read_are_counted_and_said() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "kmsg-gap").await;
+    let logs = TempDir::new("kmsg-gap");
+    let kmsg = logs.path.join("kmsg");
+    std::fs::write(&kmsg, "6,9,1,-;boot\n").unwrap();
+    let policy = unique_name("kmsg-gap");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "kernel", "source": {"kmsg": {"path": kmsg.display().to_string()}},
+            "conditions": [{"type": "KernelDeadlock", "reason": "KernelHasNoDeadlock", "message": "fine"}],
+            "rules": [{"type": "permanent", "condition": "KernelDeadlock", "reason": "DockerHung",
+                       "pattern": "task docker:\\w+ blocked for more than \\w+ seconds\\."}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "False",
+        Duration::from_secs(15),
+        "the monitor runs",
+    )
+    .await;
+    // Records 10 and 13: 11 and 12 were overwritten before they were read.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&kmsg)
+        .unwrap();
+    writeln!(f, "6,10,2,-;eth0: link up").unwrap();
+    writeln!(f, "6,13,3,-;eth0: link down").unwrap();
+    drop(f);
+    eventually(Duration::from_secs(10), "both records read", || async {
+        metric_value(&agent, "nodeguard_monitor_lines_total{monitor=\"kernel\"}").await >= 2
+    })
+    .await;
+    assert_eq!(
+        metric_value(
+            &agent,
+            "nodeguard_monitor_lines_dropped_total{monitor=\"kernel\"}"
+        )
+        .await,
+        2,
+        "the two records the kernel overwrote"
+    );
+    eventually(
+        Duration::from_secs(10),
+        "a MonitorLinesDropped Event",
+        || async {
+            let (n, notes) = node_event_count(&node.name, "MonitorLinesDropped");
+            n >= 1 && notes.contains("lost 2 line(s)")
+        },
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 /// The agent's peak resident memory (VmHWM) in KiB, after resetting it when
 /// `reset` (Linux: "5" to /proc/self/clear_refs).
 fn peak_rss_kib(reset: bool) -> u64 {

@@ -866,6 +866,9 @@ async fn run_monitor<T: TaintPort>(
     let mut last_taint_retry = tokio::time::Instant::now();
     // What the reader last said about a refused file (after the start).
     let mut refused_seen: Option<String> = None;
+    // Lines lost so far (a full queue, records the kernel overwrote), said
+    // in an Event when it grows.
+    let mut dropped_seen = counters.dropped.load(std::sync::atomic::Ordering::Relaxed);
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break None,
@@ -924,6 +927,17 @@ async fn run_monitor<T: TaintPort>(
                 });
             }
             _ = tick.tick() => {
+                let dropped_now = counters.dropped.load(std::sync::atomic::Ordering::Relaxed);
+                if dropped_now > dropped_seen {
+                    let message = format!(
+                        "Monitor {} lost {} line(s) ({dropped_now} since it started): its queue was full or the kernel overwrote records before they were read, so problems in them were not seen.",
+                        spec.name,
+                        dropped_now - dropped_seen
+                    );
+                    tracing::warn!(monitor = %spec.name, lost = dropped_now - dropped_seen, "monitor lines lost");
+                    ctx.reporter.event(EventKind::Warning, "MonitorLinesDropped", "ReadSource", message);
+                    dropped_seen = dropped_now;
+                }
                 let refused_now = counters.refused_reason();
                 if refused_now != refused_seen {
                     // The file now at the path is refused by the node's read

@@ -612,6 +612,9 @@ pub fn spawn_kmsg(
             let mut buf = Vec::new();
             let mut batch = Batcher::default();
             let mut failures = Failures::default();
+            // The last record's sequence number: a gap after it is records
+            // the kernel overwrote before they were read (EPIPE), counted.
+            let mut last_seq = skip_to;
             while !stop.stopped() {
                 // Records go to the engine as soon as no more is there at
                 // once (or the batch is full).
@@ -648,16 +651,23 @@ pub fn spawn_kmsg(
                         if skip_to.is_some_and(|l| rec.sequence <= l) {
                             continue; // seen before the restart
                         }
+                        if let Some(l) = last_seq
+                            && rec.sequence > l + 1
+                        {
+                            counters
+                                .dropped
+                                .fetch_add(rec.sequence - l - 1, Ordering::Relaxed);
+                        }
+                        last_seq = Some(rec.sequence);
                         let cursor = Cursor {
                             kmsg_sequence: Some(rec.sequence),
                             ..Default::default()
                         };
                         batch.push(&counters, &rec.message, cursor);
                     }
-                    // Records overwritten before we read them: carry on.
-                    Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
-                        counters.dropped.fetch_add(1, Ordering::Relaxed);
-                    }
+                    // Records overwritten before we read them: carry on
+                    // (the next record's sequence tells how many).
+                    Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {}
                     Err(e) => {
                         // What was read goes before the pause.
                         if !offer(&tx, &counters, &mut batch) {

@@ -1741,3 +1741,68 @@ async fn a_shutdown_taint_that_could_not_be_recorded_is_removed_after_the_reboot
     third.stop().await;
     s.cleanup().await;
 }
+
+/// A stop asked for in the instant the host began shutting down, before
+/// the agent handled PrepareForShutdown(true) (the kubelet stopping the
+/// pod as its own shutdown starts): the agent stopped at once, releasing
+/// its inhibitor, and logind went on with no group run and no taint. The
+/// stop now runs the shutdown first, as a stop during one waits for it.
+#[tokio::test]
+async fn a_stop_in_the_instant_a_shutdown_begins_runs_the_shutdown_first() {
+    let s = setup(
+        "stop-race",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 3}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    // No kubelet: the evicted pod stays, so the group takes its 3 s window.
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let (agent, _state) = s.start_armed().await;
+    let key = format!("{TEST_NAMESPACE}/{low}");
+    eventually(
+        Duration::from_secs(15),
+        "the pod in the agent's watch",
+        || {
+            std::future::ready(
+                agent
+                    .pods
+                    .borrow()
+                    .as_ref()
+                    .is_some_and(|p| p.contains_key(&key)),
+            )
+        },
+    )
+    .await;
+    let t0 = Instant::now();
+    s.peer.prepare_for_shutdown(true).await;
+    agent.stop_after_node_shutdown(std::future::pending()).await;
+    let stopped = t0.elapsed();
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    let pod: k8s_openapi::api::core::v1::Pod = Api::namespaced(s.admin.clone(), TEST_NAMESPACE)
+        .get(&low)
+        .await
+        .unwrap();
+    assert!(
+        pod.metadata.deletion_timestamp.is_some(),
+        "the low pod was evicted before the agent stopped ({stopped:?})"
+    );
+    assert!(
+        tainted(&nodes.get(&s.node.name).await.unwrap()),
+        "the node was tainted"
+    );
+    assert!(
+        stopped >= Duration::from_secs(2),
+        "stopped {stopped:?} after the signal, before the 3 s group was over"
+    );
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}

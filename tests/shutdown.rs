@@ -1618,8 +1618,11 @@ async fn the_node_is_tainted_before_the_first_eviction() {
         || {
             let entries = audit_completed();
             let after = |e: &&serde_json::Value| at(e, "requestReceivedTimestamp") >= signalled;
+            // The PATCH that landed (an attempt refused with a conflict is
+            // not the taint).
             let taint = entries.iter().filter(after).find(|e| {
                 e["verb"] == "patch"
+                    && e["responseStatus"]["code"] == 200
                     && e["objectRef"]["resource"] == "nodes"
                     && e["objectRef"]["name"] == s.node.name.as_str()
                     && e["objectRef"]["subresource"].is_null()

@@ -980,6 +980,12 @@ async fn run_monitor<T: TaintPort>(
                     apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
                     handle.updated();
                     dirty = true;
+                    // A taint added (a retry after an API outage): whose it
+                    // is goes to disk at once, synced.
+                    if actions.iter().any(|a| matches!(a, Action::Taint { .. })) {
+                        dirty = !save_as(&mut state, &engine, true);
+                        last_save = tokio::time::Instant::now();
+                    }
                 }
                 // The cursor is saved at most once a second under load.
                 if dirty && last_save.elapsed() >= Duration::from_secs(1) {

@@ -470,9 +470,17 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 "the shutdown on record is no longer under way (cancelled while logind did not answer); undoing it instead of resuming"
             );
             let taint_added = r.taint_ours();
+            // The lock first (a lock taken back from the keeper, or a new
+            // one), so a reboot asked for while the undo talks to the API
+            // server is delayed; the next pass arms with it and, newly
+            // subscribed, asks logind whether one began meanwhile.
+            let lock = match lock {
+                Some(l) => Some(l),
+                None => port.inhibit(&why(&cfg)).await.ok(),
+            };
             resume = None;
             last = Some(cancelled_meanwhile(&ctx, taint_added, core::CancelCause::Logind).await);
-            // A lock taken back from the keeper protects the next shutdown.
+            carried = lock.is_some();
             reclaimed = lock;
             continue;
         }
@@ -1101,8 +1109,22 @@ async fn start_up<C: ClusterPort, L: LogindConnector>(
 /// was nodeguard's. While logind prepares for no shutdown it is removed
 /// (a taint of that key with another value is someone else's and stays).
 async fn remove_unrecorded_taint<C: ClusterPort, L: LogindConnector>(ctx: &Ctx<C>, logind: &L) {
-    if preparing_for_shutdown(logind).await != Some(false) {
+    // A taint a previous process could not remove is removed in the
+    // background already (and said once, by that path).
+    if ctx.taint_left.load(std::sync::atomic::Ordering::SeqCst) {
         return;
+    }
+    // Quietly: a node whose policy wants no graceful shutdown may have no
+    // system bus mounted.
+    match ask_logind(logind).await {
+        Ok((_, false)) => {}
+        Ok((_, true)) => return,
+        Err(why) => {
+            tracing::debug!(
+                "cannot ask logind whether a shutdown taint left without a record may go: {why}"
+            );
+            return;
+        }
     }
     match timeout(CALL_TIMEOUT, ctx.cluster.remove_left_taint()).await {
         Ok(Ok(true)) => {
@@ -1488,7 +1510,9 @@ async fn execute<C: ClusterPort>(
             loop {
                 attempts += 1;
                 let answer = ctx.cluster.add_taint().await;
-                first_answer.notify_one();
+                if answer.is_ok() {
+                    first_answer.notify_one();
+                }
                 match answer {
                     Ok(added) => {
                         if attempts > 1 {
@@ -1513,8 +1537,13 @@ async fn execute<C: ClusterPort>(
                 }
             }
         };
+        // A resumed shutdown whose taint request was answered before has
+        // its taint: the groups go on at once.
+        let wait_for_taint = !resume || unanswered_before;
         let work = async {
-            let _ = tokio::time::timeout(core::CALL_HEADROOM, first_answer.notified()).await;
+            if wait_for_taint {
+                let _ = tokio::time::timeout(core::CALL_HEADROOM, first_answer.notified()).await;
+            }
             run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already).await
         };
         // The record (written before the groups) goes to disk again once

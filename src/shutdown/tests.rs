@@ -1615,6 +1615,44 @@ async fn a_hung_taint_request_holds_back_evictions_and_the_release_1s_at_most() 
     r.task.await.unwrap();
 }
 
+/// A taint request that fails fast (the API server restarting) is no
+/// answer: the groups wait for the retry that lands (1 s at most), so no
+/// pod is evicted while the node is open to the scheduler.
+#[tokio::test(start_paused = true)]
+async fn evictions_wait_for_the_taint_that_lands_not_a_failed_attempt() {
+    let pods = vec![pod("a/one", 0, None)];
+    let r = rig(
+        "taint-first",
+        FakeLogind::new(Duration::from_secs(120)),
+        Some(config(&[(0, 5)])),
+        pods,
+        "b1",
+    );
+    r.cluster.with(|s| s.taint_fails = 1);
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(2_000).await;
+    let calls = r.cluster.calls();
+    let taints: Vec<Duration> = calls
+        .iter()
+        .filter(|(_, c)| *c == Call::Taint)
+        .map(|(t, _)| *t)
+        .collect();
+    let first_eviction = calls
+        .iter()
+        .find(|(_, c)| matches!(c, Call::Evict(..)))
+        .map(|(t, _)| *t)
+        .expect("an eviction");
+    assert_eq!(taints.len(), 2, "one failed taint request, one that landed");
+    assert!(
+        first_eviction >= taints[1],
+        "evicted {:?} before the taint landed",
+        taints[1] - first_eviction
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
 /// The API server restarting as the shutdown begins: the taint request is
 /// retried until it lands, and a request applied whose answer was lost
 /// leaves the taint nodeguard's, so the cancel removes it.

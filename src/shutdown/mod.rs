@@ -296,10 +296,6 @@ impl<C> Ctx<C> {
     }
 }
 
-/// How long a stopping agent holding its inhibitor asks logind whether a
-/// shutdown has just begun.
-const STOP_ASK: Duration = Duration::from_secs(1);
-
 /// Backoff between reconnects to the bus or logind: short, so the lock is
 /// back within about two seconds of logind's return.
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
@@ -683,20 +679,6 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
             _ = stop.cancelled() => {
                 if let Some((token, task)) = running.take() {
                     token.cancel();
-                    let _ = task.await;
-                    ctx.in_progress.send_replace(false);
-                } else if st.lock.is_some()
-                    && matches!(
-                        tokio::time::timeout(STOP_ASK, port.preparing_for_shutdown()).await,
-                        Ok(Ok(true))
-                    )
-                {
-                    // Asked to stop just as the host began shutting down,
-                    // before PrepareForShutdown(true) was handled (the
-                    // kubelet stopping the pod, say): the shutdown runs
-                    // first, as a stop during one waits for it.
-                    tracing::warn!("asked to stop as the host began shutting down; running the shutdown's groups first");
-                    let (_token, task) = begin_shutdown(ctx, st);
                     let _ = task.await;
                     ctx.in_progress.send_replace(false);
                 }

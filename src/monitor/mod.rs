@@ -868,7 +868,9 @@ async fn run_monitor<T: TaintPort>(
     let mut refused_seen: Option<String> = None;
     // Lines lost so far (a full queue, records the kernel overwrote), said
     // in an Event when it grows.
-    let mut dropped_seen = counters.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    // (The counters are this run's: what was lost before the first tick,
+    // records overwritten while the agent was down among them, is said too.)
+    let mut dropped_seen = 0;
     let ended = loop {
         tokio::select! {
             _ = stop.cancelled() => break None,

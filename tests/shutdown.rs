@@ -1572,7 +1572,8 @@ async fn a_resumed_shutdown_that_was_cancelled_while_logind_did_not_answer_is_un
 /// wait for the taint to land, 1 s at most: in the API server's own audit
 /// log, the first eviction is received after the taint PATCH completed, or
 /// (an API server slower than that, as on a loaded machine) at least the
-/// 1 s cap after the taint request was received.
+/// 1 s cap after the signal. The order itself is pinned with paused time by
+/// the unit test `evictions_wait_for_the_taint_that_lands_not_a_failed_attempt`.
 #[tokio::test]
 async fn the_node_is_tainted_before_the_first_eviction() {
     let s = setup(
@@ -1660,9 +1661,10 @@ async fn the_node_is_tainted_before_the_first_eviction() {
         tainted_at.duration_since(signalled),
         evicted_at.duration_since(signalled)
     );
-    // The cap, less the resolution between the two log entries.
-    let waited_the_cap =
-        evicted_at.duration_since(asked_at) >= jiff::SignedDuration::from_millis(950);
+    // The cap: the agent waits 1 s at most from when it handled the signal,
+    // which is after the test sent it (on a loaded machine its GET and
+    // PATCH may take longer than that).
+    let waited_the_cap = evicted_at.duration_since(signalled) >= jiff::SignedDuration::from_secs(1);
     assert!(
         tainted_at <= evicted_at || waited_the_cap,
         "the eviction reached the API server ({evicted_at}) before the taint had landed ({tainted_at}), {:?} after the taint request ({asked_at})",

@@ -103,13 +103,9 @@ pub async fn remove(
     key: &str,
     effect: &str,
 ) -> Result<(), TaintError> {
-    edit(client, node, |taints| {
-        let before = taints.len();
-        taints.retain(|t| !(t.key == key && t.effect == effect));
-        taints.len() != before
-    })
-    .await
-    .map(|_| ())
+    remove_where(client, node, |t| t.key == key && t.effect == effect)
+        .await
+        .map(|_| ())
 }
 
 /// Removes the taint with this key, value and effect, if present; `true`
@@ -122,11 +118,21 @@ pub async fn remove_valued(
     value: &str,
     effect: &str,
 ) -> Result<bool, TaintError> {
+    remove_where(client, node, |t| {
+        t.key == key && t.effect == effect && t.value.as_deref().unwrap_or_default() == value
+    })
+    .await
+}
+
+/// Removes the taints `matches` picks; `true` when there were any.
+async fn remove_where(
+    client: &Client,
+    node: &str,
+    matches: impl Fn(&Taint) -> bool,
+) -> Result<bool, TaintError> {
     edit(client, node, |taints| {
         let before = taints.len();
-        taints.retain(|t| {
-            !(t.key == key && t.effect == effect && t.value.as_deref().unwrap_or_default() == value)
-        });
+        taints.retain(|t| !matches(t));
         taints.len() != before
     })
     .await

@@ -1109,20 +1109,14 @@ async fn remove_unrecorded_taint<C: ClusterPort, L: LogindConnector>(ctx: &Ctx<C
         }
     }
     match timeout(CALL_TIMEOUT, ctx.cluster.remove_left_taint()).await {
-        Ok(Ok(true)) => {
-            let message = format!(
+        Ok(Ok(true)) => report_taint_removed(
+            ctx,
+            format!(
                 "nodeguard removed its shutdown taint {}={}, which a shutdown left with no record of it (the state directory could not be written then).",
                 cluster::TAINT_KEY,
                 cluster::TAINT_VALUE
-            );
-            tracing::info!("{message}");
-            ctx.reporter.event(
-                EventKind::Normal,
-                "ShutdownTaintRemoved",
-                "RemoveTaint",
-                message,
-            );
-        }
+            ),
+        ),
         Ok(Ok(false)) => {}
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "cannot look for a shutdown taint left without a record")
@@ -1131,6 +1125,17 @@ async fn remove_unrecorded_taint<C: ClusterPort, L: LogindConnector>(ctx: &Ctx<C
             "the API server did not answer the look for a shutdown taint left without a record"
         ),
     }
+}
+
+/// A shutdown taint left behind is gone: logged and a `ShutdownTaintRemoved` Event.
+fn report_taint_removed<C>(ctx: &Ctx<C>, message: String) {
+    tracing::info!("{message}");
+    ctx.reporter.event(
+        EventKind::Normal,
+        "ShutdownTaintRemoved",
+        "RemoveTaint",
+        message,
+    );
 }
 
 /// How often an agent that found its shutdown done on a host going down
@@ -1272,16 +1277,12 @@ async fn clean_up_left_taint<C: ClusterPort>(ctx: Arc<Ctx<C>>, stop: Cancellatio
         match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
             Ok(Ok(())) => {
                 ctx.forget_left_taint();
-                let message = format!(
-                    "nodeguard removed its shutdown taint {}, left on the node while the API server did not take its removal.",
-                    cluster::TAINT_KEY
-                );
-                tracing::info!("{message}");
-                ctx.reporter.event(
-                    EventKind::Normal,
-                    "ShutdownTaintRemoved",
-                    "RemoveTaint",
-                    message,
+                report_taint_removed(
+                    &ctx,
+                    format!(
+                        "nodeguard removed its shutdown taint {}, left on the node while the API server did not take its removal.",
+                        cluster::TAINT_KEY
+                    ),
                 );
             }
             Ok(Err(e)) => {

@@ -138,6 +138,7 @@ pub struct RunningAgent {
     pub probes: ProbeHandle,
     /// True while the node's graceful shutdown runs.
     pub node_shutdown: watch::Receiver<bool>,
+    stop_check: crate::shutdown::StopCheck,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
     _senders: Senders,
@@ -164,6 +165,11 @@ impl RunningAgent {
     /// signal) stops at once.
     pub async fn stop_after_node_shutdown(self, interrupt: impl std::future::Future<Output = ()>) {
         let mut running = self.node_shutdown.clone();
+        // Before anything is cancelled: a shutdown logind has begun but
+        // the manager has not handled yet starts now, and is waited for.
+        if !*running.borrow() {
+            self.stop_check.ask().await;
+        }
         if *running.borrow_and_update() {
             let message = "nodeguard was asked to stop during the node's graceful shutdown; it finishes the shutdown's remaining priority groups first (within the inhibit window), then stops.";
             tracing::warn!("{message}");
@@ -287,6 +293,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     );
     let (pod_tx, pod_rx) = watch::channel(None);
     let (node_shutdown_tx, node_shutdown) = watch::channel(false);
+    let (stop_check, stop_questions) = crate::shutdown::stop_check();
     sup.spawn(
         "pod-watch",
         publish_objects(
@@ -408,6 +415,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 boot_id: config.boot_id.clone(),
                 node_name: config.node_name.clone(),
                 in_progress: node_shutdown_tx,
+                stop_questions,
                 keeper: config.keeper.clone(),
                 reclaimed: config
                     .reclaimed_inhibitor
@@ -476,6 +484,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         node: node_rx,
         pods: pod_rx,
         node_shutdown,
+        stop_check,
         policies: policy_rx,
         shutdown,
         tasks: sup.tasks,

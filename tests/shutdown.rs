@@ -1195,6 +1195,30 @@ impl AgentProcess {
     fn kill(&mut self) {
         self.process.kill();
     }
+
+    /// SIGTERM, as the kubelet sends it to a deleted pod.
+    fn terminate(&self) {
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        assert_eq!(
+            unsafe { libc::kill(self.process.0.id() as libc::pid_t, libc::SIGTERM) },
+            0
+        );
+    }
+
+    /// The exit status once the process has ended; panics after `within`.
+    async fn exited(&mut self, within: Duration) -> std::process::ExitStatus {
+        let end = Instant::now() + within;
+        loop {
+            if let Some(status) = self.process.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < end,
+                "the agent still runs after {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 /// A child process SIGKILLed when the test ends, also on a panic.
@@ -1763,4 +1787,87 @@ async fn a_shutdown_taint_that_could_not_be_recorded_is_removed_after_the_reboot
     );
     third.stop().await;
     s.cleanup().await;
+}
+
+/// Issue 37's leftover: a stop (a rollout, a drain tool deleting the pod,
+/// `systemctl restart`) in the instant the host begins shutting down, after
+/// logind's `PrepareForShutdown(true)` but before the agent handled it.
+/// Here logind prepares for the shutdown and its signal never reaches the
+/// agent, so only the stop's question can find it. Before, the SIGTERMed
+/// binary stopped at once: its inhibitor went with it, logind went on and
+/// no group ran. Now it asks logind before cancelling anything, runs the
+/// shutdown (taint, the group's window) and stops after it.
+#[tokio::test]
+async fn a_stop_as_the_host_begins_shutting_down_runs_the_shutdown_first() {
+    let s = setup(
+        "stop-race",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    // No kubelet: the evicted pod stays, so the group takes its 4 s window.
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let state = TempDir::new("state");
+    let mut agent = AgentProcess::start(&s, &state.path, None);
+    agent.ready().await;
+    assert_eq!(s.peer.held(), 1, "ready means armed");
+    // Not taken for a shutdown when there is none: the stop is prompt.
+    let mut idle = AgentProcess::start(&s, &TempDir::new("state-idle").path, None);
+    idle.ready().await;
+    let t = Instant::now();
+    idle.terminate();
+    assert!(idle.exited(Duration::from_secs(10)).await.success());
+    let idle_stop = t.elapsed();
+    assert!(!tainted(
+        &Api::<Node>::all(s.admin.clone())
+            .get(&s.node.name)
+            .await
+            .unwrap()
+    ));
+
+    s.peer.state.lock().unwrap().preparing = true;
+    let t0 = Instant::now();
+    agent.terminate();
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    eventually(Duration::from_secs(5), "the node tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    assert_eq!(
+        s.peer.held(),
+        1,
+        "the inhibitor is held while the group runs"
+    );
+    let status = agent.exited(Duration::from_secs(20)).await;
+    let stopped = t0.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        stopped >= Duration::from_secs(3),
+        "stopped {stopped:?} after the signal: before the 4 s group was over"
+    );
+    assert_eq!(s.peer.held(), 0, "released at the end");
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(state.path.join("shutdown-state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        !record["endedAt"].is_null(),
+        "the shutdown ran to its end: {record}"
+    );
+    assert!(
+        events_for(&s.node.name).await.contains("StopDeferred"),
+        "the deferral is an Event"
+    );
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+    eprintln!("idle stop {idle_stop:?}; stop during the shutdown {stopped:?}");
 }

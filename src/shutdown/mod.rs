@@ -248,6 +248,84 @@ pub struct ShutdownHost<L, C> {
     pub keeper: Keeper,
     /// The inhibitor a previous process left with the keeper.
     pub reclaimed: Option<std::os::fd::OwnedFd>,
+    /// A stop's question, asked before the stop cancels anything.
+    pub stop_questions: StopQuestions,
+}
+
+/// How long a stop waits for the manager's answer to [`StopCheck::ask`]:
+/// logind's answer (at most [`CALL_TIMEOUT`]) and a little more.
+const STOP_ANSWER_TIMEOUT: Duration = Duration::from_secs(6);
+
+/// Asked by a stop before it cancels anything: has the host begun shutting
+/// down, though the manager has not yet handled logind's
+/// `PrepareForShutdown(true)` (the signal in flight, or queued behind
+/// another message)? The stop would otherwise release the inhibitor and
+/// let logind go on at once, no group run. See [`stop_check`].
+#[derive(Clone)]
+pub struct StopCheck {
+    armed: watch::Receiver<bool>,
+    asks: mpsc::Sender<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// The manager's side of [`StopCheck`].
+pub struct StopQuestions {
+    armed: watch::Sender<bool>,
+    asks: mpsc::Receiver<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// A connected [`StopCheck`] and [`StopQuestions`].
+pub fn stop_check() -> (StopCheck, StopQuestions) {
+    let (armed_tx, armed) = watch::channel(false);
+    let (asks_tx, asks) = mpsc::channel(4);
+    (
+        StopCheck {
+            armed,
+            asks: asks_tx,
+        },
+        StopQuestions {
+            armed: armed_tx,
+            asks,
+        },
+    )
+}
+
+impl StopCheck {
+    /// Returns once the manager has answered: a shutdown logind has begun
+    /// is then in progress (the agent's `node_shutdown` is true). Returns
+    /// at once when the manager holds no inhibitor (nothing to delay), and
+    /// after [`STOP_ANSWER_TIMEOUT`] when it does not answer.
+    pub async fn ask(&self) {
+        if !*self.armed.borrow() {
+            return;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.asks.try_send(tx).is_err() {
+            return;
+        }
+        if timeout(STOP_ANSWER_TIMEOUT, rx).await.is_err() {
+            tracing::warn!(
+                "the shutdown manager did not answer whether the host is shutting down; stopping"
+            );
+        }
+    }
+}
+
+/// Marks the manager armed while it lives; questions left unanswered when
+/// it goes are answered (dropped), so no stop waits for its timeout.
+struct ArmedMark<'a>(&'a mut StopQuestions);
+
+impl<'a> ArmedMark<'a> {
+    fn new(q: &'a mut StopQuestions) -> Self {
+        q.armed.send_replace(true);
+        ArmedMark(q)
+    }
+}
+
+impl Drop for ArmedMark<'_> {
+    fn drop(&mut self) {
+        self.0.armed.send_replace(false);
+        while self.0.asks.try_recv().is_ok() {}
+    }
 }
 
 /// Everything the running pieces share.
@@ -347,6 +425,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     }
     tokio::spawn(clean_up_left_taint(ctx.clone(), stop.clone()));
     let logind = host.logind;
+    let mut questions = host.stop_questions;
     // A lock left by a previous process of this agent (killed while it
     // held one): held from here, so logind keeps waiting for this process.
     let mut reclaimed = host.reclaimed.map(|fd| {
@@ -520,6 +599,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
             fresh,
             &handle,
             &stop,
+            &mut questions,
         )
         .await
         {
@@ -658,7 +738,9 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     fresh: bool,
     handle: &LoopHandle,
     stop: &CancellationToken,
+    questions: &mut StopQuestions,
 ) -> Armed {
+    let mark = ArmedMark::new(questions);
     let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st));
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
@@ -683,6 +765,19 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     ctx.in_progress.send_replace(false);
                 }
                 return Armed::Stop;
+            }
+            Some(answer) = mark.0.asks.recv() => {
+                // A stop asks before it cancels anything: logind may have
+                // begun a shutdown whose signal is not handled yet. Its
+                // answer comes after any signal it sent before (one
+                // connection), so a shutdown begun is seen here.
+                if running.is_none()
+                    && matches!(timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await, Ok(Ok(true)))
+                {
+                    tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
+                    running = Some(begin_shutdown(ctx, st));
+                }
+                let _ = answer.send(());
             }
             r = config.changed() => {
                 if r.is_err() { return Armed::Stop; }

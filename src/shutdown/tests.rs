@@ -314,6 +314,8 @@ struct Rig {
     state_dir: PathBuf,
     /// The agent's "a shutdown runs" flag (it defers a stop while true).
     in_progress: watch::Receiver<bool>,
+    /// What a stop asks before it cancels anything.
+    stop_check: crate::shutdown::StopCheck,
     _q: crate::report::EventQueue,
 }
 
@@ -355,6 +357,7 @@ fn rig_in(
     let stop = CancellationToken::new();
     let health = Health::new();
     let (in_progress_tx, in_progress) = watch::channel(false);
+    let (stop_check, stop_questions) = crate::shutdown::stop_check();
     let task = tokio::spawn(run_shutdown_manager(
         ShutdownHost {
             logind: logind.clone(),
@@ -366,6 +369,7 @@ fn rig_in(
             in_progress: in_progress_tx,
             keeper: crate::shutdown::keep::Keeper::None,
             reclaimed: None,
+            stop_questions,
         },
         cfg_rx,
         pods_rx,
@@ -384,6 +388,7 @@ fn rig_in(
         task,
         state_dir,
         in_progress,
+        stop_check,
         _q: q,
     }
 }
@@ -1957,4 +1962,65 @@ fn trimmed_pods_are_terminating_since_the_same_time() {
         1,
         "the fixture has a deleting pod"
     );
+}
+
+/// A stop asked for after logind began a shutdown but before its signal
+/// was handled: the stop's question finds the shutdown and starts it, so
+/// the agent waits for it instead of releasing the inhibitor at once. A
+/// stop with no shutdown under way, or while nothing is armed, is
+/// answered at once.
+#[tokio::test(start_paused = true)]
+async fn a_stop_asked_before_the_signal_is_handled_starts_the_shutdown_first() {
+    let pods = vec![pod("apps/low", 0, Some(5))];
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let r = rig(
+        "stop-question",
+        logind,
+        Some(config(&[(0, 10)])),
+        pods,
+        "b1",
+    );
+    // Refused by a PDB until escalated: the group takes its window.
+    r.cluster
+        .with(|s| s.blocked.insert("apps/low".into(), "pdb".into()));
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1);
+    // No shutdown: answered at once, nothing started.
+    let t = Instant::now();
+    r.stop_check.ask().await;
+    assert!(t.elapsed() < Duration::from_millis(10));
+    assert!(!*r.in_progress.borrow());
+    assert!(!r.cluster.with(|s| s.tainted));
+    // logind prepares for a shutdown; its signal is not delivered yet.
+    r.logind.with(|s| s.preparing = true);
+    r.stop_check.ask().await;
+    assert!(
+        *r.in_progress.borrow(),
+        "the shutdown runs before the stop goes on"
+    );
+    ms(50).await;
+    assert!(r.cluster.with(|s| s.tainted), "tainted");
+    // The signal arriving afterwards starts no second shutdown.
+    let tx = r.logind.with(|s| s.signals.clone()).unwrap();
+    tx.send(LogindEvent::PrepareForShutdown(true))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(!*r.in_progress.borrow(), "the group is done");
+    let calls = r.cluster.calls();
+    let count = |f: &dyn Fn(&Call) -> bool| calls.iter().filter(|(_, c)| f(c)).count();
+    assert_eq!(
+        (
+            count(&|c| *c == Call::Taint),
+            count(&|c| matches!(c, Call::Delete(..)))
+        ),
+        (1, 1),
+        "one shutdown, escalated once: {calls:?}"
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+    // Nothing armed any more: answered at once.
+    let t = Instant::now();
+    r.stop_check.ask().await;
+    assert!(t.elapsed() < Duration::from_millis(10));
 }

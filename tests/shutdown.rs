@@ -1871,3 +1871,149 @@ async fn a_stop_as_the_host_begins_shutting_down_runs_the_shutdown_first() {
     s.cleanup().await;
     eprintln!("idle stop {idle_stop:?}; stop during the shutdown {stopped:?}");
 }
+
+/// nodeguard's PATCHes of Node `node` (its taints) the API server answered
+/// 409, from its audit log. (The node lifecycle controller's own taint
+/// writes conflict too; they are not counted.)
+fn taint_patch_conflicts(node: &str) -> usize {
+    audit_completed()
+        .iter()
+        .filter(|e| {
+            e["verb"] == "patch"
+                && e["objectRef"]["resource"] == "nodes"
+                && e["objectRef"]["name"] == node
+                && e["objectRef"]["subresource"].is_null()
+                && e["userAgent"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("nodeguard"))
+                && e["responseStatus"]["code"] == 409
+        })
+        .count()
+}
+
+/// Review of issue 37: the shutdown taint's PATCH carried the Node's
+/// resourceVersion, so every status write in between (the kubelet's
+/// heartbeats, nodeguard's own condition writer) failed it with a 409 and
+/// sent it round again; under load the taint landed up to 5 s late. The
+/// precondition is now on the taints alone (a JSON patch `test`): with the
+/// Node's status written continuously, twenty taint edits get no 409.
+#[tokio::test]
+async fn taint_edits_are_not_refused_for_status_writes() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "taint-churn").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let churn = {
+        let (admin, name, stop) = (admin.clone(), node.name.clone(), stop.clone());
+        tokio::spawn(async move {
+            let nodes: Api<Node> = Api::all(admin);
+            let mut writes = 0u32;
+            while !stop.is_cancelled() {
+                let patch = serde_json::json!({"status": {"conditions": [{
+                    "type": "ChurnTest", "status": "False", "reason": "Churn",
+                    "message": format!("write {writes}"),
+                    "lastHeartbeatTime": jiff::Timestamp::now().to_string(),
+                }]}});
+                nodes
+                    .patch_status(&name, &PatchParams::default(), &Patch::Strategic(&patch))
+                    .await
+                    .unwrap();
+                writes += 1;
+            }
+            writes
+        })
+    };
+    let t0 = Instant::now();
+    for _ in 0..10 {
+        assert!(
+            nodeguard::k8s::taints::add(
+                &admin,
+                &node.name,
+                "nodeguard.io/churn",
+                "x",
+                "NoSchedule"
+            )
+            .await
+            .unwrap()
+        );
+        nodeguard::k8s::taints::remove(&admin, &node.name, "nodeguard.io/churn", "NoSchedule")
+            .await
+            .unwrap();
+    }
+    let took = t0.elapsed();
+    stop.cancel();
+    let writes = churn.await.unwrap();
+    assert!(
+        writes >= 20,
+        "the status was written {writes} times meanwhile"
+    );
+    // The audit log is written as requests complete; give it a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let conflicts = taint_patch_conflicts(&node.name);
+    assert_eq!(
+        conflicts, 0,
+        "{conflicts} taint PATCH(es) refused with 409 beside {writes} status writes"
+    );
+    eprintln!("20 taint edits in {took:?} beside {writes} status writes, no 409");
+}
+
+/// Taints are one list: an edit must not drop a taint someone else added
+/// between its read and its write. Here an operator's taint is added the
+/// moment after nodeguard read the list; nodeguard's write is refused by
+/// its `test` and made again on the list with the operator's taint.
+#[tokio::test]
+async fn a_taint_added_between_the_read_and_the_write_is_kept() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "taint-race").await;
+    let reads = std::sync::atomic::AtomicUsize::new(0);
+    let name = node.name.clone();
+    let wrote = nodeguard::k8s::taints::edit(&admin, &node.name, |taints| {
+        if reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let name = name.clone();
+            // Another client, on its own runtime, while this edit waits.
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(async {
+                        let other = admin_client().await;
+                        let nodes: Api<Node> = Api::all(other);
+                        let patch = serde_json::json!({"spec": {"taints": [
+                            {"key": "example.com/maintenance", "value": "op", "effect": "NoSchedule"}
+                        ]}});
+                        nodes
+                            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                            .await
+                            .unwrap();
+                    })
+            })
+            .join()
+            .unwrap();
+        }
+        taints.push(k8s_openapi::api::core::v1::Taint {
+            key: "nodeguard.io/race".into(),
+            value: Some("x".into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        });
+        true
+    })
+    .await
+    .unwrap();
+    assert!(wrote);
+    let n: Node = Api::all(admin.clone()).get(&node.name).await.unwrap();
+    let keys: Vec<String> = n
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| t.key)
+        .collect();
+    assert_eq!(
+        keys,
+        ["example.com/maintenance", "nodeguard.io/race"],
+        "both taints, after {} reads",
+        reads.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 2);
+}

@@ -1,9 +1,13 @@
 //! Editing the Node's taints. Taints are an atomic list, so a blind patch
-//! could drop someone else's: read, edit, and write back with the
-//! resourceVersion as a precondition, retrying on conflict.
+//! could drop someone else's: read, edit, and write back with a JSON patch
+//! whose `test` operation requires the list to be as read, retrying when it
+//! is not. The precondition is on the taints alone: the Node's
+//! resourceVersion would also fail on every status write (the kubelet's,
+//! nodeguard's own condition writer), which under load made the shutdown
+//! taint land seconds late.
 
 use k8s_openapi::api::core::v1::{Node, Taint};
-use kube::api::{Patch, PatchParams};
+use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
 use kube::{Api, Client};
 
 use crate::monitor::{MonitorError, TaintPort};
@@ -18,6 +22,9 @@ pub enum TaintError {
     Api(#[from] kube::Error),
     #[error("the taints of Node {0} kept changing under us; gave up after retries")]
     Conflict(String),
+    /// The Node's taints (as read) could not be taken apart.
+    #[error("cannot read the Node's taints: {0}")]
+    Unreadable(String),
 }
 
 /// Whether a write that failed with `e` may have been applied all the
@@ -36,7 +43,7 @@ impl TaintError {
     /// attempt wrote nothing.
     pub fn maybe_applied(&self) -> bool {
         match self {
-            TaintError::Read(_) | TaintError::Conflict(_) => false,
+            TaintError::Read(_) | TaintError::Conflict(_) | TaintError::Unreadable(_) => false,
             TaintError::Api(e) => may_have_landed(e),
         }
     }
@@ -49,27 +56,53 @@ pub async fn edit(
     node: &str,
     edit: impl Fn(&mut Vec<Taint>) -> bool,
 ) -> Result<bool, TaintError> {
-    let nodes: Api<Node> = Api::all(client.clone());
+    // Read as sent, so the `test` compares the server's own JSON (fields
+    // this client's types do not know included).
+    let nodes: Api<DynamicObject> = Api::all_with(client.clone(), &ApiResource::erase::<Node>(&()));
     for _ in 0..10 {
-        let n = nodes.get(node).await.map_err(TaintError::Read)?;
-        let mut taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
+        let read = taints_as_sent(&nodes, node).await?;
+        let mut taints: Vec<Taint> =
+            serde_json::from_value(read.clone().unwrap_or_else(|| serde_json::json!([])))
+                .map_err(|e| TaintError::Unreadable(e.to_string()))?;
         if !edit(&mut taints) {
             return Ok(false);
         }
-        let patch = serde_json::json!({
-            "metadata": {"resourceVersion": n.metadata.resource_version},
-            "spec": {"taints": taints},
-        });
+        let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
+            // An absent list tests as null.
+            {"op": "test", "path": "/spec/taints", "value": read},
+            {"op": "add", "path": "/spec/taints", "value": taints},
+        ]))
+        .map_err(|e| TaintError::Unreadable(e.to_string()))?;
         match nodes
-            .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+            .patch(node, &PatchParams::default(), &Patch::<()>::Json(patch))
             .await
         {
             Ok(_) => return Ok(true),
+            // The `test` failed (422): the taints changed since the read.
+            // A 422 with the taints as read is a real refusal.
+            Err(kube::Error::Api(s))
+                if s.code == 422 && taints_as_sent(&nodes, node).await? != read =>
+            {
+                continue;
+            }
             Err(kube::Error::Api(s)) if s.code == 409 => continue,
             Err(e) => return Err(e.into()),
         }
     }
     Err(TaintError::Conflict(node.to_string()))
+}
+
+/// The Node's `spec.taints` as the server sent it (`None` when absent).
+async fn taints_as_sent(
+    nodes: &Api<DynamicObject>,
+    node: &str,
+) -> Result<Option<serde_json::Value>, TaintError> {
+    let n = nodes.get(node).await.map_err(TaintError::Read)?;
+    Ok(n.data
+        .get("spec")
+        .and_then(|s| s.get("taints"))
+        .filter(|t| !t.is_null())
+        .cloned())
 }
 
 /// Adds a taint unless one with the same key and effect is there; `true`

@@ -164,11 +164,20 @@ impl RunningAgent {
     /// shutdown ends within the inhibit window; `interrupt` (a second
     /// signal) stops at once.
     pub async fn stop_after_node_shutdown(self, interrupt: impl std::future::Future<Output = ()>) {
+        tokio::pin!(interrupt);
         let mut running = self.node_shutdown.clone();
         // Before anything is cancelled: a shutdown logind has begun but
-        // the manager has not handled yet starts now, and is waited for.
+        // the manager has not handled yet, or one a restarted agent is
+        // about to resume, starts now and is waited for.
         if !*running.borrow() {
-            self.stop_check.ask().await;
+            tokio::select! {
+                _ = self.stop_check.ask() => {}
+                _ = &mut interrupt => {
+                    tracing::warn!("stopping at once (second signal)");
+                    self.stop().await;
+                    return;
+                }
+            }
         }
         if *running.borrow_and_update() {
             let message = "nodeguard was asked to stop during the node's graceful shutdown; it finishes the shutdown's remaining priority groups first (within the inhibit window), then stops.";
@@ -177,7 +186,7 @@ impl RunningAgent {
                 .event(EventKind::Warning, "StopDeferred", "Stop", message);
             tokio::select! {
                 _ = running.wait_for(|r| !*r) => tracing::info!("the node's shutdown is done; stopping"),
-                _ = interrupt => tracing::warn!("stopping in the middle of the node's shutdown (second signal)"),
+                _ = &mut interrupt => tracing::warn!("stopping in the middle of the node's shutdown (second signal)"),
             }
         }
         self.stop().await;

@@ -115,11 +115,15 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .ok()
             .filter(|a| !a.is_empty());
         let agent = agent::start(config, client).await?;
-        let signal = wait_for_signal().await?;
+        // Listening from here on, so a second signal that comes while the
+        // stop waits (for the shutdown manager's answer, for a shutdown's
+        // groups) is not lost.
+        let mut signals = Signals::new()?;
+        let signal = signals.recv().await;
         tracing::info!(signal, "stopping");
         agent
-            .stop_after_node_shutdown(async {
-                let _ = wait_for_signal().await;
+            .stop_after_node_shutdown(async move {
+                signals.recv().await;
             })
             .await;
         tracing::info!("stopped");
@@ -127,14 +131,27 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-async fn wait_for_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
-    Ok(tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    })
+/// SIGTERM and SIGINT, each delivery seen once.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("cannot handle SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("cannot handle SIGINT")?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }
 
 fn status(

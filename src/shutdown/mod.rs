@@ -252,78 +252,121 @@ pub struct ShutdownHost<L, C> {
     pub stop_questions: StopQuestions,
 }
 
-/// How long a stop waits for the manager's answer to [`StopCheck::ask`]:
-/// logind's answer (at most [`CALL_TIMEOUT`]) and a little more.
-const STOP_ANSWER_TIMEOUT: Duration = Duration::from_secs(6);
+/// The longest a stop waits for the manager to decide whether a shutdown
+/// is under way: a lock taken back from the keeper is held while the
+/// manager asks logind at start-up (5 s at most) and arms (logind's reload
+/// and poll, 2 s); an answer in the armed loop is one call (5 s at most).
+const STOP_DECIDE_MAX: Duration = Duration::from_secs(15);
+
+/// Where the manager stands, for a stop's question.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StopPhase {
+    /// No inhibitor held: nothing to delay, a stop goes on at once.
+    Free,
+    /// An inhibitor held outside the armed loop (taken back from the
+    /// keeper at start, or carried to a restarted logind): the manager is
+    /// deciding, the stop waits for it.
+    Holding,
+    /// In the armed loop, which answers questions.
+    Armed,
+}
 
 /// Asked by a stop before it cancels anything: has the host begun shutting
 /// down, though the manager has not yet handled logind's
 /// `PrepareForShutdown(true)` (the signal in flight, or queued behind
-/// another message)? The stop would otherwise release the inhibitor and
-/// let logind go on at once, no group run. See [`stop_check`].
+/// another message), or is the manager still deciding whether to resume a
+/// shutdown with a lock taken back from the keeper? The stop would
+/// otherwise release the inhibitor (and the keeper's copy) and let logind
+/// go on at once, no group run. See [`stop_check`].
 #[derive(Clone)]
 pub struct StopCheck {
-    armed: watch::Receiver<bool>,
-    asks: mpsc::Sender<tokio::sync::oneshot::Sender<()>>,
+    phase: watch::Receiver<StopPhase>,
+    asks: mpsc::Sender<tokio::sync::oneshot::Sender<bool>>,
 }
 
 /// The manager's side of [`StopCheck`].
 pub struct StopQuestions {
-    armed: watch::Sender<bool>,
-    asks: mpsc::Receiver<tokio::sync::oneshot::Sender<()>>,
+    phase: watch::Sender<StopPhase>,
+    asks: mpsc::Receiver<tokio::sync::oneshot::Sender<bool>>,
 }
 
 /// A connected [`StopCheck`] and [`StopQuestions`].
 pub fn stop_check() -> (StopCheck, StopQuestions) {
-    let (armed_tx, armed) = watch::channel(false);
+    let (phase_tx, phase) = watch::channel(StopPhase::Free);
     let (asks_tx, asks) = mpsc::channel(4);
     (
         StopCheck {
-            armed,
+            phase,
             asks: asks_tx,
         },
         StopQuestions {
-            armed: armed_tx,
+            phase: phase_tx,
             asks,
         },
     )
 }
 
 impl StopCheck {
-    /// Returns once the manager has answered: a shutdown logind has begun
-    /// is then in progress (the agent's `node_shutdown` is true). Returns
-    /// at once when the manager holds no inhibitor (nothing to delay), and
-    /// after [`STOP_ANSWER_TIMEOUT`] when it does not answer.
-    pub async fn ask(&self) {
-        if !*self.armed.borrow() {
-            return;
+    /// Returns once the manager has decided, whether a shutdown is in
+    /// progress: one logind has begun, or one the agent resumes, is then
+    /// running (and the agent's `node_shutdown` is true). `false` at once
+    /// when the manager holds no inhibitor (nothing to delay), and after
+    /// [`STOP_DECIDE_MAX`] when it cannot decide.
+    pub async fn ask(&self) -> bool {
+        let deadline = Instant::now() + STOP_DECIDE_MAX;
+        let mut phase = self.phase.clone();
+        loop {
+            let now = *phase.borrow_and_update();
+            match now {
+                StopPhase::Free => return false,
+                StopPhase::Holding => {
+                    if timeout_at(deadline, phase.changed()).await.is_err() {
+                        break;
+                    }
+                }
+                StopPhase::Armed => {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    if self.asks.try_send(tx).is_err() {
+                        return false;
+                    }
+                    tokio::select! {
+                        answer = rx => if let Ok(running) = answer { return running },
+                        // Left the armed loop before answering: look again.
+                        _ = phase.changed() => {}
+                        _ = sleep_until(deadline) => break,
+                    }
+                }
+            }
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.asks.try_send(tx).is_err() {
-            return;
-        }
-        if timeout(STOP_ANSWER_TIMEOUT, rx).await.is_err() {
-            tracing::warn!(
-                "the shutdown manager did not answer whether the host is shutting down; stopping"
-            );
-        }
+        tracing::warn!(
+            waited = ?STOP_DECIDE_MAX,
+            "the shutdown manager did not decide whether the host is shutting down; stopping"
+        );
+        false
+    }
+}
+
+impl StopQuestions {
+    fn set(&self, phase: StopPhase) {
+        self.phase
+            .send_if_modified(|p| std::mem::replace(p, phase) != phase);
     }
 }
 
 /// Marks the manager armed while it lives; questions left unanswered when
-/// it goes are answered (dropped), so no stop waits for its timeout.
+/// it goes are dropped (their stop looks at the phase again). The phase
+/// after it is set by the manager, which knows whether it keeps a lock.
 struct ArmedMark<'a>(&'a mut StopQuestions);
 
 impl<'a> ArmedMark<'a> {
     fn new(q: &'a mut StopQuestions) -> Self {
-        q.armed.send_replace(true);
+        q.set(StopPhase::Armed);
         ArmedMark(q)
     }
 }
 
 impl Drop for ArmedMark<'_> {
     fn drop(&mut self) {
-        self.0.armed.send_replace(false);
         while self.0.asks.try_recv().is_ok() {}
     }
 }
@@ -432,6 +475,11 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         tracing::info!(keeper = %host.keeper, "took back the delay inhibitor a previous process of the agent left with its keeper");
         InhibitLock::reclaimed(fd, &host.keeper)
     });
+    // Holding it, the manager decides (resume or not) before a stop may
+    // release it.
+    if reclaimed.is_some() {
+        questions.set(StopPhase::Holding);
+    }
     // The loop counts as synced (so /readyz and systemd's READY=1) only once
     // it has decided for the policy in force: armed (the delay inhibitor
     // held), off, or unavailable and reported. A restarted agent that says
@@ -455,6 +503,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     if let Some(taint_added) = going_down {
         // This boot's shutdown is done: a lock still kept goes now.
         reclaimed = None;
+        questions.set(StopPhase::Free);
         // Nothing to arm (logind refuses new delay locks now) and nothing
         // to undo while the machine goes down: the taint goes with it and
         // the next boot reports the shutdown. Should logind's shutdown end
@@ -476,6 +525,13 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
     // asked for in between would go unseen; ask once subscribed.
     let mut carried = false;
     'outer: loop {
+        // A lock carried into this pass (taken back from the keeper, or
+        // from a restarted logind) is held until the armed loop answers.
+        questions.set(if reclaimed.is_some() {
+            StopPhase::Holding
+        } else {
+            StopPhase::Free
+        });
         // A shutdown resumed goes on with the plan it began with, whatever
         // the policy says now (edited, invalid, or without a shutdown
         // section); otherwise, wait for a policy that wants graceful
@@ -496,6 +552,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                 if policy_known {
                     // No shutdown wanted: a reclaimed lock goes too.
                     reclaimed = None;
+                    questions.set(StopPhase::Free);
                     handle.updated();
                     ctx.metrics.inhibit_delay_needed.set(0.0);
                     ctx.reporter.remove(UNAVAILABLE);
@@ -631,6 +688,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
             }
         }
     }
+    questions.set(StopPhase::Free);
     ctx.metrics.inhibitor_held.set(0);
 }
 
@@ -758,6 +816,9 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     }
     loop {
         tokio::select! {
+            // In this order: a stop, then logind's signals and policy
+            // changes already queued, then a stop's question.
+            biased;
             _ = stop.cancelled() => {
                 if let Some((token, task)) = running.take() {
                     token.cancel();
@@ -765,19 +826,6 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     ctx.in_progress.send_replace(false);
                 }
                 return Armed::Stop;
-            }
-            Some(answer) = mark.0.asks.recv() => {
-                // A stop asks before it cancels anything: logind may have
-                // begun a shutdown whose signal is not handled yet. Its
-                // answer comes after any signal it sent before (one
-                // connection), so a shutdown begun is seen here.
-                if running.is_none()
-                    && matches!(timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await, Ok(Ok(true)))
-                {
-                    tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
-                    running = Some(begin_shutdown(ctx, st));
-                }
-                let _ = answer.send(());
             }
             r = config.changed() => {
                 if r.is_err() { return Armed::Stop; }
@@ -860,6 +908,24 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     let record = task.await.ok();
                     return Armed::GoingDown { taint_added: record.is_some_and(|r| r.taint_ours()) };
                 }
+            },
+            Some(answer) = mark.0.asks.recv() => {
+                // A stop asks before it cancels anything: logind may have
+                // begun a shutdown whose signal is not handled yet. Its
+                // answer comes after any signal it sent before (one
+                // connection), so a shutdown begun is seen here; a signal
+                // already queued was handled first (`biased`). A question
+                // its stop gave up on starts nothing.
+                if answer.is_closed() {
+                    continue;
+                }
+                if running.is_none()
+                    && matches!(timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await, Ok(Ok(true)))
+                {
+                    tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
+                    running = Some(begin_shutdown(ctx, st));
+                }
+                let _ = answer.send(running.is_some());
             }
         }
     }

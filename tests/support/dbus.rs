@@ -114,6 +114,9 @@ pub struct LogindState {
     pub held_at_reloads: Vec<usize>,
     /// Units the systemd peer knows, by name.
     pub units: std::collections::BTreeMap<String, UnitState>,
+    /// `PreparingForShutdown` is not answered before this moment (a
+    /// logind slow to answer).
+    pub answer_after: Option<std::time::Instant>,
 }
 
 /// A unit as the systemd peer reports it.
@@ -319,7 +322,11 @@ impl LoginManager {
     }
 
     #[zbus(property, name = "PreparingForShutdown")]
-    fn preparing_for_shutdown(&self) -> bool {
+    async fn preparing_for_shutdown(&self) -> bool {
+        let after = self.0.lock().unwrap().answer_after;
+        if let Some(t) = after {
+            tokio::time::sleep(t.saturating_duration_since(std::time::Instant::now())).await;
+        }
         self.0.lock().unwrap().preparing
     }
 

@@ -1966,6 +1966,20 @@ fn taint_patch_codes(node: &str, since: jiff::Timestamp) -> Vec<i64> {
 async fn taint_edits_are_not_refused_for_status_writes() {
     let admin = admin_client().await;
     let node = TestNode::selectable(&admin, "taint-churn").await;
+    // The node lifecycle controller taints a new Node `not-ready` soon
+    // after it appears; an edit racing that taint is retried, rightly, so
+    // let it land first (up to 5 s; it has within 0.1 s here).
+    let nodes: Api<Node> = Api::all(admin.clone());
+    for _ in 0..50 {
+        let n = nodes.get(&node.name).await.unwrap();
+        if n.spec
+            .and_then(|s| s.taints)
+            .is_some_and(|t| t.iter().any(|t| t.key.starts_with("node.kubernetes.io/")))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let stop = tokio_util::sync::CancellationToken::new();
     let churn = {
         let (admin, name, stop) = (admin.clone(), node.name.clone(), stop.clone());
@@ -2049,7 +2063,7 @@ async fn a_taint_added_between_the_read_and_the_write_is_kept() {
         ["example.com/a", "nodeguard.io/race"],
         "both taints, after {reads} reads"
     );
-    assert_eq!(reads, 2);
+    assert!(reads >= 2, "{reads} reads");
     let reads = edit_racing_an_operator(&admin, &node.name, "example.com/b", |taints| {
         let before = taints.len();
         taints.retain(|t| t.key != "nodeguard.io/race");
@@ -2061,7 +2075,7 @@ async fn a_taint_added_between_the_read_and_the_write_is_kept() {
         ["example.com/a", "example.com/b"],
         "ours removed, the operator's new one kept, after {reads} reads"
     );
-    assert_eq!(reads, 2);
+    assert!(reads >= 2, "{reads} reads");
 }
 
 /// Runs `edit` through nodeguard's taint edit while an operator appends
@@ -2109,6 +2123,9 @@ async fn edit_racing_an_operator(
     reads.load(std::sync::atomic::Ordering::SeqCst)
 }
 
+/// The Node's taint keys, but the node lifecycle controller's own
+/// (`node.kubernetes.io/…`, which it adds to a new Node at a moment of its
+/// choosing).
 async fn node_taint_keys(admin: &Client, node: &str) -> Vec<String> {
     let n: Node = Api::all(admin.clone()).get(node).await.unwrap();
     n.spec
@@ -2116,5 +2133,52 @@ async fn node_taint_keys(admin: &Client, node: &str) -> Vec<String> {
         .unwrap_or_default()
         .into_iter()
         .map(|t| t.key)
+        .filter(|k| !k.starts_with("node.kubernetes.io/"))
         .collect()
+}
+
+/// Review of issue 37's stop fix: while the stop waits for the manager's
+/// answer (here logind answers only after 3 s), a second SIGTERM stops at
+/// once, as it does during a shutdown's groups. Before, the second
+/// signal's listener was made only after the answer, so that signal was
+/// lost and the agent went on to wait for the whole shutdown.
+#[tokio::test]
+async fn a_second_signal_during_the_stops_question_stops_at_once() {
+    let s = setup(
+        "stop-twice",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let state = TempDir::new("state");
+    let mut agent = AgentProcess::start(&s, &state.path, None);
+    agent.ready().await;
+    {
+        let mut l = s.peer.state.lock().unwrap();
+        l.preparing = true;
+        l.answer_after = Some(std::time::Instant::now() + Duration::from_secs(3));
+    }
+    agent.terminate();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    agent.terminate();
+    let status = agent.exited(Duration::from_secs(15)).await;
+    let took = t.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "stopped {took:?} after the second signal"
+    );
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
 }

@@ -919,9 +919,13 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                 if answer.is_closed() {
                     continue;
                 }
-                if running.is_none()
-                    && matches!(timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await, Ok(Ok(true)))
-                {
+                // A second signal while logind is asked stops at once.
+                let preparing = running.is_none() && tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => false,
+                    r = timeout(CALL_TIMEOUT, port.preparing_for_shutdown()) => matches!(r, Ok(Ok(true))),
+                };
+                if preparing {
                     tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
                     running = Some(begin_shutdown(ctx, st));
                 }

@@ -302,7 +302,13 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     );
     let (pod_tx, pod_rx) = watch::channel(None);
     let (node_shutdown_tx, node_shutdown) = watch::channel(false);
-    let (stop_check, stop_questions) = crate::shutdown::stop_check();
+    let (stop_check, stop_questions) = crate::shutdown::stop_check(
+        config
+            .reclaimed_inhibitor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some(),
+    );
     sup.spawn(
         "pod-watch",
         publish_objects(

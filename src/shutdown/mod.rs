@@ -290,9 +290,15 @@ pub struct StopQuestions {
     asks: mpsc::Receiver<tokio::sync::oneshot::Sender<bool>>,
 }
 
-/// A connected [`StopCheck`] and [`StopQuestions`].
-pub fn stop_check() -> (StopCheck, StopQuestions) {
-    let (phase_tx, phase) = watch::channel(StopPhase::Free);
+/// A connected [`StopCheck`] and [`StopQuestions`]; `holding`: the agent
+/// starts with a lock taken back from the keeper, so a stop waits for the
+/// manager from the first instant.
+pub fn stop_check(holding: bool) -> (StopCheck, StopQuestions) {
+    let (phase_tx, phase) = watch::channel(if holding {
+        StopPhase::Holding
+    } else {
+        StopPhase::Free
+    });
     let (asks_tx, asks) = mpsc::channel(4);
     (
         StopCheck {
@@ -308,9 +314,11 @@ pub fn stop_check() -> (StopCheck, StopQuestions) {
 
 impl StopCheck {
     /// Returns once the manager has decided, whether a shutdown is in
-    /// progress: one logind has begun, or one the agent resumes, is then
-    /// running (and the agent's `node_shutdown` is true). `false` at once
-    /// when the manager holds no inhibitor (nothing to delay), and after
+    /// progress: one logind has begun, or one the agent resumes with a lock
+    /// taken back from the keeper, is then running (and the agent's
+    /// `node_shutdown` is true). `false` at once when the manager holds no
+    /// inhibitor (nothing to delay; a shutdown resumed without a lock is not
+    /// waited for, logind is not waiting for it either), and after
     /// [`STOP_DECIDE_MAX`] when it cannot decide.
     pub async fn ask(&self) -> bool {
         let deadline = Instant::now() + STOP_DECIDE_MAX;
@@ -319,11 +327,12 @@ impl StopCheck {
             let now = *phase.borrow_and_update();
             match now {
                 StopPhase::Free => return false,
-                StopPhase::Holding => {
-                    if timeout_at(deadline, phase.changed()).await.is_err() {
-                        break;
-                    }
-                }
+                StopPhase::Holding => match timeout_at(deadline, phase.changed()).await {
+                    Ok(Ok(())) => {}
+                    // The manager is gone, and its lock with it.
+                    Ok(Err(_)) => return false,
+                    Err(_) => break,
+                },
                 StopPhase::Armed => {
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     if self.asks.try_send(tx).is_err() {
@@ -332,7 +341,7 @@ impl StopCheck {
                     tokio::select! {
                         answer = rx => if let Ok(running) = answer { return running },
                         // Left the armed loop before answering: look again.
-                        _ = phase.changed() => {}
+                        r = phase.changed() => if r.is_err() { return false },
                         _ = sleep_until(deadline) => break,
                     }
                 }
@@ -671,6 +680,8 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
             }
             Armed::GoingDown { taint_added } => {
                 ctx.metrics.inhibitor_held.set(0);
+                // No lock, and no loop to answer: a stop goes on at once.
+                questions.set(StopPhase::Free);
                 handle.updated();
                 match watch_going_down(
                     &ctx,
@@ -888,7 +899,29 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     // pending shutdown): the host stays up, so undo it. On
                     // the way down, logind is stopped for good and does not
                     // answer; the groups then finish.
-                    match logind_after_restart(logind).await {
+                    // Meanwhile (up to LOGIND_BACK_WAIT) a stop is answered
+                    // and a stop goes on: the host stopping the agent on
+                    // its way down must not wait for logind.
+                    let back = {
+                        let wait = logind_after_restart(logind);
+                        tokio::pin!(wait);
+                        loop {
+                            tokio::select! {
+                                biased;
+                                _ = stop.cancelled() => {
+                                    token.cancel();
+                                    let _ = task.await;
+                                    ctx.in_progress.send_replace(false);
+                                    return Armed::Stop;
+                                }
+                                r = &mut wait => break r,
+                                Some(answer) = mark.0.asks.recv() => {
+                                    let _ = answer.send(*ctx.in_progress.borrow());
+                                }
+                            }
+                        }
+                    };
+                    match back {
                         Some((new_port, false)) => {
                             tracing::warn!("systemd-logind restarted during the shutdown and no longer shuts the host down; cancelling the shutdown");
                             token.cancel();
@@ -929,7 +962,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
                     running = Some(begin_shutdown(ctx, st));
                 }
-                let _ = answer.send(running.is_some());
+                let _ = answer.send(*ctx.in_progress.borrow());
             }
         }
     }

@@ -362,7 +362,7 @@ fn rig_in(
     let stop = CancellationToken::new();
     let health = Health::new();
     let (in_progress_tx, in_progress) = watch::channel(false);
-    let (stop_check, stop_questions) = crate::shutdown::stop_check();
+    let (stop_check, stop_questions) = crate::shutdown::stop_check(false);
     let task = tokio::spawn(run_shutdown_manager(
         ShutdownHost {
             logind: logind.clone(),

@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! watch Node ──┐
-//! watch Policy ┼─► node-state loop ─► eligibility (/healthz), policy condition, Events
-//! watch Pods   │                    └► observation ─► condition writer ─► nodes/status (SSA)
-//!              └─► (probes, shutdown: later issues)   Reporter events ─► event publisher ─► events.k8s.io
+//! watch Policy ┼─► node-state loop ─► eligibility (/healthz), policy::policy_report ─► condition, Events
+//! watch Pods ──┤                    ├► probes, monitors, shutdown, watchdog: their specs (trusted, limited)
+//!              │                    └► observation ─► condition writer ─► nodes/status (SSA)
+//!              └─► pod snapshot ─► probe manager, shutdown manager
+//! Reporter events ─► event publisher ─► events.k8s.io
 //! ```
 
 use std::net::SocketAddr;
@@ -21,20 +23,22 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
-use crate::k8s::status::{KubeEvents, KubeStatus, observe};
-use crate::k8s::taints::KubeTaints;
 use crate::k8s::watch::{Snapshot, keep_whole, publish_objects, trim_pod};
+use crate::monitor::kube::KubeTaints;
 use crate::monitor::{MonitorContext, MonitorMetrics, run_monitors};
 use crate::policy::monitors::MonitorSpec;
 use crate::policy::probes::ProbeSpec;
 use crate::policy::{
-    NodeGuardPolicy, NodeTrust, Selection, WatchdogMode, WatchdogSpec, select_with_last_good,
+    NodeGuardPolicy, NodeTrust, Selection, WatchdogMode, WatchdogSpec, policy_report,
+    select_with_last_good,
 };
 use crate::probe::{KubePodConditions, ProbeHandle, ProbeMetrics, run_probe_manager};
+use crate::report::kube::{KubeEvents, KubeStatus, observe};
 use crate::report::{
-    Desired, EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer,
+    EventKind, Observation, ReportConfig, Reporter, Status, run_condition_writer,
     run_event_publisher,
 };
+use crate::server::supervisor::Supervisor;
 use crate::server::{Health, LoopHandle, Server, ServerError, metrics};
 use crate::shutdown::cluster::KubeCluster;
 use crate::shutdown::keep::Keeper;
@@ -49,11 +53,7 @@ use crate::watchdog::{
 /// How long a loop may hold unapplied changes before `/livez` fails.
 pub const LOOP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The condition nodeguard sets about its own policies on each node.
-pub const POLICY_CONDITION: &str = "NodeGuardPolicyInvalid";
-/// [`POLICY_CONDITION`]'s reason while a policy selecting the node is
-/// invalid (beside it: `PolicyRefused`, `PolicyOverLimit`).
-pub const POLICY_INVALID: &str = "PolicyInvalid";
+pub use crate::policy::{POLICY_CONDITION, POLICY_INVALID};
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -468,7 +468,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     );
     sup.spawn(
         "policy-status",
-        crate::k8s::policy_status::run_policy_status(
+        crate::policy::kube::run_policy_status(
             client.clone(),
             config.lease_namespace.clone(),
             config.node_name.clone(),
@@ -502,67 +502,9 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         stop_check,
         policies: policy_rx,
         shutdown,
-        tasks: sup.tasks,
+        tasks: sup.into_tasks(),
         _senders: keep,
     })
-}
-
-/// Runs the agent's long-running loops and notices when one of them stops.
-///
-/// Every loop is meant to run until the agent stops. One that returns or
-/// panics while the agent runs is a loop that no longer does its job (a
-/// closed kernel-log channel, a watch that gave up): the supervisor marks it
-/// failed in the health registry, so `/livez` fails naming it and the
-/// watchdog stops being petted, and logs it as an error.
-pub struct Supervisor {
-    health: Health,
-    stop: CancellationToken,
-    tasks: JoinSet<()>,
-}
-
-impl Supervisor {
-    pub fn new(health: Health, stop: CancellationToken) -> Self {
-        Supervisor {
-            health,
-            stop,
-            tasks: JoinSet::new(),
-        }
-    }
-
-    /// Spawns `fut` as the loop `name`.
-    pub fn spawn<F>(&mut self, name: &'static str, fut: F)
-    where
-        F: std::future::Future<Output = ()> + Send + 'static,
-    {
-        let (health, stop) = (self.health.clone(), self.stop.clone());
-        let inner = tokio::spawn(fut);
-        self.tasks.spawn(async move {
-            let outcome = inner.await;
-            if stop.is_cancelled() {
-                return;
-            }
-            let reason = match outcome {
-                Ok(()) => "ended unexpectedly".to_string(),
-                Err(e) if e.is_panic() => format!("panicked: {}", panic_text(e.into_panic())),
-                Err(e) => format!("was cancelled: {e}"),
-            };
-            tracing::error!(loop_name = name, %reason, "a nodeguard loop stopped while the agent runs; /livez fails and the watchdog is no longer petted until the agent restarts");
-            health.fail(name, reason);
-        });
-    }
-
-    /// Waits for every loop (after the stop token was cancelled).
-    pub async fn join(mut self) {
-        while self.tasks.join_next().await.is_some() {}
-    }
-}
-
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
 }
 
 struct NodeStateLoop {
@@ -667,7 +609,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
     }
 }
 
-pub use crate::k8s::status::EFFECTIVE_ANNOTATION;
+pub use crate::report::kube::EFFECTIVE_ANNOTATION;
 
 /// `name@generation` of each applied policy, comma-separated, sorted.
 pub fn effective_value(selection: &Selection) -> String {
@@ -718,217 +660,33 @@ fn update_eligibility(s: &NodeStateLoop, facts: &NodeFacts, extra_taints: &[Stri
     }
 }
 
-/// What the node's limits leave out, naming the limits reached and a few
-/// policies.
-fn over_limit_message(over: &[crate::policy::OverLimit], reached: &[String]) -> String {
-    let count =
-        |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
-    let probes: usize = over.iter().map(|o| o.probes.len()).sum();
-    let monitors: usize = over.iter().map(|o| o.monitors.len()).sum();
-    let what = match (probes, monitors) {
-        (p, 0) => count(p, "probe", "probes"),
-        (0, m) => count(m, "monitor", "monitors"),
-        (p, m) => format!(
-            "{} and {}",
-            count(p, "probe", "probes"),
-            count(m, "monitor", "monitors")
-        ),
-    };
-    let mut names: Vec<&str> = over.iter().map(|o| o.policy.as_str()).take(3).collect();
-    if over.len() > 3 {
-        names.push("…");
-    }
-    let verb = if probes + monitors == 1 { "is" } else { "are" };
-    format!(
-        "Policies ask for more than this node runs: the limit of {} from all policies together is reached, so {what} of {} ({}) {verb} not in force here; the policies created first keep theirs. Select fewer for this node.",
-        reached.join(" and "),
-        count(over.len(), "policy", "policies"),
-        names.join(", ")
-    )
-}
-
+/// Logs what the selection says, then sends the policy condition and the
+/// Events [`policy_report`] decides.
 fn report_selection(reporter: &Reporter, node: &str, selection: &Selection) {
     for (section, used, ignored) in &selection.conflicts {
-        let message = format!(
-            "Policies {} set {section} differently from {used}; nodeguard uses {used}'s. Keep one policy per section for this node.",
-            ignored.join(", ")
-        );
         tracing::warn!(%node, %section, %used, ?ignored, "conflicting policies");
-        reporter.event(EventKind::Warning, "PolicyConflict", "LoadPolicy", message);
     }
-    // Sentences of the condition's message, worst first.
-    let mut problems_here: Vec<String> = Vec::new();
-    let mut reason = None;
     if let Some((name, problems)) = selection.invalid.first() {
-        let first = problems
-            .first()
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        let more = match problems.len() {
-            0 | 1 => String::new(),
-            n => format!(
-                " (and {} more problem{})",
-                n - 1,
-                if n == 2 { "" } else { "s" }
-            ),
-        };
-        let others = match selection.invalid.len() {
-            1 => String::new(),
-            n => format!(" {} other invalid policies are ignored too.", n - 1),
-        };
-        let fate = match selection.kept.get(name) {
-            Some(generation) => {
-                format!("its last valid generation ({generation}) stays in force on this node")
-            }
-            None => "it is ignored on this node".to_string(),
-        };
-        let message = format!(
-            "NodeGuardPolicy {name} is invalid and {fate}: {first}{more}. Fix it and check with `nodeguard check -f`.{others}"
-        );
         tracing::warn!(%node, policy = %name, problems = ?problems.iter().map(ToString::to_string).collect::<Vec<_>>(), "invalid policy ignored");
-        reporter.event(
-            EventKind::Warning,
-            "PolicyInvalid",
-            "LoadPolicy",
-            message.clone(),
-        );
-        problems_here.push(message);
-        reason = Some(POLICY_INVALID);
     }
     for r in &selection.refused {
         tracing::warn!(%node, policy = %r.policy, field = %r.field, setting = r.setting.flag(), "policy item refused by the node-local trust");
-        reporter.event(
-            EventKind::Warning,
-            "PolicyRefused",
-            "LoadPolicy",
-            format!("{r}. The rest of the policy applies."),
-        );
-    }
-    if let Some(first) = selection.refused.first() {
-        let more = match selection.refused.len() {
-            1 => String::new(),
-            n => format!(
-                " {} more item{} refused (PolicyRefused Events).",
-                n - 1,
-                if n == 2 { " is" } else { "s are" }
-            ),
-        };
-        problems_here.push(format!("{first}; the rest of the policy applies.{more}"));
-        reason.get_or_insert("PolicyRefused");
     }
     if !selection.over_limit.is_empty() {
-        let message = over_limit_message(&selection.over_limit, &selection.limits_reached);
         let (probes, monitors) = selection.over_limit.iter().fold((0, 0), |(p, m), o| {
             (p + o.probes.len(), m + o.monitors.len())
         });
         tracing::warn!(%node, probes, monitors, policies = selection.over_limit.len(), "policies ask for more than the node's limits; the rest is not in force");
-        reporter.event(
-            EventKind::Warning,
-            "PolicyOverLimit",
-            "LoadPolicy",
-            message.clone(),
-        );
-        problems_here.push(message);
-        reason.get_or_insert("PolicyOverLimit");
     }
     for u in &selection.ungated {
         tracing::warn!(%node, policy = %u.policy, probe = %u.probe, gate = %u.gate, why = %u.why, "gated probe left out: its gate is not in force");
-        reporter.event(
-            EventKind::Warning,
-            "PolicyGateNotInForce",
-            "LoadPolicy",
-            format!("{u}. Fix the Startup probe or remove gatedBy."),
-        );
     }
-    if let Some(first) = selection.ungated.first() {
-        let more = match selection.ungated.len() {
-            1 => String::new(),
-            n => format!(
-                " {} more gated probe{} left out (PolicyGateNotInForce Events).",
-                n - 1,
-                if n == 2 { " is" } else { "s are" }
-            ),
-        };
-        problems_here.push(format!("{first}.{more}"));
-        reason.get_or_insert("PolicyGateNotInForce");
-    }
-    if let Some(reason) = reason {
-        reporter.set(
-            POLICY_CONDITION,
-            Desired {
-                status: Status::True,
-                reason: reason.into(),
-                message: problems_here.join(" "),
-            },
-        );
-    } else {
-        let message = match selection.applied.as_slice() {
-            [] => "No NodeGuardPolicy selects this node; nodeguard runs with defaults.".to_string(),
-            names => format!(
-                "{} NodeGuardPolic{} in force on this node: {}.",
-                names.len(),
-                if names.len() == 1 { "y is" } else { "ies are" },
-                names.join(", ")
-            ),
-        };
+    let report = policy_report(selection);
+    if report.condition.status == Status::False {
         tracing::info!(%node, applied = ?selection.applied, "policies selected");
-        reporter.set(
-            POLICY_CONDITION,
-            Desired {
-                status: Status::False,
-                reason: "PoliciesValid".into(),
-                message,
-            },
-        );
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_loop_that_ends_or_panics_fails_livez_by_name_and_a_stop_does_not() {
-        let health = Health::new();
-        let stop = CancellationToken::new();
-        let mut sup = Supervisor::new(health.clone(), stop.clone());
-        let forever = stop.clone();
-        sup.spawn("steady", async move { forever.cancelled().await });
-        sup.spawn("returns", async {});
-        sup.spawn("panics", async { panic!("kmsg channel closed") });
-        for _ in 0..200 {
-            if health.report().stuck_loops().len() == 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let report = health.report();
-        assert!(!report.live);
-        assert_eq!(report.stuck_loops(), ["panics", "returns"]);
-        assert_eq!(
-            report.loops["panics"].failed.as_deref(),
-            Some("panicked: kmsg channel closed")
-        );
-        assert_eq!(
-            report.loops["returns"].failed.as_deref(),
-            Some("ended unexpectedly")
-        );
-        // The watchdog gate refuses to pet, naming both loops.
-        let skip = crate::watchdog::core::gate(&report, None).unwrap_err();
-        assert!(
-            skip.describe().contains("panics, returns"),
-            "{}",
-            skip.describe()
-        );
-
-        // Loops ending because the agent stops are not failures.
-        let health = Health::new();
-        let stop = CancellationToken::new();
-        let mut sup = Supervisor::new(health.clone(), stop.clone());
-        let token = stop.clone();
-        sup.spawn("steady", async move { token.cancelled().await });
-        stop.cancel();
-        sup.join().await;
-        assert!(health.report().live);
+    for (reason, message) in report.events {
+        reporter.event(EventKind::Warning, reason, "LoadPolicy", message);
     }
+    reporter.set(POLICY_CONDITION, report.condition);
 }

@@ -5,13 +5,13 @@ pub mod cli;
 pub mod clock;
 pub mod k8s;
 pub mod monitor;
+pub mod node_view;
 pub mod policy;
 pub mod probe;
 pub mod report;
 pub mod server;
 pub mod shutdown;
 pub mod state_dir;
-pub mod status;
 pub mod watchdog;
 
 /// `version (commit, rustc)` as printed by `nodeguard version`.

@@ -166,9 +166,9 @@ fn status(
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
         let client = nodeguard::k8s::client(kubeconfig).await?;
-        let view = nodeguard::k8s::view::fetch(&client, node, events).await?;
+        let view = nodeguard::node_view::kube::fetch(&client, node, events).await?;
         match output {
-            Output::Table => print!("{}", nodeguard::status::render(&view)),
+            Output::Table => print!("{}", nodeguard::node_view::render(&view)),
             Output::Json => println!("{}", serde_json::to_string_pretty(&view)?),
         }
         Ok(ExitCode::SUCCESS)

@@ -492,8 +492,8 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
         last_transition: Some(k8s_openapi::jiff::Timestamp::now()),
         last_heartbeat: Some(k8s_openapi::jiff::Timestamp::now()),
     };
-    let status_a = nodeguard::k8s::status::KubeStatus::new(agent_client.clone(), &node_a.name);
-    let status_b = nodeguard::k8s::status::KubeStatus::new(agent_client.clone(), &node_b.name);
+    let status_a = nodeguard::report::kube::KubeStatus::new(agent_client.clone(), &node_a.name);
+    let status_b = nodeguard::report::kube::KubeStatus::new(agent_client.clone(), &node_b.name);
     let mut last = String::new();
     for _ in 0..50 {
         match status_a.apply(&[cond("LeastPrivilege")], None).await {

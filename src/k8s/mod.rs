@@ -4,10 +4,7 @@
 
 pub mod deadline;
 pub mod node;
-pub mod policy_status;
-pub mod status;
 pub mod taints;
-pub mod view;
 pub mod watch;
 
 use std::path::Path;

@@ -10,8 +10,6 @@ use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
 use kube::{Api, Client};
 
-use crate::monitor::{MonitorError, TaintPort};
-
 #[derive(Debug, thiserror::Error)]
 pub enum TaintError {
     /// Reading the Node failed: nothing was written.
@@ -169,36 +167,4 @@ async fn remove_where(
         taints.len() != before
     })
     .await
-}
-
-/// The monitor's taint port ([`TaintPort`], defined by the monitor that
-/// uses it) on the API.
-#[derive(Clone)]
-pub struct KubeTaints {
-    client: Client,
-    node: String,
-}
-
-impl KubeTaints {
-    pub fn new(client: Client, node: &str) -> Self {
-        KubeTaints {
-            client,
-            node: node.to_string(),
-        }
-    }
-}
-
-impl From<TaintError> for MonitorError {
-    fn from(e: TaintError) -> Self {
-        MonitorError::Taint(Box::new(e))
-    }
-}
-
-impl TaintPort for KubeTaints {
-    async fn add(&self, key: &str, value: &str, effect: &str) -> Result<bool, MonitorError> {
-        Ok(add(&self.client, &self.node, key, value, effect).await?)
-    }
-    async fn remove(&self, key: &str, effect: &str) -> Result<(), MonitorError> {
-        Ok(remove(&self.client, &self.node, key, effect).await?)
-    }
 }

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::k8s::deadline::API_DEADLINE;
 use crate::server::LoopHandle;
+use crate::server::backoff::Backoff;
 
 /// Objects by `namespace/name` (by `name` when cluster-scoped).
 pub type Snapshot<K> = BTreeMap<String, Arc<K>>;
@@ -295,7 +296,7 @@ struct Failing {
 /// small (one Node, this node's Pods, the policies).
 #[derive(Debug)]
 pub struct WatchBackoff {
-    next: Duration,
+    delay: Backoff,
     seed: u64,
 }
 
@@ -311,7 +312,7 @@ impl Default for WatchBackoff {
             .unwrap_or(1)
             | 1;
         WatchBackoff {
-            next: BACKOFF_MIN,
+            delay: Backoff::new(BACKOFF_MIN, BACKOFF_MAX_CONFIGURATION),
             seed,
         }
     }
@@ -330,14 +331,13 @@ impl WatchBackoff {
         } else {
             BACKOFF_MAX
         };
-        let full = self.next.min(cap);
-        self.next = (full * 2).min(cap);
+        let full = self.delay.next_within(cap);
         let fraction = 0.5 + (self.seed % 1000) as f64 / 2000.0;
         full.mul_f64(fraction)
     }
 
     pub fn reset(&mut self) {
-        self.next = BACKOFF_MIN;
+        self.delay.reset();
     }
 }
 

@@ -11,6 +11,7 @@
 
 pub mod engine;
 pub mod kmsg;
+pub mod kube;
 pub mod replay;
 pub mod sources;
 
@@ -35,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::WallClock;
 use crate::policy::monitors::MonitorSpec;
 use crate::report::{Desired, EventKind, Reporter, Status};
+use crate::server::backoff::Backoff;
 use crate::server::{Health, LoopHandle};
 use crate::state_dir::StateWrites;
 use engine::{Action, ConditionState, Engine, OwnedTaint, PluginStatus, TaintOutcome};
@@ -381,11 +383,11 @@ pub async fn run_monitors<T: TaintPort>(
             let invalid = ctx
                 .reporter
                 .desired()
-                .get(crate::agent::POLICY_CONDITION)
+                .get(crate::policy::POLICY_CONDITION)
                 .and_then(|d| d.as_ref())
                 .is_some_and(|d| {
                     d.status == crate::report::Status::True
-                        && d.reason == crate::agent::POLICY_INVALID
+                        && d.reason == crate::policy::POLICY_INVALID
                 });
             if invalid {
                 tracing::info!(
@@ -475,20 +477,7 @@ async fn supervise(
     if token.is_cancelled() {
         return;
     }
-    let reason = match outcome {
-        Ok(Err(why)) => why,
-        Ok(Ok(())) => "ended unexpectedly".to_string(),
-        Err(e) if e.is_panic() => {
-            let p = e.into_panic();
-            let text = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-text panic".into());
-            format!("panicked: {text}")
-        }
-        Err(e) => format!("was cancelled: {e}"),
-    };
+    let reason = crate::server::supervisor::stop_reason(outcome);
     tracing::error!(monitor = %name, %reason, "monitor stopped while the agent runs; /livez fails naming it until the agent restarts or the monitor is edited");
     health.fail(&loop_name(&name), reason);
 }
@@ -1315,7 +1304,9 @@ async fn apply<T: TaintPort>(
                 effect,
                 add,
             } => {
-                let mut backoff = Duration::from_millis(200);
+                // 0.2 s doubling: the fifth wait is 3.2 s.
+                let mut backoff =
+                    Backoff::new(Duration::from_millis(200), Duration::from_millis(3200));
                 let mut outcome = TaintOutcome::Failed;
                 let mut maybe_applied = false;
                 for attempt in 1..=5 {
@@ -1349,9 +1340,8 @@ async fn apply<T: TaintPort>(
                             tracing::warn!(taint = %key, add, attempt, error = %e, "taint update failed");
                             // Waiting on the API is not being stuck.
                             handle.updated();
-                            tokio::time::sleep(backoff).await;
+                            tokio::time::sleep(backoff.next_delay()).await;
                             handle.queued();
-                            backoff *= 2;
                         }
                     }
                 }

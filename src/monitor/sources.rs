@@ -1101,7 +1101,7 @@ fn spawn_journalctl(
                 JournalStart::BootStart => (None, true),
                 JournalStart::After(c) => (Some(c), false),
             };
-            let mut backoff = restart_min;
+            let mut backoff = crate::server::backoff::Backoff::new(restart_min, JOURNAL_RESTART_MAX);
             let mut last_err: Option<String> = None;
             // The kernel's boot id, as journald writes it in `_BOOT_ID` (in
             // a container too: the kernel is the host's).
@@ -1257,7 +1257,7 @@ fn spawn_journalctl(
                     break;
                 }
                 if delivered {
-                    backoff = restart_min;
+                    backoff.reset();
                 }
                 // A run that ends at once having read nothing found no entry
                 // of this boot (journalctl exits so on a journal that has
@@ -1272,13 +1272,14 @@ fn spawn_journalctl(
                 }
                 // Said once per distinct error, not once per restart.
                 let err = err.trim().to_string();
+                let delay = backoff.peek();
                 if last_err.as_deref() != Some(err.as_str()) {
-                    tracing::warn!(stderr = %err, retry_in = ?backoff, "journalctl exited; restarting it (backing off up to 60 s while it keeps failing)");
+                    tracing::warn!(stderr = %err, retry_in = ?delay, "journalctl exited; restarting it (backing off up to 60 s while it keeps failing)");
                 } else {
-                    tracing::debug!(stderr = %err, retry_in = ?backoff, "journalctl exited again");
+                    tracing::debug!(stderr = %err, retry_in = ?delay, "journalctl exited again");
                 }
                 last_err = Some(err);
-                let until = std::time::Instant::now() + backoff;
+                let until = std::time::Instant::now() + delay;
                 while !stop.stopped() && std::time::Instant::now() < until {
                     std::thread::sleep(
                         until
@@ -1294,7 +1295,8 @@ fn spawn_journalctl(
                 } else {
                     JOURNAL_RESTART_MAX
                 };
-                backoff = (backoff * 2).min(most);
+                // The next wait: twice this one, up to `most`.
+                backoff.next_within(most);
             }
         })?;
     Ok(())

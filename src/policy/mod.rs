@@ -6,19 +6,22 @@
 //! prints the CRD generated from them and `crds/` holds that output.
 //! Capability issues add their own sections to [`NodeGuardPolicySpec`].
 
+pub mod condition;
 pub mod defaults;
 pub mod goregex;
+pub mod kube;
 mod load;
 pub mod monitors;
 pub mod npd;
 pub mod probes;
+mod problem;
 mod select;
 pub mod selector;
 pub mod trust;
 mod validate;
 
+use ::kube::CustomResource;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
-use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -26,13 +29,22 @@ use serde::{Deserialize, Serialize};
 /// NoSchedule); reserved: a monitor condition may not taint with this key.
 pub const SHUTDOWN_TAINT_KEY: &str = "nodeguard.io/shutdown";
 
+pub use condition::{PolicyReport, policy_report};
 pub use load::{PolicyDocument, load_policies};
+
+/// The condition nodeguard sets about its own policies on each node.
+pub const POLICY_CONDITION: &str = "NodeGuardPolicyInvalid";
+/// [`POLICY_CONDITION`]'s reason while a policy selecting the node is
+/// invalid (beside it: `PolicyRefused`, `PolicyOverLimit`).
+pub const POLICY_INVALID: &str = "PolicyInvalid";
+pub use problem::Problem;
 pub use select::{
-    MAX_CONDITIONS, MAX_MONITORS, MAX_PROBES, OverLimit, Selection, select, select_with_last_good,
+    MAX_CONDITIONS, MAX_MONITORS, MAX_PROBES, OverLimit, Selection, Ungated, select,
+    select_with_last_good,
 };
 pub use selector::Selector;
 pub use trust::{NodeTrust, Refusal};
-pub use validate::{Problem, validate};
+pub use validate::validate;
 pub use validate::{validate_shutdown, validate_watchdog};
 
 /// API group of every nodeguard resource.
@@ -350,7 +362,7 @@ pub struct NodeGuardPolicyStatus {
 impl NodeGuardPolicy {
     /// The CRD as YAML, exactly as committed under `crds/`.
     pub fn crd_yaml() -> String {
-        use kube::CustomResourceExt;
+        use ::kube::CustomResourceExt;
         let crd = Self::crd();
         serde_saphyr::to_string(&crd).expect("a CRD always serializes to YAML")
     }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use super::validate::Problem;
+use super::problem::Problem;
 
 /// One requirement of a selector.
 #[derive(Clone, Debug, PartialEq, Eq)]

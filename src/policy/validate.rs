@@ -1,33 +1,9 @@
 //! Semantic validation of a policy: what the CRD schema cannot express.
 //! `nodeguard check` and the agent call the same [`validate`].
 
-use std::fmt;
-
 use super::NodeGuardPolicy;
+use super::problem::Problem;
 use super::selector::{Selector, check_label_key, is_dns_subdomain};
-
-/// One thing wrong with a policy, located by its field path
-/// (`spec.nodeSelector.matchExpressions[0].operator`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Problem {
-    pub path: String,
-    pub message: String,
-}
-
-impl Problem {
-    pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
-        Problem {
-            path: path.into(),
-            message: message.into(),
-        }
-    }
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
 
 /// Every problem of `policy`; empty when the policy can be put in force.
 pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {

@@ -334,11 +334,7 @@ async fn supervised<P>(
     let Err(panic) = std::panic::AssertUnwindSafe(worker).catch_unwind().await else {
         return;
     };
-    let what = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
+    let what = crate::server::supervisor::panic_text(panic);
     tracing::error!(probe = %key.0, target = %key.1, panic = %what, delay = ?PANIC_RESTART_DELAY, "probe worker panicked; restarting it after the delay");
     shared.metrics.panicked(&key.0);
     // What the worker would have cleaned up on its way out.

@@ -10,6 +10,7 @@
 
 pub mod conditions;
 pub mod events;
+pub mod kube;
 
 /// `s` cut to at most `max` bytes at a character boundary, with `…` when
 /// cut: what a condition message, an Event note or a probe's output keeps.
@@ -47,12 +48,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::WallClock;
 use crate::server::LoopHandle;
+use crate::server::backoff::Backoff;
 pub use conditions::{Desired, DesiredSet, NodeState, Observed, Status, Written};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
     #[error("API request failed: {0}")]
-    Api(#[from] kube::Error),
+    Api(#[from] ::kube::Error),
     #[error("the Node {0} is not known yet")]
     NodeUnknown(String),
 }
@@ -608,7 +610,7 @@ pub async fn run_condition_writer<P: StatusPort>(
                 health.queued();
             }
         }
-        let mut backoff = config.backoff_initial;
+        let mut backoff = Backoff::new(config.backoff_initial, config.backoff_max);
         loop {
             let Some(obs) = newest(observed.borrow_and_update().clone(), applied.clone()) else {
                 tracing::debug!("the Node is not known yet; conditions are written once it is");
@@ -651,10 +653,11 @@ pub async fn run_condition_writer<P: StatusPort>(
                 }
                 Err(err) => {
                     shared.metrics.write_error("nodes/status");
+                    let delay = backoff.next_delay();
                     if failing {
-                        tracing::debug!(error = %err, retry_in = ?backoff, "node conditions still not written");
+                        tracing::debug!(error = %err, retry_in = ?delay, "node conditions still not written");
                     } else {
-                        tracing::warn!(error = %err, retry_in = ?backoff, "cannot write node conditions; retrying (nothing is lost)");
+                        tracing::warn!(error = %err, retry_in = ?delay, "cannot write node conditions; retrying (nothing is lost)");
                     }
                     failing = true;
                     // Waiting on the API is not being stuck.
@@ -664,10 +667,9 @@ pub async fn run_condition_writer<P: StatusPort>(
                             final_write(&reporter, &port, &observed, &applied, config.heartbeat).await;
                             return;
                         }
-                        _ = sleep(backoff) => {}
+                        _ = sleep(delay) => {}
                     }
                     health.queued();
-                    backoff = (backoff * 2).min(config.backoff_max);
                 }
             }
         }
@@ -704,7 +706,7 @@ pub async fn run_event_publisher<P: EventPort>(
             health.updated();
             continue;
         }
-        let mut backoff = config.backoff_initial;
+        let mut backoff = Backoff::new(config.backoff_initial, config.backoff_max);
         let mut published = false;
         for attempt in 1..=4 {
             match port.publish(&ev).await {
@@ -721,9 +723,8 @@ pub async fn run_event_publisher<P: EventPort>(
                             drain_events(Some(ev), &mut queue, &port, metrics).await;
                             return;
                         }
-                        _ = sleep(backoff) => {}
+                        _ = sleep(backoff.next_delay()) => {}
                     }
-                    backoff = (backoff * 2).min(config.backoff_max);
                 }
             }
         }

@@ -2,8 +2,10 @@
 //!
 //! The decision core is [`health`]; this module is the thin axum adapter.
 
+pub mod backoff;
 pub mod health;
 pub mod metrics;
+pub mod supervisor;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -44,6 +44,7 @@ use crate::k8s::watch::Snapshot;
 use crate::policy::{Escalation, ShutdownSpec};
 use crate::report::{Desired, EventKind, Reporter, Status};
 use crate::server::LoopHandle;
+use crate::server::backoff::Backoff;
 use crate::state_dir::StateWrites;
 use cluster::{ClusterPort, Evicted, pod_facts};
 use core::{GroupSpec, Include};
@@ -524,7 +525,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
             None => return,
         }
     }
-    let mut backoff = RECONNECT_MIN;
+    let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
     let mut failing_since: Option<Instant> = None;
     // Until the first policy selection arrives, "no config" means "not known
     // yet", not "off": what start-up reported (NodeRebooted) must stay.
@@ -589,13 +590,12 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
                     handle.updated();
                     tokio::select! {
                         _ = stop.cancelled() => return,
-                        _ = sleep(backoff) => {}
+                        _ = sleep(backoff.next_delay()) => {}
                     }
-                    backoff = (backoff * 2).min(RECONNECT_MAX);
                     continue;
                 }
             };
-        backoff = RECONNECT_MIN;
+        backoff.reset();
         // A shutdown resumed because logind did not answer at start-up (or
         // was asked before it ended): logind answers now. If it prepares for
         // no shutdown, that one was cancelled meanwhile and its signal is
@@ -1496,7 +1496,7 @@ async fn clean_up_left_taint<C: ClusterPort>(ctx: Arc<Ctx<C>>, stop: Cancellatio
 /// ([`clean_up_left_taint`]), so a cancel or a start-up after a reboot
 /// does not wait on the API server to take the inhibitor again.
 async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     for _ in 0..6 {
         match timeout(CALL_TIMEOUT, ctx.cluster.remove_taint()).await {
             Ok(Ok(())) => {
@@ -1510,8 +1510,7 @@ async fn remove_taint_until_done<C: ClusterPort>(ctx: &Ctx<C>) -> bool {
                 "the API server did not answer the taint removal within {CALL_TIMEOUT:?}; retrying"
             ),
         }
-        sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        sleep(backoff.next_delay()).await;
     }
     tracing::error!(node = %ctx.node_name, every = ?TAINT_CLEANUP_EVERY, "cannot remove the shutdown taint {} yet; trying again in the background", cluster::TAINT_KEY);
     ctx.remember_left_taint();
@@ -1686,7 +1685,7 @@ async fn execute<C: ClusterPort>(
             let took_over = ctx.forget_left_taint();
             drop(ctx.taint_cleanup.lock().await);
             let mut maybe_applied = unanswered_before || took_over;
-            let mut backoff = TAINT_RETRY_MIN;
+            let mut backoff = Backoff::new(TAINT_RETRY_MIN, TAINT_RETRY_MAX);
             let mut attempts = 0u32;
             loop {
                 attempts += 1;
@@ -1712,8 +1711,7 @@ async fn execute<C: ClusterPort>(
                         } else {
                             tracing::debug!(error = %e, attempts, "cannot taint the node yet");
                         }
-                        sleep(backoff).await;
-                        backoff = (backoff * 2).min(TAINT_RETRY_MAX);
+                        sleep(backoff.next_delay()).await;
                     }
                 }
             }

@@ -13,9 +13,9 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::status::FIELD_MANAGER;
-use super::watch::Snapshot;
+use crate::k8s::watch::Snapshot;
 use crate::policy::{NodeGuardPolicy, validate};
+use crate::report::kube::FIELD_MANAGER;
 
 pub const LEASE_NAME: &str = "nodeguard-policy-status";
 /// The lease's term. The writer renews it every [`RENEW`]; every other

@@ -1,10 +1,12 @@
 //! `nodeguard status NODE`: one node at a glance, for an operator.
 //!
 //! A pure view (plain values, no API types) and its rendering as a table or
-//! JSON; `k8s::view` fills it from the API: the conditions nodeguard owns
+//! JSON; `kube` fills it from the API: the conditions nodeguard owns
 //! on the Node (by managedFields), the policies in force (the
 //! effective-policies annotation), the taints its policies may add, its
 //! last Events, and the agent's pod with its `/healthz` answer.
+
+pub mod kube;
 
 use serde::Serialize;
 

@@ -1,17 +1,14 @@
-//! Fills `status::NodeView` from the API for `nodeguard status NODE`.
+//! Fills `NodeView` from the API for `nodeguard status NODE`.
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event as K8sEvent;
 use kube::api::ListParams;
 use kube::{Api, Client};
 
-use crate::agent::EFFECTIVE_ANNOTATION;
+use super::{AgentRow, ConditionRow, EventRow, Healthz, NodeView, TaintRow, parse_effective};
 use crate::policy::NodeGuardPolicy;
-use crate::status::{
-    AgentRow, ConditionRow, EventRow, Healthz, NodeView, TaintRow, parse_effective,
-};
 
-use super::status::REPORTING_CONTROLLER;
+use crate::report::kube::{EFFECTIVE_ANNOTATION, REPORTING_CONTROLLER};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ViewError {
@@ -48,7 +45,7 @@ pub async fn fetch(client: &Client, node: &str, events: usize) -> Result<NodeVie
         .unwrap_or_default();
 
     // The conditions nodeguard's field manager owns on the status.
-    let owned = super::status::owned_condition_types(&n);
+    let owned = crate::report::kube::owned_condition_types(&n);
     view.conditions = n
         .status
         .as_ref()

@@ -474,47 +474,6 @@ async fn a_link_to_a_fifo_is_refused_without_opening_it() {
     delete_policy(&admin, &name).await;
 }
 
-/// A file monitor on a pseudo-file (`/proc`, `/sys`: size 0, made anew at
-/// each read) is refused with the reason, where the follower would have
-/// taken every read for a truncation and read the file again and again
-/// (issue 37's leftover on size-0 files), and the agent stays live.
-#[tokio::test]
-async fn a_pseudo_file_is_refused_as_a_log() {
-    let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "trust-proc").await;
-    let name = unique_name("trust-proc");
-    apply_policy(
-        &admin,
-        &name,
-        serde_json::json!({
-            "nodeSelector": selecting(&node.name),
-            "monitors": [{"name": "load", "source": {"file": {"path": "/proc/loadavg"}},
-                "conditions": [{"type": "LoadSeen", "reason": "Fine", "message": "fine"}],
-                "rules": [{"type": "permanent", "condition": "LoadSeen", "reason": "Seen", "pattern": "."}]}],
-        }),
-    )
-    .await;
-    let trust = NodeTrust {
-        read_paths: vec!["/proc".into()],
-        ..NodeTrust::default()
-    };
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| c.trust = trust).await;
-    eventually(
-        Duration::from_secs(20),
-        "the pseudo-file refused",
-        || async {
-            condition(&admin, &node.name, "LoadSeen")
-                .await
-                .is_some_and(|c| c.0 == "Unknown" && c.2.contains("procfs"))
-        },
-    )
-    .await;
-    let (code, body) = http_get(agent.addr, "/livez").await;
-    assert_eq!(code, 200, "{body}");
-    agent.stop().await;
-    delete_policy(&admin, &name).await;
-}
-
 /// A rotation that puts a link leading out at the monitor's path makes the
 /// monitor blind (Unknown, an Event) instead of reading the target; a
 /// regular file there again makes it see.

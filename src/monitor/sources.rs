@@ -726,29 +726,12 @@ pub fn beneath(real: &Path, roots: &[PathBuf]) -> bool {
 }
 
 /// What a source's file must be.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 enum Expect {
     /// A log file.
     Regular,
     /// `/dev/kmsg` (a character device), or a file of its records.
     KernelLog,
-}
-
-/// The kernel's pseudo-filesystem `file` is on, if any: its files report
-/// size 0 and are made anew at each read.
-fn pseudo_filesystem(file: &File) -> Option<&'static str> {
-    let f_type = rustix::fs::fstatfs(file).ok()?.f_type as i64;
-    Some(match f_type {
-        0x9fa0 => "procfs",
-        0x6265_6572 => "sysfs",
-        0x6462_6720 => "debugfs",
-        0x7472_6163 => "tracefs",
-        0x0027_e0eb => "cgroupfs",
-        0x6367_7270 => "cgroup2fs",
-        0x7363_6673 => "securityfs",
-        0x6265_6570 => "configfs",
-        _ => return None,
-    })
 }
 
 fn refused(message: String) -> std::io::Error {
@@ -786,14 +769,6 @@ fn open_checked(
                 Expect::Regular => "regular file",
                 Expect::KernelLog => "kernel log device or file",
             }
-        )));
-    }
-    if expect == Expect::Regular
-        && let Some(fs) = pseudo_filesystem(&handle)
-    {
-        return Err(refused(format!(
-            "{} is a file of the kernel's {fs}, not a log that grows: it cannot be followed (every read would look like a truncation); check it with a plugin instead",
-            path.display()
         )));
     }
     let fd = format!("/proc/self/fd/{}", handle.as_raw_fd());
@@ -1375,12 +1350,6 @@ mod tests {
         let err = open_checked(Path::new("/dev/null"), &all, Expect::Regular, 0).unwrap_err();
         assert!(err.to_string().contains("is not a regular file"), "{err}");
         assert!(open_checked(Path::new("/dev/null"), &all, Expect::KernelLog, 0).is_ok());
-        // A pseudo-file reports size 0 and is made anew at each read: not a
-        // log that grows, refused without being opened.
-        let err =
-            open_checked(Path::new("/proc/self/status"), &all, Expect::Regular, 0).unwrap_err();
-        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied);
-        assert!(err.to_string().contains("procfs"), "{err}");
     }
 
     fn append(path: &Path) -> File {

@@ -55,6 +55,39 @@ async fn events_for(node: &str) -> String {
     kubectl(&["events", "-A", "--for", &format!("node/{node}")])
 }
 
+/// When the API server finished storing the Event of `reason` about
+/// `node` (its audit log's ResponseComplete for the create).
+async fn event_created_at(admin: &Client, node: &str, reason: &str) -> jiff::Timestamp {
+    use k8s_openapi::api::events::v1::Event;
+    let events: Api<Event> = Api::namespaced(admin.clone(), "default");
+    let name = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
+        })
+        .and_then(|e| e.metadata.name)
+        .unwrap_or_else(|| panic!("no {reason} Event about {node}"));
+    let mut at = None;
+    eventually(Duration::from_secs(5), "the Event's create in the audit log", || {
+        at = audit_completed()
+            .into_iter()
+            .find(|e| {
+                e["verb"] == "create"
+                    && e["objectRef"]["resource"] == "events"
+                    && e["objectRef"]["name"] == name.as_str()
+            })
+            .and_then(|e| e["stageTimestamp"].as_str()?.parse().ok());
+        std::future::ready(at.is_some())
+    })
+    .await;
+    at.unwrap()
+}
+
 struct Setup {
     admin: Client,
     node: TestNode,
@@ -301,6 +334,24 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     )
     .await;
     eprintln!("{}", events_for(&s.node.name).await);
+    // The last word reaches the API server while the lock still holds the
+    // host: once logind goes on, the network may go down (kube-reboot lost
+    // this Event once, its publish racing the reboot).
+    let released_at = jiff::Timestamp::try_from(
+        s.peer
+            .delay_released_at()
+            .expect("logind saw the inhibitor let go"),
+    )
+    .unwrap();
+    let created = event_created_at(&s.admin, &s.node.name, "ShutdownInhibitorReleased").await;
+    assert!(
+        created <= released_at,
+        "ShutdownInhibitorReleased stored at {created}, after logind was let go at {released_at}"
+    );
+    eprintln!(
+        "ShutdownInhibitorReleased stored {:?} before logind was let go",
+        released_at.duration_since(created)
+    );
     let (_, metrics) = http_get(agent.addr, "/metrics").await;
     assert!(
         metrics.contains("nodeguard_shutdown_pods_total{group=\"1000\",outcome=\"escalated\"} 1"),

@@ -42,7 +42,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
 
@@ -222,7 +222,7 @@ struct Shared {
     initialized: AtomicBool,
     urgent: AtomicBool,
     changed: Notify,
-    events: mpsc::Sender<EventRequest>,
+    events: mpsc::Sender<Queued>,
     metrics: ReportMetrics,
     clock: WallClock,
 }
@@ -241,14 +241,29 @@ impl std::fmt::Debug for Reporter {
     }
 }
 
+/// An Event in the queue, with who waits for its fate (published: true;
+/// dropped: false).
+struct Queued {
+    req: EventRequest,
+    done: Option<oneshot::Sender<bool>>,
+}
+
+impl Queued {
+    fn settle(self, published: bool) {
+        if let Some(done) = self.done {
+            let _ = done.send(published);
+        }
+    }
+}
+
 /// The receiving end of the event queue, for [`run_event_publisher`].
-pub struct EventQueue(mpsc::Receiver<EventRequest>);
+pub struct EventQueue(mpsc::Receiver<Queued>);
 
 #[cfg(test)]
 impl EventQueue {
     /// The Events queued so far (tests that run no publisher).
     pub fn drain(&mut self) -> Vec<EventRequest> {
-        std::iter::from_fn(|| self.0.try_recv().ok()).collect()
+        std::iter::from_fn(|| self.0.try_recv().ok().map(|q| q.req)).collect()
     }
 }
 
@@ -448,14 +463,42 @@ impl Reporter {
     /// Queues an Event about the node. Never blocks; a full queue drops
     /// the event and counts it.
     pub fn event(&self, kind: EventKind, reason: &str, action: &str, note: impl Into<String>) {
+        self.queue(kind, reason, action, note.into(), None);
+    }
+
+    /// Queues an Event like [`Reporter::event`]; the future resolves once
+    /// the publisher is done with it: true when the API server stored it,
+    /// false when it was dropped (full queue, rate limit, errors, a
+    /// publisher that has stopped). For a last word that must be out
+    /// before something ends, awaited within a deadline.
+    pub fn event_confirmed(
+        &self,
+        kind: EventKind,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) -> impl std::future::Future<Output = bool> + use<> {
+        let (tx, rx) = oneshot::channel();
+        self.queue(kind, reason, action, note, Some(tx));
+        async move { rx.await.unwrap_or(false) }
+    }
+
+    fn queue(
+        &self,
+        kind: EventKind,
+        reason: &str,
+        action: &str,
+        note: String,
+        done: Option<oneshot::Sender<bool>>,
+    ) {
         debug_assert!(conditions::is_camel_case(reason), "reason {reason:?}");
         let req = EventRequest {
             kind,
             reason: reason.to_string(),
             action: action.to_string(),
-            note: clip(&note.into(), NOTE_LIMIT),
+            note: clip(&note, NOTE_LIMIT),
         };
-        if self.shared.events.try_send(req).is_err() {
+        if self.shared.events.try_send(Queued { req, done }).is_err() {
             self.shared.metrics.dropped(reason, "queue_full");
         }
     }
@@ -690,26 +733,28 @@ pub async fn run_event_publisher<P: EventPort>(
     let mut limiter = events::RateLimiter::new(config.event_burst, config.event_refill);
     health.updated();
     loop {
-        let ev = tokio::select! {
+        let queued = tokio::select! {
             _ = shutdown.cancelled() => {
                 drain_events(None, &mut queue, &port, metrics).await;
                 return;
             }
             ev = queue.recv() => match ev { Some(ev) => ev, None => return },
         };
+        let ev = &queued.req;
         // Each event is handled (published or dropped) within its bounded
         // retries; one that takes longer than the loop's timeout is a stall.
         health.queued();
         if !limiter.allow(&ev.reason, Instant::now()) {
             metrics.dropped(&ev.reason, "rate_limited");
             tracing::debug!(reason = %ev.reason, "event rate-limited");
+            queued.settle(false);
             health.updated();
             continue;
         }
         let mut backoff = Backoff::new(config.backoff_initial, config.backoff_max);
         let mut published = false;
         for attempt in 1..=4 {
-            match port.publish(&ev).await {
+            match port.publish(ev).await {
                 Ok(()) => {
                     published = true;
                     break;
@@ -720,7 +765,7 @@ pub async fn run_event_publisher<P: EventPort>(
                     tokio::select! {
                         _ = shutdown.cancelled() => {
                             // This one first, then the rest.
-                            drain_events(Some(ev), &mut queue, &port, metrics).await;
+                            drain_events(Some(queued), &mut queue, &port, metrics).await;
                             return;
                         }
                         _ = sleep(backoff.next_delay()) => {}
@@ -733,6 +778,7 @@ pub async fn run_event_publisher<P: EventPort>(
         } else {
             metrics.dropped(&ev.reason, "api_error");
         }
+        queued.settle(published);
         health.updated();
     }
 }
@@ -788,19 +834,20 @@ pub const DRAIN_DEADLINE: Duration = Duration::from_secs(3);
 /// published, retried every 100 ms, all within [`DRAIN_DEADLINE`]; what is
 /// left then is counted as dropped.
 async fn drain_events<P: EventPort>(
-    mut first: Option<EventRequest>,
-    queue: &mut mpsc::Receiver<EventRequest>,
+    mut first: Option<Queued>,
+    queue: &mut mpsc::Receiver<Queued>,
     port: &P,
     metrics: &ReportMetrics,
 ) {
     let deadline = Instant::now() + DRAIN_DEADLINE;
-    while let Some(ev) = first.take().or_else(|| queue.try_recv().ok()) {
+    while let Some(queued) = first.take().or_else(|| queue.try_recv().ok()) {
+        let ev = &queued.req;
         let published = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break false;
             }
-            if let Ok(Ok(())) = tokio::time::timeout(left, port.publish(&ev)).await {
+            if let Ok(Ok(())) = tokio::time::timeout(left, port.publish(ev)).await {
                 break true;
             }
             sleep(Duration::from_millis(100).min(left)).await;
@@ -810,6 +857,7 @@ async fn drain_events<P: EventPort>(
         } else {
             metrics.dropped(&ev.reason, "stopping");
         }
+        queued.settle(published);
     }
 }
 

@@ -690,3 +690,37 @@ fn clip_keeps_the_mark_within_the_limit() {
     let long = "x".repeat(5000);
     assert_eq!(crate::report::clip(&long, 1024).len(), 1024);
 }
+
+/// A confirmed Event tells its sender its fate: true once stored (after a
+/// retry here), false when rate-limited, or when no publisher will ever
+/// take it.
+#[tokio::test(start_paused = true)]
+async fn a_confirmed_event_says_whether_it_was_published() {
+    let config = ReportConfig {
+        event_burst: 1,
+        event_refill: Duration::from_secs(3600),
+        ..Default::default()
+    };
+    let mut registry = Registry::default();
+    let (reporter, queue) = Reporter::new(&config, &mut registry);
+    let port = FakeEvents::default();
+    port.failures_left.store(1, Ordering::SeqCst);
+    let shutdown = CancellationToken::new();
+    let publisher = tokio::spawn(run_event_publisher(
+        reporter.clone(),
+        queue,
+        port.clone(),
+        config,
+        crate::server::Health::new().register("events", Duration::from_secs(60)),
+        shutdown.clone(),
+    ));
+    let first = reporter.event_confirmed(EventKind::Normal, "Last", "Do", "one".into());
+    assert!(first.await, "stored after one failed attempt");
+    assert_eq!(port.published.lock().unwrap().len(), 1);
+    let limited = reporter.event_confirmed(EventKind::Normal, "Last", "Do", "two".into());
+    assert!(!limited.await, "the reason's burst is spent");
+    shutdown.cancel();
+    publisher.await.unwrap();
+    let orphan = reporter.event_confirmed(EventKind::Normal, "Other", "Do", "three".into());
+    assert!(!orphan.await, "no publisher: not stored, and the wait ends");
+}

@@ -1763,6 +1763,31 @@ async fn execute<C: ClusterPort>(
     if outcome == "cancelled" {
         return record;
     }
+    let end = ctx.clock.now();
+    record.ended_at = Some(end);
+    ctx.metrics.end_time.set(unix_seconds(end));
+    save(&ctx, &record);
+    let took = Instant::now().saturating_duration_since(start);
+    let message = format!(
+        "nodeguard releases the shutdown inhibitor after {:.1}s ({outcome}; {} of {} group(s) done).",
+        took.as_secs_f64(),
+        record.groups_done.len(),
+        cfg.groups.len()
+    );
+    // The last word goes out while the lock still holds the host: once
+    // logind goes on, the network may be gone before a publish after it
+    // (the unit stopping the interfaces runs beside the kubelet's). At most
+    // CALL_HEADROOM, never past the window.
+    let published = ctx.reporter.event_confirmed(
+        EventKind::Normal,
+        "ShutdownInhibitorReleased",
+        "ReleaseInhibitor",
+        message.clone(),
+    );
+    let until = (start + limit).min(Instant::now() + core::CALL_HEADROOM);
+    if !matches!(tokio::time::timeout_at(until, published).await, Ok(true)) {
+        tracing::debug!("the release's Event is not confirmed; releasing anyway");
+    }
     // Release: logind may now proceed. The keeper's copy goes too, also
     // when this process resumed without holding a lock of its own.
     let kept = lock.take().is_some();
@@ -1770,24 +1795,7 @@ async fn execute<C: ClusterPort>(
         let _ = ctx.keeper.forget(keep::INHIBITOR);
     }
     ctx.metrics.inhibitor_held.set(0);
-    let end = ctx.clock.now();
-    record.ended_at = Some(end);
-    ctx.metrics.end_time.set(unix_seconds(end));
-    save(&ctx, &record);
-    let took = Instant::now().saturating_duration_since(start);
-    let message = format!(
-        "nodeguard released the shutdown inhibitor after {:.1}s ({outcome}; {} of {} group(s) done).",
-        took.as_secs_f64(),
-        record.groups_done.len(),
-        cfg.groups.len()
-    );
     tracing::info!("{message}");
-    ctx.reporter.event(
-        EventKind::Normal,
-        "ShutdownInhibitorReleased",
-        "ReleaseInhibitor",
-        message,
-    );
     record
 }
 

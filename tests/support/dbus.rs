@@ -90,6 +90,9 @@ pub struct Inhibitor {
     pub why: String,
     pub mode: String,
     read_end: OwnedFd,
+    /// When the client closed its descriptor, as a thread blocked on the
+    /// pipe saw it (wall clock, to compare with the API server's times).
+    released_at: Arc<Mutex<Option<std::time::SystemTime>>>,
 }
 
 impl Inhibitor {
@@ -98,6 +101,37 @@ impl Inhibitor {
         let mut b = [0u8; 1];
         // SAFETY: a one-byte read from our own non-blocking pipe end.
         unsafe { libc::read(self.read_end.as_raw_fd(), b.as_mut_ptr().cast(), 1) == 0 }
+    }
+
+    /// When the client closed its descriptor, if it has.
+    pub fn released_at(&self) -> Option<std::time::SystemTime> {
+        *self.released_at.lock().unwrap()
+    }
+
+    /// Notes the moment the write end closes: a thread blocked in poll(2)
+    /// on a copy of the read end, woken by the hang-up. It ends then, or
+    /// once the inhibitor is dropped.
+    fn watch_release(&self) {
+        // SAFETY: dup of a descriptor we own; the copy is owned below.
+        let copy = unsafe { libc::dup(self.read_end.as_raw_fd()) };
+        assert!(copy >= 0, "dup failed");
+        // SAFETY: a fresh descriptor from dup.
+        let copy = unsafe { OwnedFd::from_raw_fd(copy) };
+        let at = Arc::downgrade(&self.released_at);
+        std::thread::spawn(move || loop {
+            let mut pfd = libc::pollfd {
+                fd: copy.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd of ours, 100 ms timeout.
+            let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+            let Some(at) = at.upgrade() else { return };
+            if n > 0 && pfd.revents & libc::POLLHUP != 0 {
+                *at.lock().unwrap() = Some(std::time::SystemTime::now());
+                return;
+            }
+        });
     }
 }
 
@@ -286,13 +320,16 @@ impl LoginManager {
         }
         // SAFETY: fresh descriptors from pipe2.
         let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        self.0.lock().unwrap().inhibitors.push(Inhibitor {
+        let inhibitor = Inhibitor {
             what,
             who,
             why,
             mode,
             read_end: r,
-        });
+            released_at: Default::default(),
+        };
+        inhibitor.watch_release();
+        self.0.lock().unwrap().inhibitors.push(inhibitor);
         Ok(w.into())
     }
 
@@ -467,6 +504,22 @@ impl LogindPeer {
 
     pub fn held(&self) -> usize {
         self.state.lock().unwrap().held()
+    }
+
+    /// When the last delay inhibitor was let go: `None` while one is held
+    /// or none was ever handed out.
+    pub fn delay_released_at(&self) -> Option<std::time::SystemTime> {
+        let state = self.state.lock().unwrap();
+        let delays: Vec<_> = state
+            .inhibitors
+            .iter()
+            .filter(|i| i.mode == "delay")
+            .map(|i| i.released_at())
+            .collect();
+        if delays.iter().any(Option::is_none) {
+            return None;
+        }
+        delays.into_iter().flatten().max()
     }
 
     pub fn inhibitor_modes(&self) -> Vec<(String, String, String)> {

@@ -321,7 +321,41 @@ struct Rig {
     in_progress: watch::Receiver<bool>,
     /// What a stop asks before it cancels anything.
     stop_check: crate::shutdown::StopCheck,
-    _q: crate::report::EventQueue,
+    /// What the rig's event publisher stored (it runs, as in the agent: the
+    /// release waits for its Event to be stored).
+    events: Published,
+}
+
+/// An event port that stores every Event at once.
+/// With `hang` set, a publish never answers (an API server gone quiet).
+#[derive(Clone, Default)]
+struct Published {
+    stored: Arc<Mutex<Vec<crate::report::EventRequest>>>,
+    hang: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl crate::report::EventPort for Published {
+    async fn publish(
+        &self,
+        event: &crate::report::EventRequest,
+    ) -> Result<(), crate::report::ReportError> {
+        if self.hang.load(std::sync::atomic::Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.stored.lock().unwrap().push(event.clone());
+        Ok(())
+    }
+}
+
+impl Published {
+    fn reasons(&self) -> Vec<String> {
+        self.stored
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|e| e.reason.clone())
+            .collect()
+    }
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -383,6 +417,18 @@ fn rig_in(
         health.register("shutdown", Duration::from_secs(60)),
         stop.clone(),
     ));
+    let events = Published::default();
+    tokio::spawn(crate::report::run_event_publisher(
+        reporter.clone(),
+        q,
+        events.clone(),
+        ReportConfig {
+            event_burst: 1000,
+            ..Default::default()
+        },
+        health.register("events", Duration::from_secs(60)),
+        CancellationToken::new(),
+    ));
     Rig {
         logind,
         cluster,
@@ -394,7 +440,7 @@ fn rig_in(
         state_dir,
         in_progress,
         stop_check,
-        _q: q,
+        events,
     }
 }
 
@@ -1625,6 +1671,50 @@ async fn a_hung_taint_request_holds_back_evictions_and_the_release_1s_at_most() 
     r.task.await.unwrap();
 }
 
+/// The release's Event goes out while the lock holds the host (kube-reboot
+/// lost it once, published after the release as the reboot took the
+/// network): stored first, then the release; an API server that does not
+/// answer holds the release 1 s at most.
+#[tokio::test(start_paused = true)]
+async fn the_release_waits_for_its_event_1s_at_most() {
+    for hang in [false, true] {
+        let r = rig(
+            &format!("release-event-{hang}"),
+            FakeLogind::new(Duration::from_secs(120)),
+            Some(config(&[(0, 5)])),
+            vec![pod("a/one", 0, None)],
+            "b1",
+        );
+        ms(100).await;
+        r.events
+            .hang
+            .store(hang, std::sync::atomic::Ordering::SeqCst);
+        let t0 = Instant::now();
+        r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+        let held_for = released_after(&r, t0).await;
+        let reasons = r.events.reasons();
+        if hang {
+            assert!(
+                held_for >= Duration::from_secs(1) && held_for <= Duration::from_millis(1_100),
+                "released {held_for:?} after the signal: the group was done at once, the Event waited for 1 s"
+            );
+            assert!(!reasons.contains(&"ShutdownInhibitorReleased".to_string()));
+        } else {
+            assert!(
+                held_for <= Duration::from_millis(100),
+                "released {held_for:?} after the signal"
+            );
+            assert_eq!(
+                reasons.last().map(String::as_str),
+                Some("ShutdownInhibitorReleased"),
+                "stored by the release: {reasons:?}"
+            );
+        }
+        r.stop.cancel();
+        r.task.await.unwrap();
+    }
+}
+
 /// A taint request that fails fast (the API server restarting) is no
 /// answer: the groups wait for the retry that lands (1 s at most), so no
 /// pod is evicted while the node is open to the scheduler.
@@ -1923,7 +2013,7 @@ async fn a_resumed_shutdown_with_the_policy_unchanged_says_no_policy_change() {
         tainted: true,
         ..Default::default()
     };
-    let mut r = rig_in(
+    let r = rig_in(
         dir,
         logind,
         Some(cfg.clone()),
@@ -1941,7 +2031,7 @@ async fn a_resumed_shutdown_with_the_policy_unchanged_says_no_policy_change() {
             .iter()
             .any(|(_, c)| *c == Call::Evict("b/high".into(), 10))
     );
-    let reasons: Vec<String> = r._q.drain().into_iter().map(|e| e.reason).collect();
+    let reasons = r.events.reasons();
     assert!(
         reasons.contains(&"ShutdownResumed".to_string()),
         "{reasons:?}"

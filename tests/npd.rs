@@ -568,10 +568,29 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
+    // NPD's problem metrics, under NPD's names, from each one's scrape.
+    let (npd_metrics, ng_metrics) = same_problem_metrics(npd.metrics, agent.addr).await;
     let npd_log = npd.output();
     drop(npd);
     agent.stop().await;
     delete_policy(&admin, &policy).await;
+    let metrics_table = oracle_table(
+        &(npd_metrics.clone(), vec![]),
+        &(ng_metrics.clone(), vec![]),
+    );
+    println!(
+        "conformance: NPD's problem metrics from node-problem-detector's Prometheus exporter and from the agent's /metrics, same kern.log\n\n{metrics_table}"
+    );
+    assert!(
+        npd_metrics.iter().any(
+            |s| s.starts_with("problem_gauge{reason=\"DockerHung\",type=\"KernelDeadlock\"} 1")
+        ),
+        "NPD's exporter did not show the problem:\n{metrics_table}"
+    );
+    assert_eq!(
+        npd_metrics, ng_metrics,
+        "NPD's problem metrics differ:\n{metrics_table}"
+    );
     let table = oracle_table(&npd_seen, &ng_seen);
     println!(
         "conformance: node-problem-detector's binary and the agent side by side on one kern.log (NPD's kernel-monitor-filelog.json and its import), each for its own Node on the real control plane: what each wrote\n\n{table}"
@@ -584,6 +603,30 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         npd_seen, ng_seen,
         "nodeguard differs from node-problem-detector on the same lines:\n{table}"
     );
+}
+
+/// `problem_counter` and `problem_gauge` samples from NPD's exporter at
+/// `npd` and the agent at `agent`, scraped until they agree or 20 s pass
+/// (NPD's exporter aggregates its views as it is scraped).
+async fn same_problem_metrics(
+    npd: std::net::SocketAddr,
+    agent: std::net::SocketAddr,
+) -> (Vec<String>, Vec<String>) {
+    let scrape = |addr| async move {
+        let (code, body) = http_get(addr, "/metrics").await;
+        assert_eq!(code, 200, "{body}");
+        let mut s = samples_of(&body, "problem_counter");
+        s.extend(samples_of(&body, "problem_gauge"));
+        s
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (a, b) = (scrape(npd).await, scrape(agent).await);
+        if (!a.is_empty() && a == b) || std::time::Instant::now() > deadline {
+            return (a, b);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Microseconds since the epoch, now.
@@ -798,10 +841,18 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
+    let (npd_metrics, ng_metrics) = same_problem_metrics(npd.metrics, agent.addr).await;
     let npd_log = npd.output();
     drop(npd);
     agent.stop().await;
     delete_policy(&admin, &policy).await;
+    let metrics_table = oracle_table(
+        &(npd_metrics.clone(), vec![]),
+        &(ng_metrics.clone(), vec![]),
+    );
+    println!(
+        "conformance: NPD's problem metrics from node-problem-detector's Prometheus exporter and from the agent's /metrics, same journal\n\n{metrics_table}"
+    );
     let table = oracle_table(&npd_seen, &ng_seen);
     println!(
         "conformance: node-problem-detector's binary (journald plugin, log-counter) and the agent side by side on one journal (NPD's docker-monitor, systemd-monitor, kernel-monitor-counter and systemd-monitor-counter, and their import), each for its own Node on the real control plane: what each wrote\n\n{table}"
@@ -820,6 +871,16 @@ async fn npd_and_nodeguard_write_the_same_for_npds_journal_configs() {
     assert_eq!(
         npd_seen, ng_seen,
         "nodeguard differs from node-problem-detector on the same journal:\n{table}\n{npd_log}"
+    );
+    assert!(
+        npd_metrics.iter().any(|s| s.starts_with(
+            "problem_gauge{reason=\"FrequentKubeletRestart\",type=\"FrequentKubeletRestart\"} 1"
+        )),
+        "NPD's exporter did not show the problem:\n{metrics_table}"
+    );
+    assert_eq!(
+        npd_metrics, ng_metrics,
+        "NPD's problem metrics differ:\n{metrics_table}"
     );
 }
 

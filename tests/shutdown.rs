@@ -73,17 +73,21 @@ async fn event_created_at(admin: &Client, node: &str, reason: &str) -> jiff::Tim
         .and_then(|e| e.metadata.name)
         .unwrap_or_else(|| panic!("no {reason} Event about {node}"));
     let mut at = None;
-    eventually(Duration::from_secs(5), "the Event's create in the audit log", || {
-        at = audit_completed()
-            .into_iter()
-            .find(|e| {
-                e["verb"] == "create"
-                    && e["objectRef"]["resource"] == "events"
-                    && e["objectRef"]["name"] == name.as_str()
-            })
-            .and_then(|e| e["stageTimestamp"].as_str()?.parse().ok());
-        std::future::ready(at.is_some())
-    })
+    eventually(
+        Duration::from_secs(5),
+        "the Event's create in the audit log",
+        || {
+            at = audit_completed()
+                .into_iter()
+                .find(|e| {
+                    e["verb"] == "create"
+                        && e["objectRef"]["resource"] == "events"
+                        && e["objectRef"]["name"] == name.as_str()
+                })
+                .and_then(|e| e["stageTimestamp"].as_str()?.parse().ok());
+            std::future::ready(at.is_some())
+        },
+    )
     .await;
     at.unwrap()
 }

@@ -539,6 +539,16 @@ impl Engine {
         }
     }
 
+    /// Each rule's reason, with the condition type of a permanent rule.
+    pub fn rule_reasons(&self) -> impl Iterator<Item = (&str, Option<&str>)> {
+        self.rules.iter().map(|r| {
+            (
+                r.reason.as_str(),
+                r.condition.map(|c| self.conditions[c].type_.as_str()),
+            )
+        })
+    }
+
     /// Condition types this monitor owns.
     pub fn condition_types(&self) -> impl Iterator<Item = &str> {
         self.conditions.iter().map(|c| c.type_.as_str())

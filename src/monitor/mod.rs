@@ -12,6 +12,7 @@
 pub mod engine;
 pub mod kmsg;
 pub mod kube;
+pub mod npd_metrics;
 pub mod replay;
 pub mod sources;
 
@@ -118,6 +119,8 @@ pub struct MonitorMetrics {
     active: Family<ActiveLabels, Gauge>,
     active_reason: Arc<std::sync::Mutex<HashMap<String, String>>>,
     sources: Arc<std::sync::Mutex<BTreeMap<String, Arc<SourceCounters>>>>,
+    /// node-problem-detector's names and semantics, beside ours.
+    npd: Arc<std::sync::Mutex<npd_metrics::NpdProblems>>,
 }
 
 impl MonitorMetrics {
@@ -134,10 +137,16 @@ impl MonitorMetrics {
             m.active.clone(),
         );
         registry.register_collector(Box::new(SourceCollector(m.sources.clone())));
+        registry.register_collector(Box::new(NpdCollector(m.npd.clone())));
         m
     }
 
+    fn npd(&self) -> std::sync::MutexGuard<'_, npd_metrics::NpdProblems> {
+        self.npd.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn problem(&self, reason: &str) {
+        self.npd().problem(reason);
         self.problems
             .get_or_create(&ReasonLabels {
                 reason: reason.to_string(),
@@ -146,6 +155,7 @@ impl MonitorMetrics {
     }
 
     fn set_active(&self, type_: &str, reason: &str, active: bool) {
+        self.npd().condition(type_, reason, active);
         let mut last = self.active_reason.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(prev) = last.insert(type_.to_string(), reason.to_string())
             && prev != reason
@@ -164,6 +174,7 @@ impl MonitorMetrics {
     }
 
     fn forget(&self, type_: &str) {
+        self.npd().forget(type_);
         let mut last = self.active_reason.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(prev) = last.remove(type_) {
             self.active.remove(&ActiveLabels {
@@ -171,6 +182,40 @@ impl MonitorMetrics {
                 reason: prev,
             });
         }
+    }
+}
+
+/// node-problem-detector's `problem_counter` and `problem_gauge`, as its
+/// Prometheus exporter names them: no `_total` (OpenMetrics would add it to
+/// a counter, so the counter is typed `unknown`, as an exporter's untyped
+/// samples are).
+#[derive(Debug)]
+struct NpdCollector(Arc<std::sync::Mutex<npd_metrics::NpdProblems>>);
+
+impl Collector for NpdCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let npd = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut e = encoder.encode_descriptor(
+            "problem_counter",
+            "Number of times a specific type of problem have occurred (node-problem-detector's metric).",
+            None,
+            prometheus_client::metrics::MetricType::Unknown,
+        )?;
+        for (reason, v) in npd.counters() {
+            e.encode_family(&[("reason", reason)])?
+                .encode_gauge(&(v as i64))?;
+        }
+        let mut e = encoder.encode_descriptor(
+            "problem_gauge",
+            "Whether a specific type of problem is affecting the node or not (node-problem-detector's metric).",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (type_, reason, v) in npd.gauges() {
+            e.encode_family(&[("reason", reason), ("type", type_)])?
+                .encode_gauge(&v)?;
+        }
+        Ok(())
     }
 }
 
@@ -705,6 +750,20 @@ async fn run_monitor<T: TaintPort>(
         }
     }
     engine.clamp_to(now);
+    {
+        let mut npd = ctx.metrics.npd();
+        npd.declare(engine.rule_reasons());
+        // NPD's custom plugin monitors (a plugin source here, or an import
+        // of NPD's log-counter: counting rules with NPD's matching) show
+        // each condition's no-problem reason from their first run.
+        let plugin_like = spec.source.plugin.is_some()
+            || (spec.npd_matching.is_some() && spec.rules.iter().any(|r| r.count.is_some()));
+        if plugin_like {
+            for c in &spec.conditions {
+                npd.declare_no_problem(&c.type_, &c.reason);
+            }
+        }
+    }
     let counters = Arc::new(SourceCounters::default());
     ctx.metrics
         .sources
@@ -797,11 +856,14 @@ async fn run_monitor<T: TaintPort>(
             format!("Monitor {} cannot read its source: {e}. Mount it into the pod (chart values host.kmsg / host.journal) or fix the path.", spec.name),
         );
     }
-    let defaults: BTreeMap<String, String> = spec
-        .conditions
-        .iter()
-        .map(|c| (c.type_.clone(), c.reason.clone()))
-        .collect();
+    let voice = Voice {
+        defaults: spec
+            .conditions
+            .iter()
+            .map(|c| (c.type_.clone(), c.reason.clone()))
+            .collect(),
+        source: spec.event_source.clone(),
+    };
     let wall = clock.clock;
     let save_as = |state: &mut MonitorState, engine: &Engine, durable: bool| {
         state.conditions = engine.state().clone();
@@ -822,15 +884,7 @@ async fn run_monitor<T: TaintPort>(
             let now = clock.now(&mut engine);
             engine.on_new_boot(now)
         };
-        apply(
-            &reset,
-            &mut engine,
-            &ctx,
-            &handle,
-            &defaults,
-            blind.as_deref(),
-        )
-        .await;
+        apply(&reset, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
     }
     let initial = {
         let now = clock.now(&mut engine);
@@ -841,7 +895,7 @@ async fn run_monitor<T: TaintPort>(
         &mut engine,
         &ctx,
         &handle,
-        &defaults,
+        &voice,
         blind.as_deref(),
     )
     .await;
@@ -878,7 +932,7 @@ async fn run_monitor<T: TaintPort>(
                     let actions = engine.on_line(batch.line(i), now);
                     dirty = true;
                     if !actions.is_empty() {
-                        apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
+                        apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
                         // Whose taint it is goes to disk at once: a restart
                         // that replayed the line would find the taint there
                         // and take it for someone else's. The rest (Events,
@@ -902,7 +956,7 @@ async fn run_monitor<T: TaintPort>(
                 handle.queued();
                 let actions = { let now = clock.now(&mut engine); engine.on_plugin(rule, status, &output, now) };
                 if !actions.is_empty() {
-                    apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
+                    apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
                     let taint = actions.iter().any(|a| matches!(a, Action::Taint { .. }));
                     dirty = !save_as(&mut state, &engine, taint);
                 }
@@ -955,7 +1009,7 @@ async fn run_monitor<T: TaintPort>(
                     };
                     refused_seen = refused_now;
                     let current = { let now = clock.now(&mut engine); engine.current(now) };
-                    apply(&current, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
+                    apply(&current, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
                     handle.updated();
                 }
                 let mut actions = { let now = clock.now(&mut engine); engine.on_tick(now) };
@@ -968,7 +1022,7 @@ async fn run_monitor<T: TaintPort>(
                 }
                 if !actions.is_empty() {
                     handle.queued();
-                    apply(&actions, &mut engine, &ctx, &handle, &defaults, blind.as_deref()).await;
+                    apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
                     handle.updated();
                     dirty = true;
                     // A taint added (a retry after an API outage): whose it
@@ -1245,6 +1299,15 @@ async fn run_plugins(
     }
 }
 
+/// How a monitor speaks: its conditions' no-problem reasons (an Event of
+/// one is a clear, not a problem) and the source component of its Events.
+struct Voice {
+    defaults: BTreeMap<String, String>,
+    /// `eventSource` (NPD's `source` of an imported config); `None`: the
+    /// agent's own.
+    source: Option<String>,
+}
+
 /// `blind`: the monitor cannot read its source (why); a condition that
 /// would be written False (no problem seen) is written Unknown with reason
 /// `MonitorSourceUnavailable` and this message instead.
@@ -1253,13 +1316,13 @@ async fn apply<T: TaintPort>(
     engine: &mut Engine,
     ctx: &MonitorContext<T>,
     handle: &LoopHandle,
-    defaults: &BTreeMap<String, String>,
+    voice: &Voice,
     blind: Option<&str>,
 ) {
     for a in actions {
         match a {
             Action::Event { reason, message } => {
-                let clearing = defaults.values().any(|d| d == reason);
+                let clearing = voice.defaults.values().any(|d| d == reason);
                 if !clearing {
                     ctx.metrics.problem(reason);
                 }
@@ -1268,8 +1331,13 @@ async fn apply<T: TaintPort>(
                 } else {
                     EventKind::Warning
                 };
-                ctx.reporter
-                    .event(kind, reason, "DetectProblem", message.clone());
+                ctx.reporter.event_from(
+                    voice.source.as_deref(),
+                    kind,
+                    reason,
+                    "DetectProblem",
+                    message.clone(),
+                );
             }
             Action::Condition {
                 type_,

@@ -59,6 +59,7 @@ fn restart_counter() -> MonitorSpec {
         ..rule(ProblemKind::Permanent, Some(c), c, start)
     };
     MonitorSpec {
+        event_source: None,
         npd_matching: None,
         name: "systemd-restarts".into(),
         source: journald("systemd"),
@@ -110,6 +111,7 @@ fn restart_counter() -> MonitorSpec {
 /// NPD's docker-monitor.
 fn docker_monitor() -> MonitorSpec {
     MonitorSpec {
+        event_source: None,
         npd_matching: None,
         name: "docker".into(),
         source: journald("dockerd"),

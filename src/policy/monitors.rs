@@ -34,6 +34,14 @@ pub struct MonitorSpec {
     /// one line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub npd_matching: Option<NpdMatching>,
+    /// The source component of this monitor's Events (what `kubectl get
+    /// events` shows as their source). `nodeguard import-npd` sets NPD's
+    /// `source` of the config (`kernel-monitor`, `systemd-monitor`, …), so
+    /// Events are routed and filtered as NPD's were. Unset: the agent's own
+    /// (`nodeguard.io/agent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub event_source: Option<String>,
 }
 
 /// node-problem-detector's matching. Every pattern of the monitor (rules,
@@ -679,6 +687,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         count: None,
     };
     MonitorSpec {
+        event_source: None,
         npd_matching: None,
         name: "kernel".into(),
         source: LogSource {

@@ -145,8 +145,22 @@ fn kind(rule: &Value) -> ProblemKind {
     }
 }
 
-/// Converts one NPD monitor config; `origin` names it in the notes.
+/// Converts one NPD monitor config; `origin` names it in the notes. Its
+/// monitors' Events name the config's `source` as their source component,
+/// as NPD's did.
 pub fn import(origin: &str, config: &Value) -> Imported {
+    let mut out = import_config(origin, config);
+    let source = config
+        .get("source")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty() && s.len() <= 128);
+    for m in &mut out.monitors {
+        m.event_source = source.map(str::to_string);
+    }
+    out
+}
+
+fn import_config(origin: &str, config: &Value) -> Imported {
     let mut out = Imported::default();
     let plugin = config.get("plugin").and_then(Value::as_str).unwrap_or("");
     let name = label(
@@ -318,6 +332,7 @@ pub fn import(origin: &str, config: &Value) -> Imported {
         .collect();
     out.monitors.push(MonitorSpec {
         // NPD's matching: its buffer, its `\z`, its trimming and message.
+        event_source: None,
         npd_matching: Some(NpdMatching {
             buffer_lines: buffer.min(MAX_BUFFER_LINES),
             message_pattern,
@@ -598,6 +613,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
             counters.push(MonitorSpec {
                 // log-counter matches like NPD's log monitors (`\z`, trimmed
                 // journal messages); its last line decides for these patterns.
+                event_source: None,
                 npd_matching: Some(NpdMatching {
                     buffer_lines: 1,
                     message_pattern: None,
@@ -722,6 +738,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
         .collect();
     if !plugin_rules.is_empty() {
         out.monitors.push(MonitorSpec {
+            event_source: None,
             npd_matching: None,
             name: name.to_string(),
             source: LogSource {
@@ -854,6 +871,7 @@ fn health_checker(
         }
     ));
     Some(MonitorSpec {
+        event_source: None,
         npd_matching: None,
         name: label(&format!("{source}-{component}")),
         source: LogSource {

@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::collections::HashMap;
 
+use k8s_openapi::api::core::v1::{Event as CoreEvent, EventSource};
 use k8s_openapi::api::events::v1::Event as K8sEvent;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Patch, PatchParams, PostParams};
@@ -176,7 +177,7 @@ pub struct KubeEvents {
 /// How long a published Event can absorb exact repeats.
 pub const SERIES_WINDOW: std::time::Duration = std::time::Duration::from_secs(6 * 60);
 
-type SeriesKey = (EventKind, String, String, String);
+type SeriesKey = (EventKind, String, String, String, Option<String>);
 
 #[derive(Clone)]
 struct Recent {
@@ -211,22 +212,35 @@ impl EventPort for KubeEvents {
             ev.reason.clone(),
             ev.action.clone(),
             ev.note.clone(),
+            ev.source.clone(),
         );
         let previous = {
             let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
             recent.retain(|_, r| now.duration_since(r.first).unsigned_abs() < SERIES_WINDOW);
             recent.get(&key).cloned()
         };
-        let events: Api<K8sEvent> = Api::namespaced(self.client.clone(), "default");
+        // An Event naming its source component goes through core/v1:
+        // events.k8s.io/v1 refuses `deprecatedSource` on create ("needs to
+        // be unset"). Either way it is the same object, with
+        // `reportingController` (core/v1: `reportingComponent`) set.
+        let sourced = ev.source.is_some();
         if let Some(r) = previous {
             let count = r.count + 1;
             let patch =
                 serde_json::json!({"series": {"count": count, "lastObservedTime": MicroTime(now)}});
-            match events
-                .patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => {
+            let patched = if sourced {
+                Api::<CoreEvent>::namespaced(self.client.clone(), "default")
+                    .patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map(drop)
+            } else {
+                Api::<K8sEvent>::namespaced(self.client.clone(), "default")
+                    .patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map(drop)
+            };
+            match patched {
+                Ok(()) => {
                     if let Some(e) = self
                         .recent
                         .lock()
@@ -243,29 +257,54 @@ impl EventPort for KubeEvents {
             }
         }
         let name = event_name(&self.node_name, now.as_nanosecond());
-        let event = K8sEvent {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: Some("default".into()),
-                ..Default::default()
-            },
-            event_time: Some(MicroTime(now)),
-            action: Some(ev.action.clone()),
-            reason: Some(ev.reason.clone()),
-            note: Some(ev.note.clone()),
-            regarding: Some(node.object_ref(&())),
-            reporting_controller: Some(REPORTING_CONTROLLER.into()),
-            reporting_instance: Some(self.instance.clone()),
-            type_: Some(
-                match ev.kind {
-                    EventKind::Normal => "Normal",
-                    EventKind::Warning => "Warning",
-                }
-                .into(),
-            ),
+        let metadata = ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some("default".into()),
             ..Default::default()
         };
-        events.create(&PostParams::default(), &event).await?;
+        let type_ = match ev.kind {
+            EventKind::Normal => "Normal",
+            EventKind::Warning => "Warning",
+        };
+        if let Some(component) = &ev.source {
+            let event = CoreEvent {
+                metadata,
+                event_time: Some(MicroTime(now)),
+                action: Some(ev.action.clone()),
+                reason: Some(ev.reason.clone()),
+                message: Some(ev.note.clone()),
+                involved_object: node.object_ref(&()),
+                // What `kubectl get events` shows as the source, and what
+                // NPD's users route and filter on.
+                source: Some(EventSource {
+                    component: Some(component.clone()),
+                    host: Some(self.node_name.clone()),
+                }),
+                reporting_component: Some(REPORTING_CONTROLLER.into()),
+                reporting_instance: Some(self.instance.clone()),
+                type_: Some(type_.into()),
+                ..Default::default()
+            };
+            Api::<CoreEvent>::namespaced(self.client.clone(), "default")
+                .create(&PostParams::default(), &event)
+                .await?;
+        } else {
+            let event = K8sEvent {
+                metadata,
+                event_time: Some(MicroTime(now)),
+                action: Some(ev.action.clone()),
+                reason: Some(ev.reason.clone()),
+                note: Some(ev.note.clone()),
+                regarding: Some(node.object_ref(&())),
+                reporting_controller: Some(REPORTING_CONTROLLER.into()),
+                reporting_instance: Some(self.instance.clone()),
+                type_: Some(type_.into()),
+                ..Default::default()
+            };
+            Api::<K8sEvent>::namespaced(self.client.clone(), "default")
+                .create(&PostParams::default(), &event)
+                .await?;
+        }
         self.recent
             .lock()
             .unwrap_or_else(|e| e.into_inner())

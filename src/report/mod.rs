@@ -114,6 +114,11 @@ pub struct EventRequest {
     pub action: String,
     /// One human sentence.
     pub note: String,
+    /// The source component the Event names (`deprecatedSource`, what
+    /// `kubectl get events` shows as its source): a monitor imported from
+    /// node-problem-detector speaks as NPD's monitor did. `None`: the
+    /// agent's own (`reportingController`).
+    pub source: Option<String>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -463,7 +468,20 @@ impl Reporter {
     /// Queues an Event about the node. Never blocks; a full queue drops
     /// the event and counts it.
     pub fn event(&self, kind: EventKind, reason: &str, action: &str, note: impl Into<String>) {
-        self.queue(kind, reason, action, note.into(), None);
+        self.queue(None, kind, reason, action, note.into(), None);
+    }
+
+    /// Queues an Event like [`Reporter::event`], naming `source` as its
+    /// source component (see [`EventRequest::source`]).
+    pub fn event_from(
+        &self,
+        source: Option<&str>,
+        kind: EventKind,
+        reason: &str,
+        action: &str,
+        note: impl Into<String>,
+    ) {
+        self.queue(source, kind, reason, action, note.into(), None);
     }
 
     /// Queues an Event like [`Reporter::event`]; the future resolves once
@@ -479,12 +497,13 @@ impl Reporter {
         note: String,
     ) -> impl std::future::Future<Output = bool> + use<> {
         let (tx, rx) = oneshot::channel();
-        self.queue(kind, reason, action, note, Some(tx));
+        self.queue(None, kind, reason, action, note, Some(tx));
         async move { rx.await.unwrap_or(false) }
     }
 
     fn queue(
         &self,
+        source: Option<&str>,
         kind: EventKind,
         reason: &str,
         action: &str,
@@ -497,6 +516,7 @@ impl Reporter {
             reason: reason.to_string(),
             action: action.to_string(),
             note: clip(&note, NOTE_LIMIT),
+            source: source.map(str::to_string),
         };
         if self.shared.events.try_send(Queued { req, done }).is_err() {
             self.shared.metrics.dropped(reason, "queue_full");

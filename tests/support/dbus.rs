@@ -118,18 +118,20 @@ impl Inhibitor {
         // SAFETY: a fresh descriptor from dup.
         let copy = unsafe { OwnedFd::from_raw_fd(copy) };
         let at = Arc::downgrade(&self.released_at);
-        std::thread::spawn(move || loop {
-            let mut pfd = libc::pollfd {
-                fd: copy.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one pollfd of ours, 100 ms timeout.
-            let n = unsafe { libc::poll(&mut pfd, 1, 100) };
-            let Some(at) = at.upgrade() else { return };
-            if n > 0 && pfd.revents & libc::POLLHUP != 0 {
-                *at.lock().unwrap() = Some(std::time::SystemTime::now());
-                return;
+        std::thread::spawn(move || {
+            loop {
+                let mut pfd = libc::pollfd {
+                    fd: copy.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one pollfd of ours, 100 ms timeout.
+                let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+                let Some(at) = at.upgrade() else { return };
+                if n > 0 && pfd.revents & libc::POLLHUP != 0 {
+                    *at.lock().unwrap() = Some(std::time::SystemTime::now());
+                    return;
+                }
             }
         });
     }

@@ -681,10 +681,15 @@ pub async fn shown(
         .iter()
         .filter(|e| e.reason.as_ref().is_some_and(|r| reasons.contains(r)))
         .map(|e| {
+            // The source component too: NPD's users route and filter on it.
             format!(
-                "{}: {}",
+                "{}: {} (from {})",
                 e.reason.clone().unwrap_or_default(),
-                e.message.clone().unwrap_or_default()
+                e.message.clone().unwrap_or_default(),
+                e.source
+                    .as_ref()
+                    .and_then(|s| s.component.as_deref())
+                    .unwrap_or("-")
             )
         })
         .collect();
@@ -733,6 +738,8 @@ pub fn npd_build_dir() -> PathBuf {
 pub struct Npd {
     child: std::process::Child,
     pub log: PathBuf,
+    /// Its Prometheus exporter (`--prometheus-port`).
+    pub metrics: std::net::SocketAddr,
 }
 
 impl Npd {
@@ -753,6 +760,7 @@ impl Npd {
                 .port()
         };
         let out = std::fs::File::create(&log).unwrap();
+        let metrics_port = free();
         let child = std::process::Command::new(binary)
             .arg(format!("--hostname-override={node}"))
             .arg(format!(
@@ -763,14 +771,18 @@ impl Npd {
             .args(["--address=127.0.0.1", &format!("--port={}", free())])
             .args([
                 "--prometheus-address=127.0.0.1",
-                &format!("--prometheus-port={}", free()),
+                &format!("--prometheus-port={metrics_port}"),
             ])
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out)
             .spawn()
             .expect("start node-problem-detector");
-        Npd { child, log }
+        Npd {
+            child,
+            log,
+            metrics: ([127, 0, 0, 1], metrics_port).into(),
+        }
     }
 
     /// What it logged so far.
@@ -784,6 +796,32 @@ impl Drop for Npd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The samples of metric `name` in a Prometheus or OpenMetrics scrape, as
+/// `name{labels sorted} value` lines, sorted (label order and the
+/// exposition format's details aside, two exporters' series compare).
+pub fn samples_of(scrape: &str, name: &str) -> Vec<String> {
+    let mut out: Vec<String> = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (metric, labels) = match series.split_once('{') {
+                Some((m, rest)) => (m, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            if metric != name {
+                return None;
+            }
+            let mut labels: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
+            labels.sort();
+            let value: f64 = value.parse().ok()?;
+            Some(format!("{name}{{{}}} {value}", labels.join(",")))
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// What node-problem-detector and nodeguard each wrote (`shown`), row by

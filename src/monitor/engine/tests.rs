@@ -147,6 +147,7 @@ fn the_default_rules_over_a_real_world_corpus() {
 
 fn monitor() -> MonitorSpec {
     MonitorSpec {
+        event_source: None,
         npd_matching: None,
         name: "m".into(),
         source: crate::policy::monitors::LogSource {

@@ -440,67 +440,76 @@ async fn the_pod_watch_sees_only_this_nodes_pods() {
     agent.stop().await;
 }
 
+/// Exact repeats become a series on the first Event, also for an Event
+/// that names its source component (a monitor imported from NPD: written
+/// through core/v1, read back through both APIs).
 #[tokio::test]
 async fn repeated_events_aggregate_into_a_series() {
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "series", &[]).await;
     let (agent, _state) = start_agent(admin.clone(), &node.name).await;
-    for _ in 0..4 {
-        agent.reporter.event(
-            EventKind::Warning,
-            "RepeatedThing",
-            "Detect",
-            "The same thing happened again.",
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(admin.clone(), "default");
-    eventually(
-        Duration::from_secs(10),
-        "one event with a series of 4",
-        || {
+    for (reason, source) in [
+        ("RepeatedThing", None),
+        ("RepeatedKernelThing", Some("kernel-monitor")),
+    ] {
+        for _ in 0..4 {
+            agent.reporter.event_from(
+                source,
+                EventKind::Warning,
+                reason,
+                "Detect",
+                "The same thing happened again.",
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let events: Api<k8s_openapi::api::events::v1::Event> =
+            Api::namespaced(admin.clone(), "default");
+        let mine = || {
             let events = events.clone();
             let node = node.name.clone();
             async move {
                 let list = events.list(&Default::default()).await.unwrap();
-                let mine: Vec<_> = list
-                    .items
+                list.items
                     .into_iter()
                     .filter(|e| {
-                        e.reason.as_deref() == Some("RepeatedThing")
+                        e.reason.as_deref() == Some(reason)
                             && e.regarding.as_ref().and_then(|r| r.name.as_deref())
                                 == Some(node.as_str())
                     })
-                    .collect();
-                mine.len() == 1 && mine[0].series.as_ref().is_some_and(|s| s.count == 4)
+                    .collect::<Vec<_>>()
             }
-        },
-    )
-    .await;
-    let ev = events
-        .list(&Default::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .find(|e| {
-            e.reason.as_deref() == Some("RepeatedThing")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.name.as_str())
-        })
-        .unwrap();
-    let regarding = ev.regarding.unwrap();
-    assert_eq!(regarding.kind.as_deref(), Some("Node"));
-    assert_eq!(regarding.api_version.as_deref(), Some("v1"));
-    assert!(regarding.uid.is_some());
-    assert_eq!(
-        ev.reporting_controller.as_deref(),
-        Some("nodeguard.io/agent")
-    );
-    assert_eq!(
-        ev.reporting_instance,
-        Some(format!("nodeguard-{}", node.name))
-    );
+        };
+        eventually(
+            Duration::from_secs(10),
+            &format!("one {reason} event with a series of 4"),
+            || async {
+                let mine = mine().await;
+                mine.len() == 1 && mine[0].series.as_ref().is_some_and(|s| s.count == 4)
+            },
+        )
+        .await;
+        let ev = mine().await.remove(0);
+        let regarding = ev.regarding.unwrap();
+        assert_eq!(regarding.kind.as_deref(), Some("Node"));
+        assert_eq!(regarding.api_version.as_deref(), Some("v1"));
+        assert!(regarding.uid.is_some());
+        assert_eq!(
+            ev.reporting_controller.as_deref(),
+            Some("nodeguard.io/agent")
+        );
+        assert_eq!(
+            ev.reporting_instance,
+            Some(format!("nodeguard-{}", node.name))
+        );
+        let core: Api<k8s_openapi::api::core::v1::Event> =
+            Api::namespaced(admin.clone(), "default");
+        let core = core.get(ev.metadata.name.as_deref().unwrap()).await.unwrap();
+        assert_eq!(
+            core.source.and_then(|s| s.component),
+            source.map(str::to_string),
+            "{reason}: the source component kubectl shows"
+        );
+    }
     agent.stop().await;
 }
 

@@ -315,3 +315,222 @@ async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// The chart's Grafana dashboard, rendered by the real `helm`: every
+/// panel's query (Grafana's variables set to "all"), run by the real
+/// `promtool` over two scrapes of a real agent that has seen problems, a
+/// failing probe, the systemd watchdog and a graceful shutdown (logind over
+/// a private bus, one pod evicted), returns series: no panel that selects
+/// nothing. Each query is wrapped in an alert `count(<query>) > 0` that
+/// must fire.
+#[tokio::test]
+async fn every_dashboard_panel_selects_series_of_a_real_agent() {
+    use support::dbus::{LogindPeer, PrivateBus};
+    use support::pods::{ensure_priority_class, kubelet_sim, running_pod};
+
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 15, "{queries:?}");
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "dashboard").await;
+    let bus = PrivateBus::start();
+    let drop_in = TempDir::new("dashboard-logind.conf.d");
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(30), Some(&drop_in.path)).await;
+    let logs = TempDir::new("dashboard-logs");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let policy = unique_name("dashboard");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [{
+                "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+                "conditions": [{"type": "AppBroken", "reason": "AppFine", "message": "fine"}],
+                "rules": [
+                    {"type": "temporary", "reason": "AppCrashed", "pattern": "app crashed (\\d+)"},
+                    {"type": "permanent", "condition": "AppBroken", "reason": "AppWedged", "pattern": "app wedged"},
+                ],
+            }],
+            "probes": [{"name": "closed", "tcp": {"port": closed}, "periodSeconds": 1,
+                        "failureThreshold": 1, "conditionType": "ClosedPortUnhealthy"}],
+            "shutdown": {"gracePeriodByPriority": [{"priority": 0, "gracePeriodSeconds": 4}],
+                         "logindDropInDir": drop_in.path.display().to_string(),
+                         "safetyMarginSeconds": 2},
+        }),
+    )
+    .await;
+    ensure_priority_class(&admin, "nodeguard-test-low", 0).await;
+    let pod = unique_name("dash-low");
+    running_pod(
+        &admin,
+        &node.name,
+        &pod,
+        "nodeguard-test-low",
+        serde_json::json!({"app": "dash"}),
+    )
+    .await;
+    let (_marked, sim) = kubelet_sim(admin.clone(), node.name.clone());
+    let notify_dir = TempDir::new("dashboard-notify");
+    let notify = notify_dir.path.join("notify.sock");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while sock.recv(&mut buf).is_ok() {}
+    });
+    let (path, address) = (notify.display().to_string(), bus.address.clone());
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.notify_socket = Some(path);
+        c.systemd_watchdog = Some(Duration::from_secs(10));
+        c.system_bus_address = Some(address);
+        c.boot_id = "test-boot".into();
+    })
+    .await;
+    eventually(Duration::from_secs(20), "inhibitor taken", || {
+        std::future::ready(peer.held() == 1)
+    })
+    .await;
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&app_log)
+            .unwrap();
+        for i in 0..15 {
+            writeln!(f, "app crashed {i}").unwrap();
+        }
+        writeln!(f, "app wedged").unwrap();
+    }
+    wait_condition(
+        &admin,
+        &node.name,
+        "AppBroken",
+        "True",
+        Duration::from_secs(10),
+        "AppBroken=True",
+    )
+    .await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "ClosedPortUnhealthy",
+        "True",
+        Duration::from_secs(10),
+        "ClosedPortUnhealthy=True",
+    )
+    .await;
+    let (_, first) = http_get(agent.addr, "/metrics").await;
+    peer.prepare_for_shutdown(true).await;
+    eventually(Duration::from_secs(20), "the shutdown's release", || {
+        std::future::ready(peer.held() == 0)
+    })
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "the shutdown's pods counted",
+        || async {
+            http_get(agent.addr, "/metrics")
+                .await
+                .1
+                .contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"evicted\"} 1")
+        },
+    )
+    .await;
+    let (_, second) = http_get(agent.addr, "/metrics").await;
+    sim.abort();
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+
+    // One alert per query, as promtool runs rules: it must fire.
+    let dir = TempDir::new("dashboard-rules");
+    let rules: Vec<serde_json::Value> = queries
+        .iter()
+        .enumerate()
+        .map(|(i, (_, q))| serde_json::json!({"alert": format!("Panel{i}"), "expr": format!("count({q}) > 0")}))
+        .collect();
+    let groups = serde_json::json!({"groups": [{"name": "dashboard", "rules": rules}]});
+    check_rules(&dir.path, &groups);
+    let target = [
+        ("job", "nodeguard/nodeguard"),
+        ("instance", "127.0.0.1:9909"),
+        ("namespace", "nodeguard"),
+        ("pod", "nodeguard-test"),
+        ("node", node.name.as_str()),
+    ];
+    let mut test = quiet_test(&groups, &[&first, &second], &target, 5);
+    test["tests"][0]["alert_rule_test"] = queries
+        .iter()
+        .enumerate()
+        .map(|(i, _)| {
+            serde_json::json!({"eval_time": "5m", "alertname": format!("Panel{i}"),
+                               "exp_alerts": [{"exp_labels": {}}]})
+        })
+        .collect();
+    std::fs::write(
+        dir.path.join("dashboard_test.yaml"),
+        serde_json::to_vec_pretty(&test).unwrap(),
+    )
+    .unwrap();
+    let (ok, out) = test_rules(&dir.path, "dashboard_test.yaml");
+    let names: Vec<String> = queries
+        .iter()
+        .enumerate()
+        .map(|(i, (title, q))| format!("Panel{i}: {title}: {q}"))
+        .collect();
+    assert!(
+        ok,
+        "a dashboard panel selects nothing:\n{out}\n{}",
+        names.join("\n")
+    );
+    eprintln!(
+        "{} dashboard queries each return series over two scrapes",
+        queries.len()
+    );
+}
+
+/// The queries of the chart's dashboard, rendered with `dashboard.enabled`:
+/// (panel title, query with Grafana's variables set to "all").
+fn dashboard_queries() -> Vec<(String, String)> {
+    let out = std::process::Command::new(helm_binary())
+        .args(["template", "nodeguard"])
+        .arg(repo_root().join("charts/nodeguard"))
+        .args(["--set", "dashboard.enabled=true"])
+        .args(["-s", "templates/dashboard.yaml"])
+        .output()
+        .expect("run helm");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cm: serde_json::Value =
+        serde_saphyr::from_str(String::from_utf8_lossy(&out.stdout).trim_start_matches("---"))
+            .expect("the ConfigMap is YAML");
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    let dash: serde_json::Value =
+        serde_json::from_str(cm["data"]["nodeguard.json"].as_str().unwrap())
+            .expect("the dashboard is JSON");
+    let mut queries = Vec::new();
+    let mut panels: Vec<serde_json::Value> = dash["panels"].as_array().unwrap().clone();
+    while let Some(p) = panels.pop() {
+        if let Some(inner) = p["panels"].as_array() {
+            panels.extend(inner.iter().cloned());
+        }
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let q = t["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$job", ".*")
+                .replace("$node", ".*")
+                .replace("$__rate_interval", "2m")
+                .replace("$__range", "5m");
+            assert!(!q.contains('$'), "a variable left in {q}");
+            queries.push((p["title"].as_str().unwrap_or("").to_string(), q));
+        }
+    }
+    queries
+}

@@ -126,7 +126,7 @@ fn kubectl_stdin(args: &[&str], input: &str) -> (bool, String) {
     )
 }
 
-const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\n";
+const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\ndashboard: {enabled: true}\n";
 
 /// A namespace as README has users make it: labelled for Pod Security's
 /// privileged level, which the chart checks before it installs.

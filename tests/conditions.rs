@@ -503,7 +503,10 @@ async fn repeated_events_aggregate_into_a_series() {
         );
         let core: Api<k8s_openapi::api::core::v1::Event> =
             Api::namespaced(admin.clone(), "default");
-        let core = core.get(ev.metadata.name.as_deref().unwrap()).await.unwrap();
+        let core = core
+            .get(ev.metadata.name.as_deref().unwrap())
+            .await
+            .unwrap();
         assert_eq!(
             core.source.and_then(|s| s.component),
             source.map(str::to_string),

@@ -126,7 +126,7 @@ fn kubectl_stdin(args: &[&str], input: &str) -> (bool, String) {
     )
 }
 
-const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\ndashboard: {enabled: true}\n";
+const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\n  logs: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\ndashboard: {enabled: true}\n";
 
 /// A namespace as README has users make it: labelled for Pod Security's
 /// privileged level, which the chart checks before it installs.
@@ -1105,7 +1105,11 @@ fn host_access_on_auto_is_what_the_charts_policy_uses() {
         ),
         (
             "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=f,defaultPolicy.spec.monitors[0].source.file.path=/var/log/syslog".to_string(),
-            "monitor f reads the file /var/log/syslog; the chart mounts no log files",
+            "monitor f reads the file /var/log/syslog, which the pod does not mount: set host.logs.enabled=true",
+        ),
+        (
+            "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=f,defaultPolicy.spec.monitors[0].source.file.path=/srv/app.log,host.logs.enabled=true".to_string(),
+            "monitor f reads the file /srv/app.log, which the pod does not mount",
         ),
         (
             "defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=k,defaultPolicy.spec.monitors[0].source.kmsg.path=/tmp/kmsg".to_string(),
@@ -1128,6 +1132,14 @@ fn host_access_on_auto_is_what_the_charts_policy_uses() {
     // trust.repairUnits (by prefix).
     render(&["defaultPolicy.enabled=true,defaultPolicy.spec.probes[0].name=e,defaultPolicy.spec.probes[0].conditionType=E,defaultPolicy.spec.probes[0].exec.command={/usr/local/lib/nodeguard/plugins/check},host.plugins.enabled=true"]).unwrap();
     render(&["defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=s,defaultPolicy.spec.monitors[0].source.systemd.unit=kubelet.service,defaultPolicy.spec.monitors[0].source.systemd.repair.signal=SIGKILL,trust.repairUnits={kube*}"]).unwrap();
+    // A file monitor under host.logs: the directory mounted read-only and
+    // readable (NPD's filelog configs, imported).
+    let logs = render(&["defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=f,defaultPolicy.spec.monitors[0].source.file.path=/var/log/kern.log,host.logs.enabled=true"]).unwrap();
+    assert!(
+        logs.contains("\"--allow-read-path=/var/log\"")
+            && logs.contains("- name: logs\n              mountPath: /var/log\n              readOnly: true"),
+        "{logs}"
+    );
     // A value removed (null), as an upgrade with --reuse-values from an
     // older release has none: auto, and the Pod Security check's default.
     render(&[

@@ -77,7 +77,11 @@ mount would not serve fails the render, naming both values. */}}
 {{- $_ := set $n "kmsg" (append $n.kmsg (printf "monitor %s reads /dev/kmsg" $m.name)) -}}
 {{- end -}}
 {{- if hasKey $s "file" -}}
-{{- fail (printf "defaultPolicy: monitor %s reads the file %s; the chart mounts no log files (use a journald or kmsg source, or run nodeguard as a host service for file sources)" $m.name (($s.file | default dict).path | default "")) -}}
+{{- $path := ($s.file | default dict).path | default "" -}}
+{{- $logs := trimSuffix "/" $h.logs.path -}}
+{{- if not (and $h.logs.enabled (hasPrefix (printf "%s/" $logs) $path)) -}}
+{{- fail (printf "defaultPolicy: monitor %s reads the file %s, which the pod does not mount: set host.logs.enabled=true with host.logs.path a directory above it (now %s, %s)" $m.name $path $h.logs.path (ternary "on" "off" $h.logs.enabled)) -}}
+{{- end -}}
 {{- end -}}
 {{- if hasKey $s "journald" -}}
 {{- $dir := ($s.journald | default dict).directory | default "" -}}
@@ -184,6 +188,7 @@ hostPath volumes and privileged containers. */}}
 {{- if $a.journal -}}{{- $why = append $why (printf "host.journal (hostPath %s)" $h.journal.path) -}}{{- end -}}
 {{- if $a.dbus -}}{{- $why = append $why (printf "host.dbus (hostPath %s)" $h.dbus.socket) -}}{{- end -}}
 {{- if $a.logindDropIn -}}{{- $why = append $why (printf "host.logindDropIn (hostPath %s)" $h.logindDropIn.path) -}}{{- end -}}
+{{- if $h.logs.enabled -}}{{- $why = append $why (printf "host.logs (hostPath %s)" $h.logs.path) -}}{{- end -}}
 {{- if $h.plugins.enabled -}}{{- $why = append $why (printf "host.plugins (hostPath %s)" $h.plugins.path) -}}{{- end -}}
 {{- toJson $why -}}
 {{- end -}}

@@ -555,6 +555,34 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
         is_forbidden(&secrets.list(&Default::default()).await),
         "no access to secrets"
     );
+    // Events about its node: its own (events.k8s.io) and those of a
+    // monitor imported from node-problem-detector, which name NPD's source
+    // component (core/v1); a repeat of each patches its series.
+    {
+        use nodeguard::report::{EventKind, EventPort, EventRequest};
+        let node = Api::<k8s_openapi::api::core::v1::Node>::all(admin.clone())
+            .get(&node_a.name)
+            .await
+            .unwrap();
+        let (_node_tx, node_rx) = tokio::sync::watch::channel(Some(std::sync::Arc::new(node)));
+        let events =
+            nodeguard::report::kube::KubeEvents::new(agent_client.clone(), &node_a.name, node_rx);
+        for source in [None, Some("kernel-monitor".to_string())] {
+            let ev = EventRequest {
+                kind: EventKind::Warning,
+                reason: "LeastPrivilege".into(),
+                action: "Check".into(),
+                note: format!("An Event with source {source:?}."),
+                source,
+            };
+            for _ in 0..2 {
+                events
+                    .publish(&ev)
+                    .await
+                    .unwrap_or_else(|e| panic!("{ev:?} with the chart's RBAC: {e}"));
+            }
+        }
+    }
 
     let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
     assert!(ok, "{err}");
@@ -1137,7 +1165,9 @@ fn host_access_on_auto_is_what_the_charts_policy_uses() {
     let logs = render(&["defaultPolicy.enabled=true,defaultPolicy.spec.monitors[0].name=f,defaultPolicy.spec.monitors[0].source.file.path=/var/log/kern.log,host.logs.enabled=true"]).unwrap();
     assert!(
         logs.contains("\"--allow-read-path=/var/log\"")
-            && logs.contains("- name: logs\n              mountPath: /var/log\n              readOnly: true"),
+            && logs.contains(
+                "- name: logs\n              mountPath: /var/log\n              readOnly: true"
+            ),
         "{logs}"
     );
     // A value removed (null), as an upgrade with --reuse-values from an

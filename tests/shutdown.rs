@@ -374,6 +374,53 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     s.cleanup().await;
 }
 
+/// Review of the release's Event: when the groups take the whole window
+/// (a pod that does not go), the release comes as the window closes and
+/// the Event was not waited for at all, published after logind was let go.
+/// It is stored before the release, within the safety margin that is left.
+#[tokio::test]
+async fn the_release_event_is_stored_first_also_when_the_window_closes() {
+    // logind allows 5 s; the policy needs 4 + 2: raised to exactly 6 s, so
+    // the group's window ends where the release must come.
+    let s = setup(
+        "window-closes",
+        Duration::from_secs(5),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    // No kubelet: the evicted pod stays, terminating, past the window.
+    let low = unique_name("stays");
+    running_pod(&s.admin, &s.node.name, &low, "nodeguard-test-low", serde_json::json!({})).await;
+    let (agent, _state) = s.start_armed().await;
+    agent_sees_pods(&agent, 1).await;
+    s.peer.prepare_for_shutdown(true).await;
+    let t0 = Instant::now();
+    eventually(Duration::from_secs(12), "inhibitor released", || {
+        std::future::ready(s.peer.held() == 0)
+    })
+    .await;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(3_900),
+        "released {:?} after PrepareForShutdown: the group's 4 s window was used up",
+        t0.elapsed()
+    );
+    let released_at = jiff::Timestamp::try_from(
+        s.peer
+            .delay_released_at()
+            .expect("logind saw the inhibitor let go"),
+    )
+    .unwrap();
+    let created = event_created_at(&s.admin, &s.node.name, "ShutdownInhibitorReleased").await;
+    assert!(
+        created <= released_at,
+        "ShutdownInhibitorReleased stored at {created}, after logind was let go at {released_at}"
+    );
+    agent.stop().await;
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}
+
 #[tokio::test]
 async fn a_cancelled_shutdown_restores_the_node() {
     let s = setup(

@@ -1769,7 +1769,7 @@ async fn execute<C: ClusterPort>(
     save(&ctx, &record);
     let took = Instant::now().saturating_duration_since(start);
     let message = format!(
-        "nodeguard releases the shutdown inhibitor after {:.1}s ({outcome}; {} of {} group(s) done).",
+        "nodeguard released the shutdown inhibitor after {:.1}s ({outcome}; {} of {} group(s) done).",
         took.as_secs_f64(),
         record.groups_done.len(),
         cfg.groups.len()
@@ -1777,14 +1777,15 @@ async fn execute<C: ClusterPort>(
     // The last word goes out while the lock still holds the host: once
     // logind goes on, the network may be gone before a publish after it
     // (the unit stopping the interfaces runs beside the kubelet's). At most
-    // CALL_HEADROOM, never past the window.
+    // CALL_HEADROOM; a window the groups used up leaves the safety margin,
+    // and logind's own limit is never passed (it would go on by itself).
     let published = ctx.reporter.event_confirmed(
         EventKind::Normal,
         "ShutdownInhibitorReleased",
         "ReleaseInhibitor",
         message.clone(),
     );
-    let until = (start + limit).min(Instant::now() + core::CALL_HEADROOM);
+    let until = (start + delay_max).min(Instant::now() + core::CALL_HEADROOM);
     if !matches!(tokio::time::timeout_at(until, published).await, Ok(true)) {
         tracing::debug!("the release's Event is not confirmed; releasing anyway");
     }

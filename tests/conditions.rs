@@ -558,3 +558,110 @@ async fn events_reach_a_node_whose_name_is_long() {
     .await;
     agent.stop().await;
 }
+
+/// Review of the core/v1 Events: with RBAC from before the chart granted
+/// them (an image bumped without the chart, hand-written roles), an Event
+/// with a source was refused with 403 and retried for seconds, holding up
+/// every Event behind it (a shutdown's among them), then lost. Now it goes
+/// through events.k8s.io without its source, at once, and nothing waits.
+#[tokio::test]
+async fn an_event_whose_source_rbac_refuses_goes_without_it_and_holds_nothing_up() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    use nodeguard::report::{ReportConfig, Reporter, kube::KubeEvents, run_event_publisher};
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "core-refused", &[]).await;
+    let sa = unique_name("old-rbac");
+    let client = service_account_client(&admin, &sa).await;
+    let role: ClusterRole = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": sa},
+        "rules": [{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}],
+    }))
+    .unwrap();
+    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": sa},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": TEST_NAMESPACE}],
+    }))
+    .unwrap();
+    Api::<ClusterRole>::all(admin.clone())
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let node_obj = Api::<Node>::all(admin.clone())
+        .get(&node.name)
+        .await
+        .unwrap();
+    let (_node_tx, node_rx) = tokio::sync::watch::channel(Some(std::sync::Arc::new(node_obj)));
+    let mut registry = prometheus_client::registry::Registry::default();
+    let config = ReportConfig::default();
+    let (reporter, queue) = Reporter::new(&config, &mut registry);
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(run_event_publisher(
+        reporter.clone(),
+        queue,
+        KubeEvents::new(client, &node.name, node_rx),
+        config,
+        nodeguard::server::Health::new().register("events", Duration::from_secs(60)),
+        stop.clone(),
+    ));
+    // The role is in force once an Event of the agent's own gets through.
+    eventually(Duration::from_secs(10), "RBAC in force", || async {
+        reporter
+            .event_confirmed(EventKind::Normal, "Warmup", "Check", "warm-up".into())
+            .await
+    })
+    .await;
+    let t0 = std::time::Instant::now();
+    reporter.event_from(
+        Some("kernel-monitor"),
+        EventKind::Warning,
+        "SourceRefused",
+        "DetectProblem",
+        "An imported monitor's Event.",
+    );
+    let behind = reporter.event_confirmed(
+        EventKind::Normal,
+        "BehindIt",
+        "Check",
+        "queued behind it".into(),
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_secs(5), behind)
+            .await
+            .unwrap_or(false),
+        "the Event queued behind it is stored"
+    );
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(800),
+        "the Event behind it waited {took:?}"
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(admin.clone(), "default");
+    let refused = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|e| {
+            e.reason.as_deref() == Some("SourceRefused")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.name.as_str())
+        })
+        .expect("the refused source's Event is stored without its source");
+    assert_eq!(
+        refused.reporting_controller.as_deref(),
+        Some("nodeguard.io/agent")
+    );
+    stop.cancel();
+    let _ = Api::<ClusterRoleBinding>::all(admin.clone())
+        .delete(&sa, &Default::default())
+        .await;
+    let _ = Api::<ClusterRole>::all(admin)
+        .delete(&sa, &Default::default())
+        .await;
+}

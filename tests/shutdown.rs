@@ -391,7 +391,14 @@ async fn the_release_event_is_stored_first_also_when_the_window_closes() {
     ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
     // No kubelet: the evicted pod stays, terminating, past the window.
     let low = unique_name("stays");
-    running_pod(&s.admin, &s.node.name, &low, "nodeguard-test-low", serde_json::json!({})).await;
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
     let (agent, _state) = s.start_armed().await;
     agent_sees_pods(&agent, 1).await;
     s.peer.prepare_for_shutdown(true).await;

@@ -172,7 +172,16 @@ pub struct KubeEvents {
     instance: String,
     node: watch::Receiver<Option<Arc<Node>>>,
     recent: std::sync::Mutex<HashMap<SeriesKey, Recent>>,
+    /// When core/v1 last refused an Event with a source (403: RBAC from
+    /// before the chart granted it). Until [`CORE_RETRY`] later such Events
+    /// go through events.k8s.io without their source: the Event is kept,
+    /// its source component is lost.
+    core_refused: std::sync::Mutex<Option<std::time::Instant>>,
 }
+
+/// How long after a refusal core/v1 is tried again (RBAC fixed by an
+/// upgrade that did not restart the pod).
+const CORE_RETRY: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// How long a published Event can absorb exact repeats.
 pub const SERIES_WINDOW: std::time::Duration = std::time::Duration::from_secs(6 * 60);
@@ -184,6 +193,8 @@ struct Recent {
     name: String,
     count: i32,
     first: jiff::Timestamp,
+    /// Created through core/v1 (its series is patched there too).
+    core: bool,
 }
 
 impl KubeEvents {
@@ -196,7 +207,14 @@ impl KubeEvents {
             instance: clip_name(&format!("nodeguard-{node_name}"), 128).to_string(),
             node,
             recent: Default::default(),
+            core_refused: Default::default(),
         }
+    }
+
+    /// Whether an Event with a source goes through core/v1 now.
+    fn core_allowed(&self) -> bool {
+        let refused = self.core_refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.is_none_or(|at| at.elapsed() >= CORE_RETRY)
     }
 }
 
@@ -223,12 +241,11 @@ impl EventPort for KubeEvents {
         // events.k8s.io/v1 refuses `deprecatedSource` on create ("needs to
         // be unset"). Either way it is the same object, with
         // `reportingController` (core/v1: `reportingComponent`) set.
-        let sourced = ev.source.is_some();
         if let Some(r) = previous {
             let count = r.count + 1;
             let patch =
                 serde_json::json!({"series": {"count": count, "lastObservedTime": MicroTime(now)}});
-            let patched = if sourced {
+            let patched = if r.core {
                 Api::<CoreEvent>::namespaced(self.client.clone(), "default")
                     .patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -266,9 +283,10 @@ impl EventPort for KubeEvents {
             EventKind::Normal => "Normal",
             EventKind::Warning => "Warning",
         };
-        if let Some(component) = &ev.source {
+        let mut core = false;
+        if let Some(component) = ev.source.as_ref().filter(|_| self.core_allowed()) {
             let event = CoreEvent {
-                metadata,
+                metadata: metadata.clone(),
                 event_time: Some(MicroTime(now)),
                 action: Some(ev.action.clone()),
                 reason: Some(ev.reason.clone()),
@@ -285,10 +303,23 @@ impl EventPort for KubeEvents {
                 type_: Some(type_.into()),
                 ..Default::default()
             };
-            Api::<CoreEvent>::namespaced(self.client.clone(), "default")
+            match Api::<CoreEvent>::namespaced(self.client.clone(), "default")
                 .create(&PostParams::default(), &event)
-                .await?;
-        } else {
+                .await
+            {
+                Ok(_) => core = true,
+                Err(kube::Error::Api(s)) if s.code == 403 => {
+                    tracing::warn!(
+                        error = %s.message,
+                        "cannot create core/v1 Events (the chart's RBAC grants create and patch on events in the core group): Events of imported monitors go without their source component for the next 10 minutes"
+                    );
+                    *self.core_refused.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(std::time::Instant::now());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !core {
             let event = K8sEvent {
                 metadata,
                 event_time: Some(MicroTime(now)),
@@ -314,6 +345,7 @@ impl EventPort for KubeEvents {
                     name,
                     count: 1,
                     first: now,
+                    core,
                 },
             );
         Ok(())

@@ -59,6 +59,15 @@ pub enum ReportError {
     NodeUnknown(String),
 }
 
+impl ReportError {
+    /// Whether the same request may succeed if sent again: not after the
+    /// API server refused it as such (400, 403, 422), which would hold the
+    /// Events queued behind it for seconds of retries.
+    pub fn retryable(&self) -> bool {
+        !matches!(self, ReportError::Api(::kube::Error::Api(s)) if [400, 403, 422].contains(&s.code))
+    }
+}
+
 /// Tunables of the condition writer and event recorder.
 #[derive(Clone, Debug)]
 pub struct ReportConfig {
@@ -782,6 +791,9 @@ pub async fn run_event_publisher<P: EventPort>(
                 Err(err) => {
                     metrics.write_error("events");
                     tracing::warn!(reason = %ev.reason, attempt, error = %err, "cannot publish event");
+                    if !err.retryable() {
+                        break;
+                    }
                     tokio::select! {
                         _ = shutdown.cancelled() => {
                             // This one first, then the rest.

@@ -1549,3 +1549,84 @@ fn npds_go_patterns_match_what_go_matches() {
         "the cases reach the constructs the dialects differ on: {raw_patterns:?}"
     );
 }
+
+/// Review of NPD's names: the default policy holds NPD's kernel, docker
+/// and systemd-restart monitors, and a team migrating with it routes on
+/// NPD's source components and graphs NPD's metrics. Its Events name NPD's
+/// source (`kernel-monitor`), and its restart counters (NPD runs them as a
+/// custom plugin, log-counter) show the no-problem reason in
+/// `problem_gauge` from the start, as NPD's do.
+#[tokio::test]
+async fn the_default_policys_monitors_speak_as_npds() {
+    let mut monitors = nodeguard::policy::defaults::default_spec().monitors;
+    let logs = TempDir::new("default-npd");
+    let kmsg = logs.path.join("kmsg");
+    std::fs::write(&kmsg, "6,1,1,-;boot\n").unwrap();
+    let journal = logs.path.join("journal");
+    std::fs::create_dir_all(&journal).unwrap();
+    for m in &mut monitors {
+        if let Some(k) = m.source.kmsg.as_mut() {
+            k.path = kmsg.display().to_string();
+        }
+        if let Some(j) = m.source.journald.as_mut() {
+            j.directory = Some(journal.display().to_string());
+        }
+    }
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "default-npd").await;
+    let policy = unique_name("default-npd");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&node.name), "monitors": monitors}),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "KernelDeadlock",
+        "False",
+        Duration::from_secs(30),
+        "KernelDeadlock=False at start",
+    )
+    .await;
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&kmsg)
+            .unwrap();
+        writeln!(
+            f,
+            "3,2,2,-;INFO: task kworker/u8:2:1234 blocked for more than 120 seconds."
+        )
+        .unwrap();
+    }
+    let reasons = vec!["TaskHung".to_string()];
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let seen = loop {
+        let seen = shown(&admin, &node.name, &[], &reasons).await;
+        if !seen.0.is_empty() || std::time::Instant::now() > deadline {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert!(!seen.0.is_empty(), "the TaskHung Event");
+    assert!(
+        seen.0.iter().all(|e| e.ends_with("(from kernel-monitor)")),
+        "{seen:?}"
+    );
+    let (_, metrics) = http_get(agent.addr, "/metrics").await;
+    let gauges = samples_of(&metrics, "problem_gauge");
+    for t in [
+        "FrequentKubeletRestart",
+        "FrequentDockerRestart",
+        "FrequentContainerdRestart",
+    ] {
+        let want = format!("problem_gauge{{reason=\"No{t}\",type=\"{t}\"}} 0");
+        assert!(gauges.contains(&want), "{want} in {gauges:?}");
+    }
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}

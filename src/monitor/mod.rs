@@ -753,13 +753,16 @@ async fn run_monitor<T: TaintPort>(
     {
         let mut npd = ctx.metrics.npd();
         npd.declare(engine.rule_reasons());
-        // NPD's custom plugin monitors (a plugin source here, or an import
-        // of NPD's log-counter: counting rules with NPD's matching) show
-        // each condition's no-problem reason from their first run.
-        let plugin_like = spec.source.plugin.is_some()
-            || (spec.npd_matching.is_some() && spec.rules.iter().any(|r| r.count.is_some()));
-        if plugin_like {
-            for c in &spec.conditions {
+        // What NPD runs as a custom plugin monitor (a plugin source here;
+        // counting rules, NPD's log-counter, imported or in the default
+        // policy) shows its conditions' no-problem reason from the first
+        // run.
+        for c in &spec.conditions {
+            let counted = spec
+                .rules
+                .iter()
+                .any(|r| r.condition.as_deref() == Some(c.type_.as_str()) && r.count.is_some());
+            if spec.source.plugin.is_some() || counted {
                 npd.declare_no_problem(&c.type_, &c.reason);
             }
         }

@@ -59,7 +59,9 @@ fn restart_counter() -> MonitorSpec {
         ..rule(ProblemKind::Permanent, Some(c), c, start)
     };
     MonitorSpec {
-        event_source: None,
+        // NPD's source for the same monitor (systemd-monitor-counter.json):
+        // Events are routed as NPD's were.
+        event_source: Some("systemd-monitor".into()),
         npd_matching: None,
         name: "systemd-restarts".into(),
         source: journald("systemd"),
@@ -111,7 +113,7 @@ fn restart_counter() -> MonitorSpec {
 /// NPD's docker-monitor.
 fn docker_monitor() -> MonitorSpec {
     MonitorSpec {
-        event_source: None,
+        event_source: Some("docker-monitor".into()),
         npd_matching: None,
         name: "docker".into(),
         source: journald("dockerd"),

@@ -687,7 +687,9 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         count: None,
     };
     MonitorSpec {
-        event_source: None,
+        // NPD's kernel-monitor's source (its readonly-monitor's conditions,
+        // held here too, say readonly-monitor in NPD).
+        event_source: Some("kernel-monitor".into()),
         npd_matching: None,
         name: "kernel".into(),
         source: LogSource {

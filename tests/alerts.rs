@@ -322,7 +322,10 @@ async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
 /// failing probe, the systemd watchdog and a graceful shutdown (logind over
 /// a private bus, one pod evicted), returns series: no panel that selects
 /// nothing. Each query is wrapped in an alert `count(<query>) > 0` that
-/// must fire.
+/// must fire. The first scrape comes before any of it: the panels of
+/// problems, probe results and a shutdown's pods must show what happened
+/// between the two (`sum(<query>) > 0` a minute in), which a counter born
+/// at its first increment would not.
 #[tokio::test]
 async fn every_dashboard_panel_selects_series_of_a_real_agent() {
     use support::dbus::{LogindPeer, PrivateBus};
@@ -395,6 +398,9 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
         std::future::ready(peer.held() == 1)
     })
     .await;
+    // The first scrape before any problem, probe run or shutdown: what
+    // happens after it must show as an increase.
+    let (_, first) = http_get(agent.addr, "/metrics").await;
     {
         let mut f = std::fs::OpenOptions::new()
             .append(true)
@@ -423,7 +429,6 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
         "ClosedPortUnhealthy=True",
     )
     .await;
-    let (_, first) = http_get(agent.addr, "/metrics").await;
     peer.prepare_for_shutdown(true).await;
     eventually(Duration::from_secs(20), "the shutdown's release", || {
         std::future::ready(peer.held() == 0)
@@ -447,13 +452,11 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
 
     // One alert per query, as promtool runs rules: it must fire.
     let dir = TempDir::new("dashboard-rules");
-    let rules: Vec<serde_json::Value> = queries
+    let mut rules: Vec<serde_json::Value> = queries
         .iter()
         .enumerate()
         .map(|(i, (_, q))| serde_json::json!({"alert": format!("Panel{i}"), "expr": format!("count({q}) > 0")}))
         .collect();
-    let groups = serde_json::json!({"groups": [{"name": "dashboard", "rules": rules}]});
-    check_rules(&dir.path, &groups);
     let target = [
         ("job", "nodeguard/nodeguard"),
         ("instance", "127.0.0.1:9909"),
@@ -461,8 +464,25 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
         ("pod", "nodeguard-test"),
         ("node", node.name.as_str()),
     ];
+    // The panels of what happened between the scrapes must show it: a
+    // first problem, probe failures, a shutdown's pods (a counter born at 1
+    // in the second scrape shows no increase).
+    let happened = [
+        "Problems found",
+        "Probe results",
+        "Pods by priority group and outcome",
+    ];
+    for (i, (title, q)) in queries.iter().enumerate() {
+        if happened.contains(&title.as_str()) {
+            rules.push(
+                serde_json::json!({"alert": format!("Shows{i}"), "expr": format!("sum({q}) > 0")}),
+            );
+        }
+    }
+    let groups = serde_json::json!({"groups": [{"name": "dashboard", "rules": rules}]});
+    check_rules(&dir.path, &groups);
     let mut test = quiet_test(&groups, &[&first, &second], &target, 5);
-    test["tests"][0]["alert_rule_test"] = queries
+    let mut cases: Vec<serde_json::Value> = queries
         .iter()
         .enumerate()
         .map(|(i, _)| {
@@ -470,6 +490,17 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
                                "exp_alerts": [{"exp_labels": {}}]})
         })
         .collect();
+    let shows = queries
+        .iter()
+        .enumerate()
+        .filter(|(_, (title, _))| happened.contains(&title.as_str()))
+        .map(|(i, _)| {
+            serde_json::json!({"eval_time": "1m", "alertname": format!("Shows{i}"),
+                               "exp_alerts": [{"exp_labels": {}}]})
+        });
+    cases.extend(shows);
+    assert_eq!(cases.len(), queries.len() + happened.len());
+    test["tests"][0]["alert_rule_test"] = cases.into();
     std::fs::write(
         dir.path.join("dashboard_test.yaml"),
         serde_json::to_vec_pretty(&test).unwrap(),

@@ -750,6 +750,13 @@ async fn run_monitor<T: TaintPort>(
         }
     }
     engine.clamp_to(now);
+    // Each rule's reason at 0 from the start, in ours as in NPD's: a first
+    // problem is then an increase (a series born at 1 shows none).
+    for (reason, _) in engine.rule_reasons() {
+        let _ = ctx.metrics.problems.get_or_create(&ReasonLabels {
+            reason: reason.to_string(),
+        });
+    }
     {
         let mut npd = ctx.metrics.npd();
         npd.declare(engine.rule_reasons());

@@ -614,6 +614,7 @@ async fn run_worker<P: PodConditionPort>(
         // Already told to stop: it ends at its next await.
         let _ = predecessor.await;
     }
+    shared.metrics.started(&key);
     let spec = &def.spec;
     let period = Duration::from_secs(spec.period_seconds.max(1).into());
     let timeout = Duration::from_secs(spec.timeout_seconds.max(1).into());

@@ -122,6 +122,19 @@ impl ProbeMetrics {
             .observe(took.as_secs_f64());
     }
 
+    /// A worker's success and failure series at 0 from its start, so the
+    /// first failure is an increase (`increase()` cannot see a series whose
+    /// first sample is already 1).
+    fn started(&self, key: &manager::WorkerKey) {
+        for result in ["success", "failure"] {
+            let _ = self.total.get_or_create(&ResultLabels {
+                probe: key.0.clone(),
+                target: key.1.clone(),
+                result: result.into(),
+            });
+        }
+    }
+
     /// Drops a stopped worker's series (pods come and go).
     fn forget(&self, key: &manager::WorkerKey) {
         for result in ["success", "failure", "unknown", "error"] {

@@ -219,6 +219,21 @@ impl ShutdownMetrics {
         m
     }
 
+    /// Each group's `evicted` and `escalated` series at 0 while the plan is
+    /// armed, so a shutdown's first pods are an increase on a dashboard (a
+    /// series born at 1 shows none); the rarer outcomes appear when they
+    /// happen, which keeps a fleet's series few.
+    fn declare_groups(&self, cfg: &ShutdownConfig) {
+        for g in &cfg.groups {
+            for outcome in ["evicted", "escalated"] {
+                let _ = self.pods.get_or_create(&PodLabels {
+                    group: g.priority,
+                    outcome: outcome.into(),
+                });
+            }
+        }
+    }
+
     fn pod(&self, group: i32, outcome: &str) {
         self.pods
             .get_or_create(&PodLabels {
@@ -1106,6 +1121,7 @@ async fn ensure_delay<P: LogindPort, C: ClusterPort>(
 ) -> Result<Duration, ShutdownError> {
     let needed = cfg.needed_delay();
     ctx.metrics.inhibit_delay_needed.set(needed.as_secs_f64());
+    ctx.metrics.declare_groups(cfg);
     let mut current = port.inhibit_delay_max().await?;
     if current < needed
         && let Some(dir) = &cfg.drop_in_dir

@@ -1167,8 +1167,20 @@ fn host_access_on_auto_is_what_the_charts_policy_uses() {
         logs.contains("\"--allow-read-path=/var/log\"")
             && logs.contains(
                 "- name: logs\n              mountPath: /var/log\n              readOnly: true"
-            ),
+            )
+            && logs.contains("add: [\"DAC_READ_SEARCH\"]"),
         "{logs}"
+    );
+    // Log files are often another user's (Ubuntu's rsyslog: syslog:adm
+    // 0640): root reads them with CAP_DAC_READ_SEARCH, only with host.logs.
+    assert!(!render(&[]).unwrap().contains("DAC_READ_SEARCH"));
+    // One path cannot be mounted twice.
+    let err =
+        render(&["host.logs.enabled=true,host.journal.enabled=true,host.journal.path=/var/log"])
+            .unwrap_err();
+    assert!(
+        err.contains("host.logs.path and host.journal.path are both /var/log"),
+        "{err}"
     );
     // A value removed (null), as an upgrade with --reuse-values from an
     // older release has none: auto, and the Pod Security check's default.

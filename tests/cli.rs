@@ -395,9 +395,15 @@ fn import_npd_tells_apart_configs_with_long_sources_and_ends() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let names: Vec<&str> = stdout
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("- name: "))
+    let docs = nodeguard::policy::load_policies("imported", &stdout).unwrap();
+    let names: Vec<String> = docs[0]
+        .policy
+        .as_ref()
+        .unwrap()
+        .spec
+        .monitors
+        .iter()
+        .map(|m| m.name.clone())
         .collect();
     assert_eq!(names.len(), 3, "{stdout}");
     let unique: std::collections::BTreeSet<_> = names.iter().collect();

@@ -246,8 +246,10 @@ async fn log_lines_set_and_clear_conditions_and_taints_across_restarts() {
     })
     .await;
     let (_, metrics) = http_get(agent.addr, "/metrics").await;
-    assert!(
-        !metrics.contains("nodeguard_problem_total{reason=\"AppCrashed\"}"),
+    // The counter exists from the monitor's start, at 0.
+    assert_eq!(
+        sample(&metrics, "nodeguard_problem_total{reason=\"AppCrashed\"}"),
+        Some(0.0),
         "the restarted agent did not re-report the old crash:\n{metrics}"
     );
     assert!(
@@ -1499,9 +1501,13 @@ async fn a_new_boot_resets_kernel_conditions_and_reads_the_kernel_log_from_its_s
         "AppBroken cleared",
     )
     .await;
+    // Its counters exist from the monitor's start, at 0 (NPD's and ours):
+    // still 0.
+    let text = metrics(&agent).await;
     assert!(
-        !metrics(&agent).await.contains("reason=\"AppCrashed\""),
-        "boot A's line was not read again"
+        text.contains("problem_counter{reason=\"AppCrashed\"} 0")
+            && !text.contains("nodeguard_problem_total{reason=\"AppCrashed\"} 1"),
+        "boot A's line was not read again:\n{text}"
     );
     let saved = saved_state(&state.path, "kernel").unwrap();
     assert_eq!(saved["bootId"], "boot-b", "{saved}");

@@ -830,10 +830,13 @@ async fn a_short_window_keeps_the_critical_groups_time_and_clips_pod_grace() {
         t_low - t0,
         t_critical - t0
     );
-    assert_eq!(
-        grace_low,
-        Some(2),
-        "the low pod's grace is its group's shortened window"
+    // What is left of its 2 s window when it is evicted, to the nearest
+    // second: the groups first wait (up to 1 s) for the taint's answer,
+    // which under a loaded `make test` took 0.6 s once (grace 1). Never its
+    // own 10 s.
+    assert!(
+        matches!(grace_low, Some(1) | Some(2)),
+        "the low pod's grace is its group's shortened window: {grace_low:?}"
     );
     assert_eq!(
         grace_critical,

@@ -640,18 +640,8 @@ async fn an_event_whose_source_rbac_refuses_goes_without_it_and_holds_nothing_up
         took < Duration::from_millis(800),
         "the Event behind it waited {took:?}"
     );
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(admin.clone(), "default");
-    let refused = events
-        .list(&Default::default())
+    let refused = node_event(&admin, &node.name, "SourceRefused")
         .await
-        .unwrap()
-        .items
-        .into_iter()
-        .find(|e| {
-            e.reason.as_deref() == Some("SourceRefused")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.name.as_str())
-        })
         .expect("the refused source's Event is stored without its source");
     assert_eq!(
         refused.reporting_controller.as_deref(),

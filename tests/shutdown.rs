@@ -58,18 +58,8 @@ async fn events_for(node: &str) -> String {
 /// When the API server finished storing the Event of `reason` about
 /// `node` (its audit log's ResponseComplete for the create).
 async fn event_created_at(admin: &Client, node: &str, reason: &str) -> jiff::Timestamp {
-    use k8s_openapi::api::events::v1::Event;
-    let events: Api<Event> = Api::namespaced(admin.clone(), "default");
-    let name = events
-        .list(&Default::default())
+    let name = node_event(admin, node, reason)
         .await
-        .unwrap()
-        .items
-        .into_iter()
-        .find(|e| {
-            e.reason.as_deref() == Some(reason)
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
-        })
         .and_then(|e| e.metadata.name)
         .unwrap_or_else(|| panic!("no {reason} Event about {node}"));
     let mut at = None;
@@ -90,6 +80,23 @@ async fn event_created_at(admin: &Client, node: &str, reason: &str) -> jiff::Tim
     )
     .await;
     at.unwrap()
+}
+
+/// `ShutdownInhibitorReleased` was stored before the test's logind saw the
+/// delay inhibitor let go; how long before.
+async fn release_event_stored_first(s: &Setup) -> jiff::SignedDuration {
+    let released_at = jiff::Timestamp::try_from(
+        s.peer
+            .delay_released_at()
+            .expect("logind saw the inhibitor let go"),
+    )
+    .unwrap();
+    let created = event_created_at(&s.admin, &s.node.name, "ShutdownInhibitorReleased").await;
+    assert!(
+        created <= released_at,
+        "ShutdownInhibitorReleased stored at {created}, after logind was let go at {released_at}"
+    );
+    released_at.duration_since(created)
 }
 
 struct Setup {
@@ -341,20 +348,9 @@ async fn poweroff_evicts_by_priority_honours_the_pdb_and_releases_in_time() {
     // The last word reaches the API server while the lock still holds the
     // host: once logind goes on, the network may go down (kube-reboot lost
     // this Event once, its publish racing the reboot).
-    let released_at = jiff::Timestamp::try_from(
-        s.peer
-            .delay_released_at()
-            .expect("logind saw the inhibitor let go"),
-    )
-    .unwrap();
-    let created = event_created_at(&s.admin, &s.node.name, "ShutdownInhibitorReleased").await;
-    assert!(
-        created <= released_at,
-        "ShutdownInhibitorReleased stored at {created}, after logind was let go at {released_at}"
-    );
     eprintln!(
         "ShutdownInhibitorReleased stored {:?} before logind was let go",
-        released_at.duration_since(created)
+        release_event_stored_first(&s).await
     );
     let (_, metrics) = http_get(agent.addr, "/metrics").await;
     assert!(
@@ -412,17 +408,7 @@ async fn the_release_event_is_stored_first_also_when_the_window_closes() {
         "released {:?} after PrepareForShutdown: the group's 4 s window was used up",
         t0.elapsed()
     );
-    let released_at = jiff::Timestamp::try_from(
-        s.peer
-            .delay_released_at()
-            .expect("logind saw the inhibitor let go"),
-    )
-    .unwrap();
-    let created = event_created_at(&s.admin, &s.node.name, "ShutdownInhibitorReleased").await;
-    assert!(
-        created <= released_at,
-        "ShutdownInhibitorReleased stored at {created}, after logind was let go at {released_at}"
-    );
+    release_event_stored_first(&s).await;
     agent.stop().await;
     force_delete(&s.admin, &[&low]).await;
     s.cleanup().await;

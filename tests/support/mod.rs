@@ -1000,6 +1000,26 @@ pub fn write_saved_state(state_dir: &std::path::Path, monitor: &str, state: serd
 }
 
 /// The API server's audit log entries of completed requests.
+/// The Event of `reason` about Node `node` (events.k8s.io view), if stored.
+pub async fn node_event(
+    admin: &kube::Client,
+    node: &str,
+    reason: &str,
+) -> Option<k8s_openapi::api::events::v1::Event> {
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(admin.clone(), "default");
+    events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
+        })
+}
+
 pub fn audit_completed() -> Vec<serde_json::Value> {
     let log = kubeconfig_path().parent().unwrap().join("logs/audit.log");
     let text = std::fs::read_to_string(&log).unwrap_or_default();

@@ -141,6 +141,30 @@ impl MonitorMetrics {
         m
     }
 
+    /// A monitor's start: each rule's reason at 0, in ours as in NPD's, so
+    /// a first problem is an increase (a series born at 1 shows none); and
+    /// what NPD runs as a custom plugin monitor (a plugin source here;
+    /// counting rules, NPD's log-counter, imported or in the default
+    /// policy) shows its conditions' no-problem reason from the first run.
+    fn declare(&self, spec: &MonitorSpec, engine: &Engine) {
+        for (reason, _) in engine.rule_reasons() {
+            let _ = self.problems.get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            });
+        }
+        let mut npd = self.npd();
+        npd.declare(engine.rule_reasons());
+        for c in &spec.conditions {
+            let counted = spec
+                .rules
+                .iter()
+                .any(|r| r.condition.as_deref() == Some(c.type_.as_str()) && r.count.is_some());
+            if spec.source.plugin.is_some() || counted {
+                npd.declare_no_problem(&c.type_, &c.reason);
+            }
+        }
+    }
+
     fn npd(&self) -> std::sync::MutexGuard<'_, npd_metrics::NpdProblems> {
         self.npd.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -750,30 +774,7 @@ async fn run_monitor<T: TaintPort>(
         }
     }
     engine.clamp_to(now);
-    // Each rule's reason at 0 from the start, in ours as in NPD's: a first
-    // problem is then an increase (a series born at 1 shows none).
-    for (reason, _) in engine.rule_reasons() {
-        let _ = ctx.metrics.problems.get_or_create(&ReasonLabels {
-            reason: reason.to_string(),
-        });
-    }
-    {
-        let mut npd = ctx.metrics.npd();
-        npd.declare(engine.rule_reasons());
-        // What NPD runs as a custom plugin monitor (a plugin source here;
-        // counting rules, NPD's log-counter, imported or in the default
-        // policy) shows its conditions' no-problem reason from the first
-        // run.
-        for c in &spec.conditions {
-            let counted = spec
-                .rules
-                .iter()
-                .any(|r| r.condition.as_deref() == Some(c.type_.as_str()) && r.count.is_some());
-            if spec.source.plugin.is_some() || counted {
-                npd.declare_no_problem(&c.type_, &c.reason);
-            }
-        }
-    }
+    ctx.metrics.declare(&spec, &engine);
     let counters = Arc::new(SourceCounters::default());
     ctx.metrics
         .sources

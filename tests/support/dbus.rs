@@ -57,15 +57,19 @@ impl PrivateBus {
             .expect(
                 "dbus-daemon is installed (apt-get install dbus-daemon); e2e/setup installs it",
             );
-        for _ in 0..100 {
-            if socket.exists() {
+        // Until it accepts a connection: the socket file appears at bind(),
+        // before listen(), and a peer connecting in between was refused
+        // (ECONNREFUSED) once on a loaded machine.
+        let accepts = || std::os::unix::net::UnixStream::connect(&socket).is_ok();
+        for _ in 0..250 {
+            if accepts() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(
-            socket.exists(),
-            "dbus-daemon did not create {}",
+            accepts(),
+            "dbus-daemon does not accept connections on {}",
             socket.display()
         );
         PrivateBus {

@@ -1,12 +1,21 @@
 //! The shutdown manager with in-memory ports and paused time. The fake
 //! inhibitor is a real pipe, so "released" means its descriptor closed.
 
+use super::cluster::{ClusterPort, Evicted};
+use super::core::{GroupSpec, Include};
+use super::execute::terminating_since;
+use super::logind::{InhibitLock, LogindConnector, LogindEvent, LogindPort};
 use super::*;
-use crate::report::ReportConfig;
+use crate::policy::ShutdownSpec;
+use crate::report::{Desired, ReportConfig, Status};
 use crate::server::Health;
+use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// One inhibitor handed out: the read end tells whether it is still held.
 struct Held(OwnedFd);

@@ -1,0 +1,782 @@
+//! The shutdown manager's lifecycle: start-up, arming, the armed loop that
+//! answers logind's signals, policy changes and a stop's question, and
+//! the undo after a cancel.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use tokio::sync::{mpsc, watch};
+use tokio::time::{Instant, sleep, timeout};
+use tokio_util::sync::CancellationToken;
+
+use super::arm::{connect_and_arm, ensure_delay, why};
+use super::cluster::ClusterPort;
+use super::conditions::{report_armed, report_condition, report_unavailable};
+use super::core;
+use super::execute::execute;
+use super::keep::Keeper;
+use super::logind::{InhibitLock, LogindConnector, LogindEvent, LogindPort};
+use super::startup::{
+    cancelled_meanwhile, logind_after_restart, preparing_for_shutdown, start_up, watch_going_down,
+};
+use super::state::{self, ShutdownRecord};
+use super::stop::{ArmedMark, StopPhase, StopQuestions};
+use super::taint::{clean_up_left_taint, undo_taint};
+use super::{CALL_TIMEOUT, Ctx, ShutdownConfig, ShutdownMetrics, UNAVAILABLE};
+use crate::clock::WallClock;
+use crate::k8s::watch::Snapshot;
+use crate::report::{EventKind, Reporter};
+use crate::server::LoopHandle;
+use crate::server::backoff::Backoff;
+use crate::state_dir::StateWrites;
+
+/// What the shutdown manager is given by the agent.
+pub struct ShutdownHost<L, C> {
+    pub logind: L,
+    pub cluster: C,
+    pub state_dir: PathBuf,
+    /// Where a failing state write is said.
+    pub state_writes: StateWrites,
+    pub boot_id: String,
+    pub node_name: String,
+    /// True while a shutdown runs (from PrepareForShutdown until its
+    /// groups are done or it is cancelled): the agent does not stop then.
+    pub in_progress: watch::Sender<bool>,
+    /// Where a copy of the delay inhibitor outlives this process.
+    pub keeper: Keeper,
+    /// The inhibitor a previous process left with the keeper.
+    pub reclaimed: Option<std::os::fd::OwnedFd>,
+    /// A stop's question, asked before the stop cancels anything.
+    pub stop_questions: StopQuestions,
+}
+
+/// Backoff between reconnects to the bus or logind: short, so the lock is
+/// back within about two seconds of logind's return.
+const RECONNECT_MIN: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_millis(1000);
+
+/// The shutdown manager loop. Runs until `stop`; then releases the lock.
+pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
+    host: ShutdownHost<L, C>,
+    config: watch::Receiver<Option<ShutdownConfig>>,
+    pods: watch::Receiver<Option<Snapshot<Pod>>>,
+    reporter: Reporter,
+    metrics: ShutdownMetrics,
+    handle: LoopHandle,
+    stop: CancellationToken,
+) {
+    let ctx = Arc::new(Ctx {
+        cluster: host.cluster,
+        reporter,
+        metrics,
+        state_dir: host.state_dir,
+        state_writes: host.state_writes,
+        boot_id: host.boot_id,
+        node_name: host.node_name,
+        clock: WallClock::new(),
+        pods,
+        in_progress: host.in_progress,
+        keeper: host.keeper.clone(),
+        taint_left: Default::default(),
+        taint_cleanup: Default::default(),
+    });
+    // A taint a previous process could not remove: removed from here on.
+    if state::taint_left(&ctx.state_dir) {
+        tracing::info!(
+            "nodeguard's shutdown taint was left on the node by a previous process; removing it in the background"
+        );
+        ctx.taint_left
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    tokio::spawn(clean_up_left_taint(ctx.clone(), stop.clone()));
+    let mut manager = Manager {
+        ctx,
+        logind: host.logind,
+        config,
+        handle,
+        stop,
+        questions: host.stop_questions,
+        last: None,
+        backoff: Backoff::new(RECONNECT_MIN, RECONNECT_MAX),
+        failing_since: None,
+        policy_known: false,
+    };
+    // A lock left by a previous process of this agent (killed while it
+    // held one): held from here, so logind keeps waiting for this process.
+    let reclaimed = host.reclaimed.map(|fd| {
+        tracing::info!(keeper = %host.keeper, "took back the delay inhibitor a previous process of the agent left with its keeper");
+        InhibitLock::reclaimed(fd, &host.keeper)
+    });
+    tracing::debug!("shutdown manager started");
+    let mut stage = manager.start(reclaimed).await;
+    while !matches!(stage, Stage::Stopped) {
+        stage = manager.step(stage).await;
+    }
+    manager.questions.set(StopPhase::Free);
+    manager.ctx.metrics.inhibitor_held.set(0);
+}
+
+/// Where the shutdown manager stands between two steps. What a stage
+/// carries is what the next one needs: the shutdown to resume, and a lock
+/// carried into the next arming.
+enum Stage {
+    /// Choose the plan: the one a resumed shutdown began with, or the
+    /// policy's (waiting for a policy that wants graceful shutdown).
+    Choose {
+        resume: Option<ShutdownRecord>,
+        /// Taken back from the keeper, or from a restarted logind: held
+        /// until the armed loop answers a stop's question.
+        lock: Option<InhibitLock>,
+        /// `lock` was taken from a restarted logind that had forgotten
+        /// the shutdown: the subscription is new, so a reboot asked for in
+        /// between would go unseen; ask once subscribed.
+        carried: bool,
+    },
+    /// Connect to logind, arm for `cfg`, then run the armed loop.
+    Arm {
+        cfg: ShutdownConfig,
+        resume: Option<ShutdownRecord>,
+        lock: Option<InhibitLock>,
+        carried: bool,
+    },
+    /// This boot's shutdown is done and the host should be going down:
+    /// watch that it does, and undo the shutdown (as after a cancel) if it
+    /// does not.
+    GoingDown {
+        taint_added: bool,
+        cause: core::CancelCause,
+    },
+    /// The agent stops.
+    Stopped,
+}
+
+/// What the manager keeps across its stages.
+struct Manager<L, C> {
+    ctx: Arc<Ctx<C>>,
+    logind: L,
+    config: watch::Receiver<Option<ShutdownConfig>>,
+    handle: LoopHandle,
+    stop: CancellationToken,
+    questions: StopQuestions,
+    /// The last shutdown, as the condition reports it.
+    last: Option<core::LastShutdown>,
+    /// Between failed attempts to reach logind.
+    backoff: Backoff,
+    /// Since when logind has been unreachable (said once).
+    failing_since: Option<Instant>,
+    /// Until the first policy selection arrives, "no config" means "not
+    /// known yet", not "off": what start-up reported (NodeRebooted) must
+    /// stay.
+    policy_known: bool,
+}
+
+impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
+    async fn step(&mut self, stage: Stage) -> Stage {
+        match stage {
+            Stage::Choose {
+                resume,
+                lock,
+                carried,
+            } => self.choose(resume, lock, carried).await,
+            Stage::Arm {
+                cfg,
+                resume,
+                lock,
+                carried,
+            } => self.arm(cfg, resume, lock, carried).await,
+            Stage::GoingDown { taint_added, cause } => self.going_down(taint_added, cause).await,
+            Stage::Stopped => Stage::Stopped,
+        }
+    }
+
+    /// Start-up: resume this boot's shutdown, report the one before the
+    /// reboot, or find the host going down already.
+    async fn start(&mut self, reclaimed: Option<InhibitLock>) -> Stage {
+        // Holding a lock taken back from the keeper, the manager decides
+        // (resume or not) before a stop may release it.
+        if reclaimed.is_some() {
+            self.questions.set(StopPhase::Holding);
+        }
+        // The loop counts as synced (so /readyz and systemd's READY=1) only
+        // once it has decided for the policy in force: armed (the delay
+        // inhibitor held), off, or unavailable and reported. A restarted
+        // agent that says it is ready therefore protects the next shutdown.
+        let (mut resume, last, going_down) = start_up(&self.ctx, &self.logind).await;
+        self.last = last;
+        if resume.is_none() && going_down.is_none() && reclaimed.is_some() {
+            // The previous process was killed after PrepareForShutdown but
+            // before it wrote its record: logind still waits on the
+            // reclaimed lock, and will not say PrepareForShutdown again.
+            if preparing_for_shutdown(&self.logind).await == Some(true) {
+                tracing::warn!(
+                    "the host is shutting down and the previous process left no record: starting the shutdown's groups now"
+                );
+                resume = Some(ShutdownRecord {
+                    boot_id: self.ctx.boot_id.clone(),
+                    ..Default::default()
+                });
+            }
+        }
+        match going_down {
+            Some(taint_added) => {
+                // This boot's shutdown is done: a lock still kept goes now.
+                // Nothing to arm (logind refuses new delay locks now) and
+                // nothing to undo while the machine goes down: the taint
+                // goes with it and the next boot reports the shutdown.
+                // Should logind's shutdown end without the machine going
+                // down (a failed or cancelled job), undo it then, as after
+                // a cancel.
+                drop(reclaimed);
+                Stage::GoingDown {
+                    taint_added,
+                    cause: core::CancelCause::Logind,
+                }
+            }
+            None => Stage::Choose {
+                resume,
+                lock: reclaimed,
+                carried: false,
+            },
+        }
+    }
+
+    /// A shutdown resumed goes on with the plan it began with, whatever the
+    /// policy says now (edited, invalid, or without a shutdown section);
+    /// otherwise, wait for a policy that wants graceful shutdown.
+    async fn choose(
+        &mut self,
+        resume: Option<ShutdownRecord>,
+        mut lock: Option<InhibitLock>,
+        carried: bool,
+    ) -> Stage {
+        // A lock carried into this pass is held until the armed loop
+        // answers.
+        self.questions.set(if lock.is_some() {
+            StopPhase::Holding
+        } else {
+            StopPhase::Free
+        });
+        let recorded = resume.as_ref().and_then(|r| r.plan.clone());
+        let cfg = if let Some(c) = recorded {
+            tracing::info!("resuming the shutdown with the plan it began with");
+            c
+        } else {
+            loop {
+                if let Some(c) = self.config.borrow_and_update().clone() {
+                    self.policy_known = true;
+                    self.ctx
+                        .metrics
+                        .inhibit_delay_needed
+                        .set(c.needed_delay().as_secs_f64());
+                    break c;
+                }
+                if self.policy_known {
+                    // No shutdown wanted: a carried lock goes too.
+                    lock = None;
+                    self.questions.set(StopPhase::Free);
+                    self.handle.updated();
+                    self.ctx.metrics.inhibit_delay_needed.set(0.0);
+                    self.ctx.reporter.remove(UNAVAILABLE);
+                    self.last = None;
+                    report_condition(&self.ctx, &core::Phase::Off, None);
+                    tracing::debug!("graceful shutdown is off; waiting for a policy");
+                }
+                tokio::select! {
+                    _ = self.stop.cancelled() => return Stage::Stopped,
+                    r = self.config.changed() => {
+                        if r.is_err() { return Stage::Stopped }
+                        self.policy_known = true;
+                    }
+                }
+            }
+        };
+        Stage::Arm {
+            cfg,
+            resume,
+            lock,
+            carried,
+        }
+    }
+
+    /// Connects and arms (resuming: logind is delaying its shutdown already
+    /// and refuses new delay locks, OperationInProgress; the remaining
+    /// groups run in the time left of the plan without one), then runs the
+    /// armed loop.
+    async fn arm(
+        &mut self,
+        cfg: ShutdownConfig,
+        mut resume: Option<ShutdownRecord>,
+        mut reclaimed: Option<InhibitLock>,
+        carried: bool,
+    ) -> Stage {
+        let ctx = &self.ctx;
+        let (port, events, delay_max, lock) = match connect_and_arm(
+            ctx,
+            &self.logind,
+            &cfg,
+            resume.is_none(),
+            &mut reclaimed,
+        )
+        .await
+        {
+            Ok(parts) => parts,
+            Err((reason, message)) => {
+                report_unavailable(ctx, &mut self.failing_since, reason, &message);
+                self.handle.updated();
+                tokio::select! {
+                    _ = self.stop.cancelled() => return Stage::Stopped,
+                    _ = sleep(self.backoff.next_delay()) => {}
+                }
+                return Stage::Choose {
+                    resume,
+                    lock: reclaimed,
+                    carried,
+                };
+            }
+        };
+        self.backoff.reset();
+        // A shutdown resumed because logind did not answer at start-up (or
+        // was asked before it ended): logind answers now. If it prepares for
+        // no shutdown, that one was cancelled meanwhile and its signal is
+        // gone: undo it rather than evict pods on a node that stays up (and
+        // then, holding no inhibitor, let the next shutdown through).
+        if let Some(r) = &resume
+            && matches!(
+                timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                Ok(Ok(false))
+            )
+        {
+            tracing::warn!(
+                "the shutdown on record is no longer under way (cancelled while logind did not answer); undoing it instead of resuming"
+            );
+            let taint_added = r.taint_ours();
+            // The lock first (a lock taken back from the keeper, or a new
+            // one), so a reboot asked for while the undo talks to the API
+            // server is delayed; the next pass arms with it and, newly
+            // subscribed, asks logind whether one began meanwhile.
+            let lock = match lock {
+                Some(l) => Some(l),
+                None => port.inhibit(&why(&cfg)).await.ok(),
+            };
+            self.last =
+                Some(cancelled_meanwhile(ctx, taint_added, core::CancelCause::Logind).await);
+            return Stage::Choose {
+                resume: None,
+                carried: lock.is_some(),
+                lock,
+            };
+        }
+        self.handle.updated();
+        if self.failing_since.take().is_some() {
+            tracing::info!("logind reachable again; delay inhibitor taken");
+        }
+        if lock.is_some() {
+            ctx.metrics.inhibitor_held.set(1);
+        }
+        let fresh = carried
+            && resume.is_none()
+            && lock.is_some()
+            && matches!(
+                timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                Ok(Ok(true))
+            );
+        if fresh {
+            tracing::warn!("a shutdown began while nodeguard reconnected to the restarted logind");
+        }
+        if lock.is_some() && resume.is_none() && !fresh {
+            tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
+            report_armed(ctx, &cfg, delay_max, self.last.as_ref());
+        }
+        let mut armed_state = ArmedState {
+            cfg,
+            lock,
+            delay_max,
+            last: &mut self.last,
+        };
+        let ended = armed(
+            ctx,
+            &self.logind,
+            &port,
+            &mut self.config,
+            &mut armed_state,
+            events,
+            resume.take(),
+            fresh,
+            &self.handle,
+            &self.stop,
+            &mut self.questions,
+        )
+        .await;
+        match ended {
+            Armed::Stop => Stage::Stopped,
+            Armed::Reconnect(lock) => {
+                ctx.metrics.inhibitor_held.set(0);
+                Stage::Choose {
+                    resume: None,
+                    carried: lock.is_some(),
+                    lock,
+                }
+            }
+            Armed::GoingDown { taint_added } => Stage::GoingDown {
+                taint_added,
+                cause: core::CancelCause::LogindRestarted,
+            },
+        }
+    }
+
+    /// No lock, and no loop to answer: a stop goes on at once.
+    async fn going_down(&mut self, taint_added: bool, cause: core::CancelCause) -> Stage {
+        self.ctx.metrics.inhibitor_held.set(0);
+        self.questions.set(StopPhase::Free);
+        self.handle.updated();
+        match watch_going_down(&self.ctx, &self.logind, &self.stop, taint_added, cause).await {
+            Some(l) => {
+                self.last = Some(l);
+                Stage::Choose {
+                    resume: None,
+                    lock: None,
+                    carried: false,
+                }
+            }
+            None => Stage::Stopped,
+        }
+    }
+}
+
+pub(super) enum Armed {
+    Stop,
+    /// Connect again; with a lock already taken on the new logind (after a
+    /// shutdown a restarted logind forgot), arm with it.
+    Reconnect(Option<InhibitLock>),
+    /// The groups finished while logind was away: the host is taken to be
+    /// going down; watch that it does (undo, as after a cancel, if not).
+    GoingDown {
+        taint_added: bool,
+    },
+}
+
+/// What the armed loop works with.
+struct ArmedState<'a> {
+    /// The configuration the inhibitor was taken for (and a running
+    /// shutdown follows).
+    cfg: ShutdownConfig,
+    lock: Option<InhibitLock>,
+    delay_max: Duration,
+    /// The last shutdown, as the condition reports it.
+    last: &'a mut Option<core::LastShutdown>,
+}
+
+type Running = (CancellationToken, tokio::task::JoinHandle<ShutdownRecord>);
+
+/// Holding the lock: wait for logind's signals and policy changes.
+///
+/// A policy change while a shutdown runs does not touch that shutdown: it
+/// keeps the plan it started with (its windows are already promised to the
+/// pods and to logind). The change is kept and applied when the shutdown is
+/// cancelled: the inhibitor is then taken for the new configuration, or not
+/// at all when the policy turned graceful shutdown off. (A shutdown that is
+/// not cancelled ends with the reboot; the agent starts with the new
+/// policy.)
+#[allow(clippy::too_many_arguments)]
+async fn armed<L: LogindConnector, C: ClusterPort>(
+    ctx: &Arc<Ctx<C>>,
+    logind: &L,
+    port: &L::Port,
+    config: &mut watch::Receiver<Option<ShutdownConfig>>,
+    st: &mut ArmedState<'_>,
+    mut events: mpsc::Receiver<LogindEvent>,
+    resume: Option<ShutdownRecord>,
+    fresh: bool,
+    handle: &LoopHandle,
+    stop: &CancellationToken,
+    questions: &mut StopQuestions,
+) -> Armed {
+    let mark = ArmedMark::new(questions);
+    let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st));
+    // What the policy wants now; differs from `st.cfg` while a shutdown
+    // runs and the policy changed meanwhile.
+    let mut latest = Some(st.cfg.clone());
+    if let Some(record) = resume {
+        tracing::warn!("resuming the shutdown that was in progress when the agent restarted");
+        running = Some(spawn_shutdown(
+            ctx,
+            &st.cfg,
+            st.lock.take(),
+            st.delay_max,
+            record,
+            true,
+        ));
+    }
+    loop {
+        tokio::select! {
+            // In this order: a stop, then logind's signals and policy
+            // changes already queued, then a stop's question.
+            biased;
+            _ = stop.cancelled() => {
+                if let Some((token, task)) = running.take() {
+                    token.cancel();
+                    let _ = task.await;
+                    ctx.in_progress.send_replace(false);
+                }
+                return Armed::Stop;
+            }
+            r = config.changed() => {
+                if r.is_err() { return Armed::Stop; }
+                latest = config.borrow_and_update().clone();
+                if running.is_some() {
+                    if latest.as_ref() != Some(&st.cfg) {
+                        let message = "The shutdown policy changed during a shutdown: the shutdown in progress keeps its plan; the change applies if the shutdown is cancelled, otherwise after the reboot.";
+                        tracing::info!("{message}");
+                        ctx.reporter.event(EventKind::Normal, "ShutdownPolicyDeferred", "UpdatePolicy", message);
+                    }
+                    continue;
+                }
+                match &latest {
+                    None => {
+                        tracing::info!("graceful shutdown turned off by policy; releasing the inhibitor");
+                        ctx.metrics.inhibitor_held.set(0);
+                        return Armed::Reconnect(None);
+                    }
+                    Some(new) if *new != st.cfg => {
+                        handle.queued();
+                        st.cfg = new.clone();
+                        if let Ok(d) = ensure_delay(ctx, port, &st.cfg).await {
+                            st.delay_max = d;
+                        }
+                        report_armed(ctx, &st.cfg, st.delay_max, st.last.as_ref());
+                        handle.updated();
+                    }
+                    Some(_) => {}
+                }
+            }
+            e = events.recv() => match e {
+                Some(LogindEvent::PrepareForShutdown(true)) => {
+                    if running.is_some() { continue; }
+                    tracing::warn!("PrepareForShutdown(true): the host is shutting down");
+                    running = Some(begin_shutdown(ctx, st));
+                }
+                Some(LogindEvent::PrepareForShutdown(false)) => {
+                    tracing::warn!("PrepareForShutdown(false): the shutdown was cancelled");
+                    let mut record = None;
+                    if let Some((token, task)) = running.take() {
+                        token.cancel();
+                        record = task.await.ok();
+                    }
+                    // A stop deferred for the shutdown also waits for the
+                    // undo (taint, condition, Event) before it goes on.
+                    let after = cancelled(ctx, port, st, latest.clone(), record, handle, core::CancelCause::Logind).await;
+                    ctx.in_progress.send_replace(false);
+                    if let Some(a) = after {
+                        return a;
+                    }
+                }
+                Some(LogindEvent::Gone) | None => {
+                    let Some((token, task)) = running.take() else {
+                        tracing::warn!("systemd-logind or the system bus went away; reconnecting to take the lock again");
+                        return Armed::Reconnect(None);
+                    };
+                    // The groups go on meanwhile (a spawned task). A logind
+                    // restarted during the delay has forgotten the shutdown
+                    // the old one was delaying (it keeps inhibitors, not a
+                    // pending shutdown): the host stays up, so undo it. On
+                    // the way down, logind is stopped for good and does not
+                    // answer; the groups then finish.
+                    // Meanwhile (up to LOGIND_BACK_WAIT) a stop is answered
+                    // and a stop goes on: the host stopping the agent on
+                    // its way down must not wait for logind.
+                    let back = {
+                        let wait = logind_after_restart(logind);
+                        tokio::pin!(wait);
+                        loop {
+                            tokio::select! {
+                                biased;
+                                _ = stop.cancelled() => {
+                                    token.cancel();
+                                    let _ = task.await;
+                                    ctx.in_progress.send_replace(false);
+                                    return Armed::Stop;
+                                }
+                                r = &mut wait => break r,
+                                Some(answer) = mark.0.asks.recv() => {
+                                    let _ = answer.send(*ctx.in_progress.borrow());
+                                }
+                            }
+                        }
+                    };
+                    match back {
+                        Some((new_port, false)) => {
+                            tracing::warn!("systemd-logind restarted during the shutdown and no longer shuts the host down; cancelling the shutdown");
+                            token.cancel();
+                            let record = task.await.ok();
+                            let after = cancelled(ctx, &new_port, st, latest.clone(), record, handle, core::CancelCause::LogindRestarted).await;
+                            ctx.in_progress.send_replace(false);
+                            // The signals came from the old connection:
+                            // reconnect, keeping the lock just taken.
+                            return match after {
+                                Some(Armed::Stop) => Armed::Stop,
+                                _ => Armed::Reconnect(st.lock.take()),
+                            };
+                        }
+                        Some((_, true)) => tracing::warn!("systemd-logind restarted during the shutdown and still shuts the host down; the groups go on"),
+                        None => tracing::warn!("systemd-logind or the system bus went away during the shutdown; the groups go on"),
+                    }
+                    let record = task.await.ok();
+                    return Armed::GoingDown { taint_added: record.is_some_and(|r| r.taint_ours()) };
+                }
+            },
+            Some(answer) = mark.0.asks.recv() => {
+                // A stop asks before it cancels anything: logind may have
+                // begun a shutdown whose signal is not handled yet. Its
+                // answer comes after any signal it sent before (one
+                // connection), so a shutdown begun is seen here; a signal
+                // already queued was handled first (`biased`). A question
+                // its stop gave up on starts nothing.
+                if answer.is_closed() {
+                    continue;
+                }
+                // A second signal while logind is asked stops at once.
+                let preparing = running.is_none() && tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => false,
+                    r = timeout(CALL_TIMEOUT, port.preparing_for_shutdown()) => matches!(r, Ok(Ok(true))),
+                };
+                if preparing {
+                    tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
+                    running = Some(begin_shutdown(ctx, st));
+                }
+                let _ = answer.send(*ctx.in_progress.borrow());
+            }
+        }
+    }
+}
+
+/// PrepareForShutdown(false): apply the policy as it is now (it may have
+/// changed during the shutdown), take the inhibitor again (first, so the
+/// node is protected while the API is slow), then undo what the shutdown
+/// did to the node. `Some` when the armed loop must end.
+async fn cancelled<P: LogindPort, C: ClusterPort>(
+    ctx: &Ctx<C>,
+    port: &P,
+    st: &mut ArmedState<'_>,
+    latest: Option<ShutdownConfig>,
+    record: Option<ShutdownRecord>,
+    handle: &LoopHandle,
+    cause: core::CancelCause,
+) -> Option<Armed> {
+    let inhibitor = match latest {
+        None => {
+            st.lock = None;
+            core::AfterCancel::PolicyOff
+        }
+        Some(new) => {
+            let changed = new != st.cfg;
+            if changed {
+                handle.queued();
+                tracing::info!("applying the policy change made during the shutdown");
+                st.cfg = new;
+            }
+            // The lock first: a reboot asked for while logind reloads its
+            // delay (below) is delayed too. A lock the shutdown never took
+            // names the old plan; it goes once the new one is held.
+            let held = if changed || st.lock.is_none() {
+                match port.inhibit(&why(&st.cfg)).await {
+                    Ok(l) => {
+                        st.lock = Some(l);
+                        ctx.metrics.inhibitor_held.set(1);
+                        core::AfterCancel::Held
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot take the inhibitor again; reconnecting");
+                        core::AfterCancel::Reconnecting
+                    }
+                }
+            } else {
+                core::AfterCancel::Held
+            };
+            if changed && let Ok(d) = ensure_delay(ctx, port, &st.cfg).await {
+                st.delay_max = d;
+            }
+            held
+        }
+    };
+    if inhibitor != core::AfterCancel::Held {
+        ctx.metrics.inhibitor_held.set(0);
+    }
+    let taint = undo_taint(ctx, record.as_ref().is_some_and(|r| r.taint_ours())).await;
+    state::clear(&ctx.state_writes, &ctx.state_dir);
+    ctx.reporter.event(
+        EventKind::Normal,
+        "ShutdownCancelled",
+        "CancelShutdown",
+        core::cancel_message(cause, taint, inhibitor),
+    );
+    *st.last = Some(core::LastShutdown::Cancelled {
+        cause,
+        taint,
+        inhibitor,
+    });
+    match inhibitor {
+        core::AfterCancel::Held => {
+            report_armed(ctx, &st.cfg, st.delay_max, st.last.as_ref());
+            handle.updated();
+            None
+        }
+        // The outer loop finds the policy off and removes the conditions.
+        core::AfterCancel::PolicyOff => Some(Armed::Reconnect(None)),
+        core::AfterCancel::Reconnecting => {
+            report_condition(ctx, &core::Phase::Waiting, st.last.as_ref());
+            Some(Armed::Reconnect(None))
+        }
+    }
+}
+
+/// A shutdown logind has just begun: a new record, the lock handed to it.
+fn begin_shutdown<C: ClusterPort>(ctx: &Arc<Ctx<C>>, st: &mut ArmedState<'_>) -> Running {
+    *st.last = None;
+    let record = ShutdownRecord {
+        boot_id: ctx.boot_id.clone(),
+        ..Default::default()
+    };
+    spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false)
+}
+
+fn spawn_shutdown<C: ClusterPort>(
+    ctx: &Arc<Ctx<C>>,
+    cfg: &ShutdownConfig,
+    lock: Option<InhibitLock>,
+    delay_max: Duration,
+    record: ShutdownRecord,
+    resume: bool,
+) -> Running {
+    let token = CancellationToken::new();
+    ctx.in_progress.send_replace(true);
+    let run = execute(
+        ctx.clone(),
+        cfg.clone(),
+        lock,
+        delay_max,
+        record,
+        resume,
+        token.clone(),
+    );
+    // Cleared when the task ends by itself (done or panicked): a stop that
+    // waits for it must never wait forever. When the manager cancelled it
+    // (logind's cancel, the agent's stop), the manager clears it once it
+    // has undone the shutdown (`armed`).
+    struct Clear(watch::Sender<bool>, CancellationToken);
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            if !self.1.is_cancelled() {
+                self.0.send_replace(false);
+            }
+        }
+    }
+    let clear = Clear(ctx.in_progress.clone(), token.clone());
+    let task = tokio::spawn(async move {
+        let _clear = clear;
+        run.await
+    });
+    (token, task)
+}

@@ -1,0 +1,407 @@
+//! One monitor's run: restore its state, catch up, read its source, and
+//! apply what the engine decides.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::apply::{Voice, apply};
+use super::engine::{Action, Engine, PluginStatus};
+use super::plugin::run_plugins;
+use super::sources;
+use super::sources::{Resume, SourceCounters, StopFlag};
+use super::state::{MonitorState, load_state, same_boot, save_state_as};
+use super::systemd::run_service_checks;
+use super::tasks::remove_stale_taint;
+use super::{MonitorContext, MonitorError, QUEUE, TAINT_RETRY, TaintPort};
+use crate::clock::WallClock;
+use crate::policy::monitors::MonitorSpec;
+use crate::report::EventKind;
+use crate::server::LoopHandle;
+
+/// A monitor's wall clock. The engine keeps wall times (they are saved and
+/// read back after a restart); when the system clock steps (NTP, `date -s`),
+/// the engine's times move by the step, so a counting window or a quiet
+/// period measures the time that passed, not the jump.
+pub(super) struct EngineClock {
+    pub(super) clock: WallClock,
+    /// The step the engine's times already follow.
+    pub(super) followed: jiff::SignedDuration,
+    /// The engine's times moved since the last save.
+    pub(super) shifted: bool,
+    pub(super) monitor: String,
+}
+
+/// Steps smaller than this are left alone (a window off by less than a
+/// second does not matter; the readings differ by microseconds).
+pub(super) const FOLLOWED_STEP: jiff::SignedDuration = jiff::SignedDuration::from_secs(1);
+
+impl EngineClock {
+    pub(super) fn new(monitor: &str) -> Self {
+        EngineClock {
+            clock: WallClock::new(),
+            followed: jiff::SignedDuration::ZERO,
+            shifted: false,
+            monitor: monitor.to_string(),
+        }
+    }
+
+    /// Wall time now, after moving the engine's times by any new step.
+    pub(super) fn now(&mut self, engine: &mut Engine) -> jiff::Timestamp {
+        let step = self.clock.step();
+        let by = step - self.followed;
+        if by.abs() >= FOLLOWED_STEP {
+            tracing::info!(monitor = %self.monitor, step_seconds = by.as_secs_f64(), "the wall clock stepped; counting windows and quiet periods go on by elapsed time");
+            engine.shift(by);
+            self.followed = step;
+            self.shifted = true;
+        }
+        self.clock.now()
+    }
+
+    /// Whether the engine's times moved since this was last asked: the
+    /// state on disk must follow (a crash would read the old times back).
+    pub(super) fn take_shifted(&mut self) -> bool {
+        std::mem::take(&mut self.shifted)
+    }
+}
+
+/// Runs until `stop`; `Err` says why it ended otherwise.
+pub(super) async fn run_monitor<T: TaintPort>(
+    spec: MonitorSpec,
+    ctx: Arc<MonitorContext<T>>,
+    handle: Arc<LoopHandle>,
+    stop: CancellationToken,
+) -> Result<(), String> {
+    let mut clock = EngineClock::new(&spec.name);
+    let mut engine = match Engine::new(&spec, &format!("monitor {}", spec.name)) {
+        Ok(e) => e,
+        Err(bad) => {
+            // The policy validation rejects these; never crash on them.
+            tracing::error!(monitor = %spec.name, problems = ?bad, "monitor rules do not compile; monitor not started");
+            stop.cancelled().await;
+            return Ok(());
+        }
+    };
+    let saved = load_state(&ctx.state_dir, &spec.name);
+    let new_boot = saved
+        .as_ref()
+        .is_some_and(|(s, before)| !same_boot(s, &ctx.boot_id, *before));
+    let resume = Resume::plan(saved.as_ref().map(|(s, _)| &s.cursor), !new_boot);
+    let mut state = saved.map(|(s, _)| s).unwrap_or_default();
+    if new_boot {
+        tracing::info!(monitor = %spec.name, "state from an earlier boot: kernel log read from this boot's start, conditions that reset at boot reset");
+        // Nothing of the old boot's kernel log is left to resume after.
+        state.cursor.kmsg_sequence = None;
+    }
+    state.boot_id = Some(ctx.boot_id.clone());
+    for t in engine.restore(std::mem::take(&mut state.conditions)) {
+        // The policy was edited while the agent was not running (or while
+        // it was applying the edit): the old spec is gone, the state says
+        // which taint nodeguard added.
+        remove_stale_taint(&ctx, &spec.name, &t).await;
+    }
+    engine.restore_counts(std::mem::take(&mut state.counts));
+    let now = clock.now(&mut engine);
+    if !new_boot && let Some((wall, monotonic_ms)) = state.saved_at {
+        // Wall time passed since the save, less the time that really passed.
+        let really = clock
+            .clock
+            .monotonic()
+            .saturating_sub(Duration::from_millis(monotonic_ms));
+        let stepped =
+            now.duration_since(wall) - jiff::SignedDuration::try_from(really).unwrap_or_default();
+        if stepped.abs() >= FOLLOWED_STEP {
+            tracing::info!(monitor = %spec.name, step_seconds = stepped.as_secs_f64(), "the wall clock stepped while the monitor was stopped; its saved times move with it");
+            engine.shift(stepped);
+        }
+    }
+    engine.clamp_to(now);
+    ctx.metrics.declare(&spec, &engine);
+    let counters = Arc::new(SourceCounters::default());
+    ctx.metrics
+        .sources
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(spec.name.clone(), counters.clone());
+    let (tx, mut rx) = mpsc::channel(QUEUE);
+    let source_stop = StopFlag::default();
+    // At most one line source (validation rejects more); `started` names it with its result.
+    let started = if let Some(k) = &spec.source.kmsg {
+        let r = sources::spawn_kmsg(
+            PathBuf::from(&k.path),
+            &ctx.read_roots,
+            resume.kmsg,
+            tx,
+            counters.clone(),
+            source_stop.clone(),
+        );
+        Some((k.path.clone(), r))
+    } else if let Some(f) = &spec.source.file {
+        let r = sources::spawn_file(
+            PathBuf::from(&f.path),
+            ctx.read_roots.clone(),
+            resume.file,
+            tx,
+            counters.clone(),
+            source_stop.clone(),
+        );
+        Some((f.path.clone(), r))
+    } else if let Some(j) = &spec.source.journald {
+        let r = sources::spawn_journald(
+            j.clone(),
+            &ctx.journalctl,
+            &ctx.read_roots,
+            resume.journal.clone(),
+            tx,
+            counters.clone(),
+            source_stop.clone(),
+        );
+        Some(("journalctl".to_string(), r))
+    } else {
+        drop(tx);
+        None
+    };
+    // Whether lines come: a line source runs. Its queue closing means it ended.
+    let lines_open = matches!(started, Some((_, Ok(_))));
+    // Where it starts is saved at once: a restart before the first line
+    // resumes there instead of at the (then later) end.
+    if let Some((_, Ok(start))) = &started {
+        state.cursor = start.clone();
+    }
+    let (plugin_tx, mut plugin_rx) = mpsc::channel::<(usize, PluginStatus, String)>(64);
+    // Plugin and systemd checkers: one ending while the monitor runs is the
+    // monitor's failure too.
+    let mut checkers = JoinSet::new();
+    if let Some(p) = &spec.source.plugin {
+        checkers.spawn(run_plugins(
+            spec.clone(),
+            p.clone(),
+            plugin_tx.clone(),
+            counters.clone(),
+            stop.clone(),
+        ));
+    }
+    if let Some(s) = &spec.source.systemd {
+        checkers.spawn(run_service_checks(
+            spec.clone(),
+            s.clone(),
+            plugin_tx,
+            ctx.system_bus.clone(),
+            ctx.reporter.clone(),
+            counters.clone(),
+            stop.clone(),
+        ));
+    }
+    // Set while the line source could not be opened: its conditions are
+    // Unknown (blind is not "all clear"), with this message.
+    let mut blind: Option<String> = None;
+    if let Some((path, Err(source))) = started {
+        let e = MonitorError::Source { path, source };
+        tracing::error!(monitor = %spec.name, error = %e, "monitor source unavailable");
+        blind = Some(format!(
+            "Monitor {} cannot read its source: {e}; the condition is unknown until it can.",
+            spec.name
+        ));
+        ctx.reporter.event(
+            EventKind::Warning,
+            "MonitorSourceUnavailable",
+            "StartMonitor",
+            format!("Monitor {} cannot read its source: {e}. Mount it into the pod (chart values host.kmsg / host.journal) or fix the path.", spec.name),
+        );
+    }
+    let voice = Voice {
+        defaults: spec
+            .conditions
+            .iter()
+            .map(|c| (c.type_.clone(), c.reason.clone()))
+            .collect(),
+        source: spec.event_source.clone(),
+    };
+    let wall = clock.clock;
+    let save_as = |state: &mut MonitorState, engine: &Engine, durable: bool| {
+        state.conditions = engine.state().clone();
+        state.counts = engine.counts_state();
+        state.saved_at = Some((wall.now(), wall.monotonic().as_millis() as u64));
+        save_state_as(
+            &ctx.state_writes,
+            &ctx.state_dir,
+            &spec.name,
+            state,
+            durable,
+        )
+    };
+    let save = |state: &mut MonitorState, engine: &Engine| save_as(state, engine, false);
+    handle.queued();
+    if new_boot {
+        let reset = {
+            let now = clock.now(&mut engine);
+            engine.on_new_boot(now)
+        };
+        apply(&reset, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
+    }
+    let initial = {
+        let now = clock.now(&mut engine);
+        engine.current(now)
+    };
+    apply(
+        &initial,
+        &mut engine,
+        &ctx,
+        &handle,
+        &voice,
+        blind.as_deref(),
+    )
+    .await;
+    // A save that fails leaves the state dirty: the tick tries again each
+    // second, so what changed while the directory was full or read-only is
+    // written once it can be, with no new line to prompt it.
+    let mut dirty = !save(&mut state, &engine);
+    handle.updated();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut last_save = tokio::time::Instant::now();
+    let mut last_taint_retry = tokio::time::Instant::now();
+    // What the reader last said about a refused file (after the start).
+    let mut refused_seen: Option<String> = None;
+    // Lines lost so far (a full queue, records the kernel overwrote), said
+    // in an Event when it grows.
+    // (The counters are this run's: what was lost before the first tick,
+    // records overwritten while the agent was down among them, is said too.)
+    let mut dropped_seen = 0;
+    let ended = loop {
+        tokio::select! {
+            _ = stop.cancelled() => break None,
+            batch = rx.recv(), if lines_open => {
+                let Some(batch) = batch else {
+                    let why = counters
+                        .end_reason()
+                        .unwrap_or_else(|| "its reader stopped".to_string());
+                    break Some(format!("its log source ended: {why}"));
+                };
+                handle.queued();
+                // One clock reading per batch (its lines arrived together),
+                // read again after anything that waited on the API.
+                let mut now = clock.now(&mut engine);
+                for i in 0..batch.len() {
+                    let actions = engine.on_line(batch.line(i), now);
+                    dirty = true;
+                    if !actions.is_empty() {
+                        apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
+                        // Whose taint it is goes to disk at once: a restart
+                        // that replayed the line would find the taint there
+                        // and take it for someone else's. The rest (Events,
+                        // condition changes the replay recomputes) waits for
+                        // the once-a-second save: a rule matching every line
+                        // of a flood is not an fsync per line.
+                        if actions.iter().any(|a| matches!(a, Action::Taint { .. })) {
+                            state.cursor = batch.cursor(i).clone();
+                            dirty = !save_as(&mut state, &engine, true);
+                            last_save = tokio::time::Instant::now();
+                        }
+                        now = clock.now(&mut engine);
+                    }
+                }
+                if let Some(cursor) = batch.into_last_cursor() {
+                    state.cursor = cursor;
+                }
+                handle.updated();
+            }
+            Some((rule, status, output)) = plugin_rx.recv() => {
+                handle.queued();
+                let actions = { let now = clock.now(&mut engine); engine.on_plugin(rule, status, &output, now) };
+                if !actions.is_empty() {
+                    apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
+                    let taint = actions.iter().any(|a| matches!(a, Action::Taint { .. }));
+                    dirty = !save_as(&mut state, &engine, taint);
+                }
+                handle.updated();
+            }
+            Some(done) = checkers.join_next(), if !checkers.is_empty() => {
+                if stop.is_cancelled() {
+                    break None;
+                }
+                break Some(match done {
+                    Err(e) if e.is_panic() => "its checker panicked".to_string(),
+                    _ => "its checker ended".to_string(),
+                });
+            }
+            _ = tick.tick() => {
+                let dropped_now = counters.dropped.load(std::sync::atomic::Ordering::Relaxed);
+                if dropped_now > dropped_seen {
+                    let message = format!(
+                        "Monitor {} lost {} line(s) ({dropped_now} since it started): its queue was full or the kernel overwrote records before they were read, so problems in them were not seen.",
+                        spec.name,
+                        dropped_now - dropped_seen
+                    );
+                    tracing::warn!(monitor = %spec.name, lost = dropped_now - dropped_seen, "monitor lines lost");
+                    ctx.reporter.event(EventKind::Warning, "MonitorLinesDropped", "ReadSource", message);
+                    dropped_seen = dropped_now;
+                }
+                let refused_now = counters.refused_reason();
+                if refused_now != refused_seen {
+                    // The file now at the path is refused by the node's read
+                    // roots, or allowed again: blind (Unknown) or not.
+                    handle.queued();
+                    blind = match &refused_now {
+                        Some(why) => {
+                            tracing::error!(monitor = %spec.name, error = %why, "monitor source refused");
+                            ctx.reporter.event(
+                                EventKind::Warning,
+                                "MonitorSourceUnavailable",
+                                "ReadSource",
+                                format!("Monitor {} cannot read its source: {why}.", spec.name),
+                            );
+                            Some(format!(
+                                "Monitor {} cannot read its source: {why}; the condition is unknown until it can.",
+                                spec.name
+                            ))
+                        }
+                        None => {
+                            tracing::info!(monitor = %spec.name, "monitor source readable again");
+                            None
+                        }
+                    };
+                    refused_seen = refused_now;
+                    let current = { let now = clock.now(&mut engine); engine.current(now) };
+                    apply(&current, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
+                    handle.updated();
+                }
+                let mut actions = { let now = clock.now(&mut engine); engine.on_tick(now) };
+                if clock.take_shifted() {
+                    dirty = true;
+                }
+                if last_taint_retry.elapsed() >= TAINT_RETRY {
+                    last_taint_retry = tokio::time::Instant::now();
+                    actions.extend(engine.taint_retries());
+                }
+                if !actions.is_empty() {
+                    handle.queued();
+                    apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
+                    handle.updated();
+                    dirty = true;
+                    // A taint added (a retry after an API outage): whose it
+                    // is goes to disk at once, synced.
+                    if actions.iter().any(|a| matches!(a, Action::Taint { .. })) {
+                        dirty = !save_as(&mut state, &engine, true);
+                        last_save = tokio::time::Instant::now();
+                    }
+                }
+                // The cursor is saved at most once a second under load.
+                if dirty && last_save.elapsed() >= Duration::from_secs(1) {
+                    dirty = !save(&mut state, &engine);
+                    last_save = tokio::time::Instant::now();
+                }
+            }
+        }
+    };
+    source_stop.stop();
+    save(&mut state, &engine);
+    match ended {
+        None => Ok(()),
+        Some(why) => Err(why),
+    }
+}

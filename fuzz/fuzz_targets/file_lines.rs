@@ -7,7 +7,7 @@
 use std::io::BufReader;
 
 use libfuzzer_sys::fuzz_target;
-use nodeguard::monitor::sources::{MAX_LINE, read_line_capped};
+use nodeguard::monitor::sources::lines::{MAX_LINE, read_line_capped};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&first, rest)) = data.split_first() else {

@@ -5,7 +5,7 @@
 //! message.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use nodeguard::monitor::sources::{journal_message, salvage_journal_line};
+use nodeguard::monitor::sources::lines::{journal_message, salvage_journal_line};
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

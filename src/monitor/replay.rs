@@ -102,7 +102,7 @@ pub fn parse_line(raw: &str, year: i16) -> LogLine {
     // journalctl -o json
     if t.starts_with('{')
         && let Ok(entry) = serde_json::from_str::<serde_json::Value>(t)
-        && let Some(message) = super::sources::journal_message(&entry)
+        && let Some(message) = super::sources::lines::journal_message(&entry)
     {
         let field = |k: &str| entry.get(k).and_then(|v| v.as_str()).map(str::to_string);
         line.time = field("__REALTIME_TIMESTAMP")

@@ -445,6 +445,20 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
         },
     )
     .await;
+    // The probe runs every second from the agent's start, so one run may
+    // come before the first scrape and none between it and this point (a
+    // quick run took all of the above in 0.8 s, and the probe panel showed
+    // no increase): wait for a run after the first scrape.
+    let failures = "nodeguard_probe_total{probe=\"closed\",target=\"node\",result=\"failure\"}";
+    let before = sample(&first, failures).unwrap_or(0.0);
+    eventually(
+        Duration::from_secs(5),
+        "a probe run after the first scrape",
+        || async {
+            sample(&http_get(agent.addr, "/metrics").await.1, failures).is_some_and(|n| n > before)
+        },
+    )
+    .await;
     let (_, second) = http_get(agent.addr, "/metrics").await;
     sim.abort();
     agent.stop().await;

@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod command;
 pub mod clock;
 pub mod k8s;
 pub mod monitor;

@@ -10,6 +10,7 @@
 //! `monitor/<name>`.
 
 mod apply;
+mod cleanup;
 pub mod engine;
 pub mod kmsg;
 pub mod kube;

@@ -10,7 +10,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::PluginStatus;
 use super::sources::SourceCounters;
+use crate::command::{Ran, run_command};
 use crate::policy::monitors::MonitorSpec;
+
+/// How much of a command's output is kept before `maxOutputLength` cuts it
+/// (in bytes, as for exec probes).
+const OUTPUT_LIMIT: usize = 1024;
 
 /// Runs the plugin rules' commands on the monitor's interval, at most
 /// `concurrency` at once, and reports each verdict.
@@ -43,15 +48,11 @@ pub(super) async fn run_plugins(
             tokio::spawn(async move {
                 let _permit = permit;
                 counters.lines.fetch_add(1, Ordering::Relaxed);
-                let (status, output) = match crate::probe::prober::run_command(&command, timeout)
-                    .await
-                {
-                    Ok(crate::probe::prober::Ran::Exited(Some(0), out)) => (PluginStatus::Ok, out),
-                    Ok(crate::probe::prober::Ran::Exited(Some(1), out)) => {
-                        (PluginStatus::Problem, out)
-                    }
-                    Ok(crate::probe::prober::Ran::Exited(_, out)) => (PluginStatus::Unknown, out),
-                    Ok(crate::probe::prober::Ran::TimedOut) => (
+                let (status, output) = match run_command(&command, timeout).await {
+                    Ok(Ran::Exited(Some(0), out)) => (PluginStatus::Ok, out),
+                    Ok(Ran::Exited(Some(1), out)) => (PluginStatus::Problem, out),
+                    Ok(Ran::Exited(_, out)) => (PluginStatus::Unknown, out),
+                    Ok(Ran::TimedOut) => (
                         PluginStatus::Unknown,
                         format!("timed out after {}s", timeout.as_secs()),
                     ),
@@ -61,6 +62,7 @@ pub(super) async fn run_plugins(
                         (PluginStatus::Unknown, e.to_string())
                     }
                 };
+                let output = crate::report::clip(&output, OUTPUT_LIMIT);
                 let output: String = output.chars().take(max_output).collect();
                 let _ = tx.send((i, status, output)).await;
             });

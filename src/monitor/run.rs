@@ -16,7 +16,7 @@ use super::sources;
 use super::sources::{Resume, SourceCounters, StopFlag};
 use super::state::{MonitorState, load_state, same_boot, save_state_as};
 use super::systemd::run_service_checks;
-use super::tasks::remove_stale_taint;
+use super::cleanup::remove_stale_taint;
 use super::{MonitorContext, MonitorError, QUEUE, TAINT_RETRY, TaintPort};
 use crate::clock::WallClock;
 use crate::policy::monitors::MonitorSpec;

@@ -1,0 +1,181 @@
+//! Running a host command, for exec probes and plugin monitors: in its own
+//! process group, with a timeout, its output bounded, and what it leaves
+//! behind reaped.
+
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+
+/// Why a command could not be run (not how it ended: see [`Ran`]).
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("no command")]
+    Empty,
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("waiting for {program}: {source}")]
+    Wait {
+        program: String,
+        source: std::io::Error,
+    },
+}
+
+/// How a command ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ran {
+    /// Exited (`None`: killed by a signal) with its output (stdout, or
+    /// stderr when stdout is empty), trimmed; the caller cuts it to what it
+    /// keeps.
+    Exited(Option<i32>, String),
+    TimedOut,
+}
+
+/// Runs a host command with a timeout, capturing its output (bounded, so a
+/// chatty command cannot exhaust memory).
+pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, CommandError> {
+    let Some((program, args)) = command.split_first() else {
+        return Err(CommandError::Empty);
+    };
+    // Its own process group: what the command starts (a script's
+    // children) is ended with it.
+    let mut child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| CommandError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+    let group = EndGroup(child.id());
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let read = async { tokio::join!(read_capped(&mut stdout), read_capped(&mut stderr)) };
+    let run = async {
+        let (out, err) = read.await;
+        let status = child.wait().await;
+        (status, out, err)
+    };
+    let ran = tokio::time::timeout(timeout, run).await;
+    if ran.is_err() {
+        // Timed out: the whole group is killed (as node-problem-detector
+        // does), the command reaped (by tokio), then the rest of the group.
+        group.kill();
+        let _ = tokio::time::timeout(REAP_WAIT, child.wait()).await;
+        group.reap().await;
+    } else {
+        // Exited: what it left running goes on (as with node-problem-
+        // detector); what of it has ended already is reaped.
+        group.reap_ended();
+    }
+    match ran {
+        Err(_) => Ok(Ran::TimedOut),
+        Ok((Err(source), _, _)) => Err(CommandError::Wait {
+            program: program.clone(),
+            source,
+        }),
+        Ok((Ok(status), out, err)) => {
+            let mut output = String::from_utf8_lossy(&out).into_owned();
+            if output.trim().is_empty() {
+                output = String::from_utf8_lossy(&err).into_owned();
+            }
+            Ok(Ran::Exited(status.code(), output.trim().to_string()))
+        }
+    }
+}
+
+/// How long the end of a command's process group is waited for.
+const REAP_WAIT: Duration = Duration::from_secs(2);
+
+/// The process group of one command (its pid; `None` once it was reaped
+/// before its id was read, or once it was dealt with). Dropped before that
+/// (a cancelled run), it kills the group and reaps it.
+struct EndGroup(Option<u32>);
+
+impl EndGroup {
+    /// SIGKILL to every process of the group.
+    fn kill(&self) {
+        if let Some(pgid) = self.0 {
+            kill_group(pgid);
+        }
+    }
+
+    /// Reaps the group's processes handed to this process, waiting (up to
+    /// [`REAP_WAIT`]) for those still ending. After [`EndGroup::kill`].
+    async fn reap(mut self) {
+        if let Some(pgid) = self.0.take() {
+            reap_group(pgid).await;
+        }
+    }
+
+    /// Reaps those of the group's processes handed to this process that
+    /// have ended, without waiting for the others.
+    fn reap_ended(mut self) {
+        if let Some(pgid) = self.0.take() {
+            while reap_one(pgid) > 0 {}
+        }
+    }
+}
+
+impl Drop for EndGroup {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0.take() {
+            kill_group(pgid);
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(reap_group(pgid));
+            }
+        }
+    }
+}
+
+fn kill_group(pgid: u32) {
+    // SAFETY: a signal to the group one run created. Its id is the
+    // command's pid, held while the command is unreaped or the group has a
+    // member, and otherwise reused only after the pids wrapped around.
+    unsafe {
+        libc::kill(-(pgid as libc::pid_t), libc::SIGKILL);
+    }
+}
+
+/// Reaps the group's processes that were handed to this process: when the
+/// agent is PID 1 of its container (without the chart's shared process
+/// namespace) or a subreaper, a command's orphans become its children, and
+/// unreaped they stay zombies. Only this group's: tokio reaps the children
+/// it spawned.
+async fn reap_group(pgid: u32) {
+    let deadline = tokio::time::Instant::now() + REAP_WAIT;
+    loop {
+        match reap_one(pgid) {
+            r if r > 0 => continue,
+            // Members not ended yet (the signal is on its way).
+            0 if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            // None left that is ours (ECHILD), or out of time.
+            _ => return,
+        }
+    }
+}
+
+/// One `waitpid` of the group, without blocking: a pid reaped, 0 while
+/// members of ours are still running, -1 when none is ours.
+fn reap_one(pgid: u32) -> libc::pid_t {
+    let mut status = 0;
+    // SAFETY: waitpid on one run's process group, without blocking.
+    unsafe { libc::waitpid(-(pgid as libc::pid_t), &mut status, libc::WNOHANG) }
+}
+
+/// Reads up to 64 KiB, then drains the rest so the child never blocks on
+/// a full pipe.
+async fn read_capped<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let _ = r.take(64 * 1024).read_to_end(&mut buf).await;
+    let _ = tokio::io::copy(r, &mut tokio::io::sink()).await;
+    buf
+}

@@ -2,8 +2,8 @@
 
 pub mod agent;
 pub mod cli;
-pub mod command;
 pub mod clock;
+pub mod command;
 pub mod k8s;
 pub mod monitor;
 pub mod node_view;

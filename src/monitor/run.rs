@@ -10,13 +10,13 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::apply::{Voice, apply};
+use super::cleanup::remove_stale_taint;
 use super::engine::{Action, Engine, PluginStatus};
 use super::plugin::run_plugins;
 use super::sources;
 use super::sources::{Resume, SourceCounters, StopFlag};
 use super::state::{MonitorState, load_state, same_boot, save_state_as};
 use super::systemd::run_service_checks;
-use super::cleanup::remove_stale_taint;
 use super::{MonitorContext, MonitorError, QUEUE, TAINT_RETRY, TaintPort};
 use crate::clock::WallClock;
 use crate::policy::monitors::MonitorSpec;

@@ -6,13 +6,13 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::core::ProbeResult;
+use crate::command::{Ran, run_command};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use super::core::ProbeResult;
-use crate::command::{Ran, run_command};
 
 /// What a probe observed: the verdict and a short human explanation.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -60,7 +60,10 @@ pub(super) fn output(spec: &ProbeSpec) -> Option<Output> {
 
 /// The workers that should run: node probes once, pod probes per matching
 /// pod that is not terminal.
-pub(super) fn desired_workers(specs: &[ProbeSpec], pods: Option<&Snapshot<Pod>>) -> HashMap<WorkerKey, Def> {
+pub(super) fn desired_workers(
+    specs: &[ProbeSpec],
+    pods: Option<&Snapshot<Pod>>,
+) -> HashMap<WorkerKey, Def> {
     let mut out = HashMap::new();
     for spec in specs {
         match &spec.pods {

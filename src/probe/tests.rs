@@ -46,8 +46,7 @@ fn actions_against_node_and_pods() {
             insecure: false,
         })
     );
-    let t =
-        spec(serde_json::json!({"name": "t", "tcp": {"port": 10256}, "conditionType": "X"}));
+    let t = spec(serde_json::json!({"name": "t", "tcp": {"port": 10256}, "conditionType": "X"}));
     assert_eq!(
         action(&t, None),
         Some(Action::Tcp {
@@ -309,8 +308,7 @@ impl PodConditionPort for PanicsOnce {
 async fn a_worker_task_is_small_between_probes() {
     use crate::report::{ReportConfig, Reporter};
     let client =
-        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap()))
-            .unwrap();
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
     let mut registry = prometheus_client::registry::Registry::default();
     let (reporter, _queue) = Reporter::new(&ReportConfig::default(), &mut registry);
     let (_pods_tx, pods) = watch::channel(None);

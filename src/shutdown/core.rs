@@ -272,6 +272,44 @@ impl Readiness {
     }
 }
 
+/// The longest a restarted agent counts as already spent of a shutdown: a
+/// record older than this is from a shutdown that never ended.
+pub const RESUME_LIMIT: Duration = Duration::from_secs(24 * 3600);
+
+/// How far into a shutdown a restarted agent is, from its record: by the
+/// monotonic clock on the same boot (a wall-clock step between the start
+/// and the restart changes nothing), else by the wall clock (a record
+/// written before the monotonic time was kept); at most [`RESUME_LIMIT`].
+pub fn resumed_after(
+    started_monotonic_ms: Option<u64>,
+    started_at: Option<jiff::Timestamp>,
+    same_boot: bool,
+    now_monotonic: Duration,
+    now_wall: jiff::Timestamp,
+) -> Duration {
+    let elapsed = match (started_monotonic_ms, started_at) {
+        (Some(ms), _) if same_boot => now_monotonic.saturating_sub(Duration::from_millis(ms)),
+        (_, Some(s)) => now_wall.duration_since(s).try_into().unwrap_or_default(),
+        _ => Duration::ZERO,
+    };
+    elapsed.min(RESUME_LIMIT)
+}
+
+/// Since when a pod's deletion counts as this shutdown's doing (a previous
+/// process of the agent evicted it): a second before the recorded start,
+/// or, for a process killed before its first record, logind's whole delay
+/// back from now.
+pub fn terminating_cutoff(
+    started_at: Option<jiff::Timestamp>,
+    now_wall: jiff::Timestamp,
+    delay_max: Duration,
+) -> jiff::Timestamp {
+    match started_at {
+        Some(t) => t - jiff::SignedDuration::from_secs(1),
+        None => now_wall - jiff::SignedDuration::try_from(delay_max).unwrap_or_default(),
+    }
+}
+
 /// How long an escalating delete has at least to reach the API server: a
 /// refused eviction escalates at the latest this long before its window
 /// closes, since no API call of a group outlives the group's window.
@@ -1147,6 +1185,95 @@ mod tests {
             availability(&short, None)
                 .message
                 .contains("(writing a drop-in is disabled)")
+        );
+    }
+
+    #[test]
+    fn a_restarted_agent_counts_from_the_original_start() {
+        let wall = |s: &str| -> jiff::Timestamp { s.parse().unwrap() };
+        let now = wall("2030-01-01T00:01:00Z");
+        let secs = Duration::from_secs;
+        // (monotonic start ms, wall start, same boot, now monotonic) -> elapsed
+        let cases = [
+            // Same boot: the monotonic clock, whatever the wall clock says.
+            (
+                Some(5_000),
+                Some(wall("2030-01-01T00:00:00Z")),
+                true,
+                secs(35),
+                secs(30),
+            ),
+            (
+                Some(5_000),
+                Some(wall("2029-12-31T00:00:00Z")),
+                true,
+                secs(35),
+                secs(30),
+            ),
+            // Another boot: the monotonic time means nothing; the wall clock.
+            (
+                Some(5_000),
+                Some(wall("2030-01-01T00:00:00Z")),
+                false,
+                secs(35),
+                secs(60),
+            ),
+            // A record from before the monotonic time was kept.
+            (
+                None,
+                Some(wall("2030-01-01T00:00:50Z")),
+                true,
+                secs(35),
+                secs(10),
+            ),
+            // A wall start in the future (the clock stepped back): none.
+            (
+                None,
+                Some(wall("2030-01-01T00:02:00Z")),
+                true,
+                secs(35),
+                secs(0),
+            ),
+            // A monotonic start after now cannot be: none.
+            (Some(90_000), None, true, secs(35), secs(0)),
+            // Nothing recorded (killed before the first record).
+            (None, None, true, secs(35), secs(0)),
+            (Some(5_000), None, false, secs(35), secs(0)),
+            // A record from a shutdown that never ended: capped.
+            (
+                None,
+                Some(wall("2029-01-01T00:00:00Z")),
+                true,
+                secs(35),
+                RESUME_LIMIT,
+            ),
+        ];
+        for (i, (ms, at, same_boot, mono, want)) in cases.into_iter().enumerate() {
+            assert_eq!(
+                resumed_after(ms, at, same_boot, mono, now),
+                want,
+                "case {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn pods_terminating_since_the_shutdown_began() {
+        let wall = |s: &str| -> jiff::Timestamp { s.parse().unwrap() };
+        let now = wall("2030-01-01T00:01:00Z");
+        assert_eq!(
+            terminating_cutoff(
+                Some(wall("2030-01-01T00:00:30Z")),
+                now,
+                Duration::from_secs(90)
+            ),
+            wall("2030-01-01T00:00:29Z"),
+            "a second before the recorded start"
+        );
+        assert_eq!(
+            terminating_cutoff(None, now, Duration::from_secs(90)),
+            wall("2029-12-31T23:59:30Z"),
+            "no record: logind's whole delay back"
         );
     }
 }

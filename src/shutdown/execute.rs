@@ -59,25 +59,60 @@ pub(super) async fn execute<C: ClusterPort>(
 ) -> ShutdownRecord {
     let now_wall = ctx.clock.now();
     let now_monotonic = ctx.clock.monotonic();
-    // Offsets are from the original start, also when resuming: by the
-    // monotonic clock on the same boot (a wall-clock step between the start
-    // and the restart changes nothing), by the wall clock for a record
-    // written before the monotonic time was kept.
     let start = if resume {
-        let elapsed = match (record.started_monotonic_ms, record.started_at) {
-            (Some(ms), _) if record.boot_id == ctx.boot_id => {
-                now_monotonic.saturating_sub(Duration::from_millis(ms))
-            }
-            (_, Some(s)) => now_wall.duration_since(s).try_into().unwrap_or_default(),
-            _ => Duration::ZERO,
-        };
-        Instant::now() - elapsed.min(Duration::from_secs(24 * 3600))
+        Instant::now() - resumed_after(&ctx, &record, now_wall, now_monotonic)
     } else {
         Instant::now()
     };
-    // A resumed agent may not have its pod list yet: planning without it
-    // would find every group empty and release at once.
-    if resume && ctx.pods.borrow().is_none() {
+    let already = if resume {
+        wait_for_pods(&ctx, &cfg, delay_max).await;
+        already_terminating(&ctx, &record, now_wall, delay_max)
+    } else {
+        BTreeSet::new()
+    };
+    stamp(&ctx, &cfg, &mut record, now_wall, now_monotonic);
+    // From here until the release, a copy of the lock outlives this
+    // process (an agent killed now does not let logind go on).
+    let lock = lock.map(|l| l.kept_by(&ctx.keeper));
+    ctx.metrics
+        .start_time
+        .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
+    ctx.metrics.end_time.set(0.0);
+    let (groups, timeline) = plan(&ctx, &cfg, &record, delay_max, start);
+    announce(&ctx, &cfg, &record, resume, start, &already);
+    let (ending, record) = run(
+        &ctx, &cfg, &groups, &timeline, record, resume, start, delay_max, &already, &cancel,
+    )
+    .await;
+    if ending == Ending::Cancelled {
+        return record;
+    }
+    release(&ctx, &cfg, record, lock, ending, start, delay_max).await
+}
+
+/// How far into the shutdown a restarted agent is. Offsets are from the
+/// original start: by the monotonic clock on the same boot (a wall-clock
+/// step between the start and the restart changes nothing), by the wall
+/// clock for a record written before the monotonic time was kept.
+fn resumed_after<C>(
+    ctx: &Ctx<C>,
+    record: &ShutdownRecord,
+    now_wall: jiff::Timestamp,
+    now_monotonic: Duration,
+) -> Duration {
+    core::resumed_after(
+        record.started_monotonic_ms,
+        record.started_at,
+        record.boot_id == ctx.boot_id,
+        now_monotonic,
+        now_wall,
+    )
+}
+
+/// A resumed agent may not have its pod list yet: planning without it
+/// would find every group empty and release at once.
+async fn wait_for_pods<C>(ctx: &Ctx<C>, cfg: &ShutdownConfig, delay_max: Duration) {
+    if ctx.pods.borrow().is_none() {
         let mut pods = ctx.pods.clone();
         let _ = timeout(
             delay_max.saturating_sub(cfg.safety_margin),
@@ -85,19 +120,32 @@ pub(super) async fn execute<C: ClusterPort>(
         )
         .await;
     }
-    // Pods whose deletion began since this shutdown started: a previous
-    // process of the agent evicted them. Evicting them again would cut
-    // their grace to the shorter window left, so they are only waited for.
-    let already: BTreeSet<String> = if resume {
-        let since = match record.started_at {
-            Some(t) => t - jiff::SignedDuration::from_secs(1),
-            // Killed before its first record: within logind's delay.
-            None => now_wall - jiff::SignedDuration::try_from(delay_max).unwrap_or_default(),
-        };
-        terminating_since(&ctx.pods.borrow(), since)
-    } else {
-        BTreeSet::new()
-    };
+}
+
+/// Pods whose deletion began since this shutdown started: a previous
+/// process of the agent evicted them. Evicting them again would cut their
+/// grace to the shorter window left, so they are only waited for.
+fn already_terminating<C>(
+    ctx: &Ctx<C>,
+    record: &ShutdownRecord,
+    now_wall: jiff::Timestamp,
+    delay_max: Duration,
+) -> BTreeSet<String> {
+    let since = core::terminating_cutoff(record.started_at, now_wall, delay_max);
+    terminating_since(&ctx.pods.borrow(), since)
+}
+
+/// The record's start, boot and plan (kept from a previous process), on
+/// disk before the copy goes to the keeper and before any eviction: a
+/// process killed from here on leaves a record, so its successor resumes
+/// by the original start.
+fn stamp<C>(
+    ctx: &Ctx<C>,
+    cfg: &ShutdownConfig,
+    record: &mut ShutdownRecord,
+    now_wall: jiff::Timestamp,
+    now_monotonic: Duration,
+) {
     if record.started_at.is_none() {
         record.started_at = Some(now_wall);
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
@@ -106,19 +154,18 @@ pub(super) async fn execute<C: ClusterPort>(
     if record.plan.is_none() {
         record.plan = Some(cfg.clone());
     }
-    // On disk before the copy goes to the keeper and before any eviction:
-    // a process killed from here on leaves a record, so its successor
-    // resumes by the original start.
-    save(&ctx, &record);
-    // From here until the release, a copy of the lock outlives this
-    // process (an agent killed now does not let logind go on).
-    let mut lock = lock.map(|l| l.kept_by(&ctx.keeper));
-    ctx.metrics
-        .start_time
-        .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
-    ctx.metrics.end_time.set(0.0);
+    save(ctx, record);
+}
 
-    // The plan, computed once: the groups with pods share what logind allows.
+/// The plan, computed once: the groups with pods share what logind allows.
+/// Its release point goes into the condition.
+fn plan<C>(
+    ctx: &Ctx<C>,
+    cfg: &ShutdownConfig,
+    record: &ShutdownRecord,
+    delay_max: Duration,
+    start: Instant,
+) -> (Vec<core::Group>, core::Timeline) {
     let facts: Vec<core::PodFacts> = ctx
         .pods
         .borrow()
@@ -130,21 +177,33 @@ pub(super) async fn execute<C: ClusterPort>(
         .iter()
         .map(|g| !g.pods.is_empty() && !record.groups_done.contains(&g.spec.priority))
         .collect();
-    let limit = delay_max.saturating_sub(cfg.safety_margin);
     let timeline = core::timeline(
         &cfg.groups,
         &occupied,
-        limit,
+        delay_max.saturating_sub(cfg.safety_margin),
         Instant::now().saturating_duration_since(start),
     );
     report_condition(
-        &ctx,
+        ctx,
         &core::Phase::Running {
             groups: cfg.groups.len(),
             release: timeline.release,
         },
         None,
     );
+    (groups, timeline)
+}
+
+/// The Event that says a shutdown began, or that a restarted agent goes on
+/// with one.
+fn announce<C>(
+    ctx: &Ctx<C>,
+    cfg: &ShutdownConfig,
+    record: &ShutdownRecord,
+    resume: bool,
+    start: Instant,
+    already: &BTreeSet<String>,
+) {
     if resume {
         let message = format!(
             "nodeguard restarted {:.1}s into the shutdown and goes on with the remaining priority groups ({} of {} done{}).",
@@ -180,10 +239,27 @@ pub(super) async fn execute<C: ClusterPort>(
             ),
         );
     }
+}
 
+/// The groups, with the taint request beside them, until the groups are
+/// done, the release point comes or the shutdown is cancelled.
+#[allow(clippy::too_many_arguments)]
+async fn run<C: ClusterPort>(
+    ctx: &Arc<Ctx<C>>,
+    cfg: &ShutdownConfig,
+    groups: &[core::Group],
+    timeline: &core::Timeline,
+    record: ShutdownRecord,
+    resume: bool,
+    start: Instant,
+    delay_max: Duration,
+    already: &BTreeSet<String>,
+    cancel: &CancellationToken,
+) -> (Ending, ShutdownRecord) {
+    let limit = delay_max.saturating_sub(cfg.safety_margin);
     let record = std::sync::Mutex::new(record);
     let release_at = start + timeline.release;
-    let (outcome, taint_done) = {
+    let (ending, taint_done) = {
         let lock_record = || record.lock().unwrap_or_else(|e| e.into_inner());
         // A process before this one may have had its request applied and
         // been killed before it recorded the answer: the taint found is
@@ -193,7 +269,7 @@ pub(super) async fn execute<C: ClusterPort>(
         // `taint_for_shutdown`); its first answer (or none within
         // `CALL_HEADROOM`) lets the groups begin.
         let first_answer = tokio::sync::Notify::new();
-        let taint = taint_for_shutdown(&ctx, &record, unanswered_before, &first_answer);
+        let taint = taint_for_shutdown(ctx, &record, unanswered_before, &first_answer);
         // A resumed shutdown whose taint request was answered before has
         // its taint: the groups go on at once.
         let wait_for_taint = !resume || unanswered_before;
@@ -201,14 +277,14 @@ pub(super) async fn execute<C: ClusterPort>(
             if wait_for_taint {
                 let _ = tokio::time::timeout(core::CALL_HEADROOM, first_answer.notified()).await;
             }
-            run_groups(&ctx, &cfg, &groups, &timeline, start, &record, &already).await
+            run_groups(ctx, cfg, groups, timeline, start, &record, already).await
         };
         // The record (written before the groups) goes to disk again once
         // the taint request has answered, so a successor knows whose taint
         // it is.
         tokio::pin!(taint, work);
         let mut taint_done = false;
-        let mut outcome = loop {
+        let mut ending = loop {
             tokio::select! {
                 _ = &mut work => break Ending::AllGroupsDone,
                 _ = &mut taint, if !taint_done => taint_done = true,
@@ -216,7 +292,7 @@ pub(super) async fn execute<C: ClusterPort>(
                 _ = cancel.cancelled() => break Ending::Cancelled,
             }
         };
-        if !taint_done && outcome != Ending::Cancelled {
+        if !taint_done && ending != Ending::Cancelled {
             // Give the taint request its moment (the groups waited for it
             // up to 1 s already), so the node is tainted and the record
             // knows whose taint it is; one that does not answer holds the
@@ -226,10 +302,10 @@ pub(super) async fn execute<C: ClusterPort>(
             tokio::select! {
                 _ = &mut taint => taint_done = true,
                 _ = sleep_until(until) => {}
-                _ = cancel.cancelled() => outcome = Ending::Cancelled,
+                _ = cancel.cancelled() => ending = Ending::Cancelled,
             }
         }
-        (outcome, taint_done)
+        (ending, taint_done)
     };
     let mut record = record.into_inner().unwrap_or_else(|e| e.into_inner());
     if !taint_done {
@@ -238,16 +314,27 @@ pub(super) async fn execute<C: ClusterPort>(
         tracing::warn!("the API server did not answer the taint request in time");
         record.taint_added = true;
     }
-    if outcome == Ending::Cancelled {
-        return record;
-    }
+    (ending, record)
+}
+
+/// The end recorded, the last word published while the lock still holds
+/// the host, then the release: logind may go on.
+async fn release<C>(
+    ctx: &Ctx<C>,
+    cfg: &ShutdownConfig,
+    mut record: ShutdownRecord,
+    lock: Option<InhibitLock>,
+    ending: Ending,
+    start: Instant,
+    delay_max: Duration,
+) -> ShutdownRecord {
     let end = ctx.clock.now();
     record.ended_at = Some(end);
     ctx.metrics.end_time.set(unix_seconds(end));
-    save(&ctx, &record);
+    save(ctx, &record);
     let took = Instant::now().saturating_duration_since(start);
     let message = format!(
-        "nodeguard released the shutdown inhibitor after {:.1}s ({outcome}; {} of {} group(s) done).",
+        "nodeguard released the shutdown inhibitor after {:.1}s ({ending}; {} of {} group(s) done).",
         took.as_secs_f64(),
         record.groups_done.len(),
         cfg.groups.len()
@@ -269,7 +356,8 @@ pub(super) async fn execute<C: ClusterPort>(
     }
     // Release: logind may now proceed. The keeper's copy goes too, also
     // when this process resumed without holding a lock of its own.
-    let kept = lock.take().is_some();
+    let kept = lock.is_some();
+    drop(lock);
     if !kept && ctx.keeper != Keeper::None {
         let _ = ctx.keeper.forget(keep::INHIBITOR);
     }

@@ -19,7 +19,7 @@ use super::state::{MonitorState, load_state, same_boot, save_state_as};
 use super::systemd::run_service_checks;
 use super::{MonitorContext, MonitorError, QUEUE, TAINT_RETRY, TaintPort};
 use crate::clock::WallClock;
-use crate::policy::monitors::MonitorSpec;
+use crate::policy::monitors::{MonitorSpec, Source};
 use crate::report::EventKind;
 use crate::server::LoopHandle;
 
@@ -130,41 +130,48 @@ pub(super) async fn run_monitor<T: TaintPort>(
         .insert(spec.name.clone(), counters.clone());
     let (tx, mut rx) = mpsc::channel(QUEUE);
     let source_stop = StopFlag::default();
-    // At most one line source (validation rejects more); `started` names it with its result.
-    let started = if let Some(k) = &spec.source.kmsg {
-        let r = sources::spawn_kmsg(
-            PathBuf::from(&k.path),
-            &ctx.read_roots,
-            resume.kmsg,
-            tx,
-            counters.clone(),
-            source_stop.clone(),
-        );
-        Some((k.path.clone(), r))
-    } else if let Some(f) = &spec.source.file {
-        let r = sources::spawn_file(
-            PathBuf::from(&f.path),
-            ctx.read_roots.clone(),
-            resume.file,
-            tx,
-            counters.clone(),
-            source_stop.clone(),
-        );
-        Some((f.path.clone(), r))
-    } else if let Some(j) = &spec.source.journald {
-        let r = sources::spawn_journald(
-            j.clone(),
-            &ctx.journalctl,
-            &ctx.read_roots,
-            resume.journal.clone(),
-            tx,
-            counters.clone(),
-            source_stop.clone(),
-        );
-        Some(("journalctl".to_string(), r))
-    } else {
-        drop(tx);
-        None
+    // One source (validation rejects none and more). A line source is
+    // started here; `started` names it with its result.
+    let source = spec.source.one();
+    let started = match source {
+        Some(Source::Kmsg(k)) => {
+            let r = sources::spawn_kmsg(
+                PathBuf::from(&k.path),
+                &ctx.read_roots,
+                resume.kmsg,
+                tx,
+                counters.clone(),
+                source_stop.clone(),
+            );
+            Some((k.path.clone(), r))
+        }
+        Some(Source::File(f)) => {
+            let r = sources::spawn_file(
+                PathBuf::from(&f.path),
+                ctx.read_roots.clone(),
+                resume.file,
+                tx,
+                counters.clone(),
+                source_stop.clone(),
+            );
+            Some((f.path.clone(), r))
+        }
+        Some(Source::Journald(j)) => {
+            let r = sources::spawn_journald(
+                j.clone(),
+                &ctx.journalctl,
+                &ctx.read_roots,
+                resume.journal.clone(),
+                tx,
+                counters.clone(),
+                source_stop.clone(),
+            );
+            Some(("journalctl".to_string(), r))
+        }
+        Some(Source::Plugin(_) | Source::Systemd(_)) | None => {
+            drop(tx);
+            None
+        }
     };
     // Whether lines come: a line source runs. Its queue closing means it ended.
     let lines_open = matches!(started, Some((_, Ok(_))));
@@ -177,25 +184,28 @@ pub(super) async fn run_monitor<T: TaintPort>(
     // Plugin and systemd checkers: one ending while the monitor runs is the
     // monitor's failure too.
     let mut checkers = JoinSet::new();
-    if let Some(p) = &spec.source.plugin {
-        checkers.spawn(run_plugins(
-            spec.clone(),
-            p.clone(),
-            plugin_tx.clone(),
-            counters.clone(),
-            stop.clone(),
-        ));
-    }
-    if let Some(s) = &spec.source.systemd {
-        checkers.spawn(run_service_checks(
-            spec.clone(),
-            s.clone(),
-            plugin_tx,
-            ctx.system_bus.clone(),
-            ctx.reporter.clone(),
-            counters.clone(),
-            stop.clone(),
-        ));
+    match source {
+        Some(Source::Plugin(p)) => {
+            checkers.spawn(run_plugins(
+                spec.clone(),
+                p.clone(),
+                plugin_tx.clone(),
+                counters.clone(),
+                stop.clone(),
+            ));
+        }
+        Some(Source::Systemd(s)) => {
+            checkers.spawn(run_service_checks(
+                spec.clone(),
+                s.clone(),
+                plugin_tx,
+                ctx.system_bus.clone(),
+                ctx.reporter.clone(),
+                counters.clone(),
+                stop.clone(),
+            ));
+        }
+        Some(Source::Kmsg(_) | Source::File(_) | Source::Journald(_)) | None => {}
     }
     // Set while the line source could not be opened: its conditions are
     // Unknown (blind is not "all clear"), with this message.

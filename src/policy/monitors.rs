@@ -208,13 +208,25 @@ impl MonitorSpec {
     }
 }
 
+/// The kinds of monitor source, as a policy names them: the fields of
+/// [`LogSource`], the arms of [`Source`], the CRD's rule and the validation
+/// message all follow this list (a test holds them to it).
+pub const SOURCE_KINDS: [&str; 5] = ["kmsg", "file", "journald", "plugin", "systemd"];
+
+/// The API server's check that a monitor has one source.
+const ONE_SOURCE_RULE: &str = "[has(self.kmsg), has(self.file), has(self.journald), has(self.plugin), has(self.systemd)].filter(x, x).size() == 1";
+
+/// What the API server and `nodeguard check` say of a monitor without one
+/// source.
+pub const ONE_SOURCE_MESSAGE: &str = "set exactly one of kmsg, file, journald, plugin or systemd";
+
 /// Exactly one source.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {
-        "rule": "[has(self.kmsg), has(self.file), has(self.journald), has(self.plugin), has(self.systemd)].filter(x, x).size() == 1",
-        "message": "set exactly one of kmsg, file, journald, plugin or systemd"
+        "rule": ONE_SOURCE_RULE,
+        "message": ONE_SOURCE_MESSAGE
     }
 ]))]
 pub struct LogSource {
@@ -236,6 +248,49 @@ pub struct LogSource {
     /// output (truncated) is the message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugin: Option<PluginSource>,
+}
+
+/// A monitor's one source, borrowed: what code that acts on the source
+/// matches on, so a new kind is one more arm the compiler asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source<'a> {
+    Kmsg(&'a KmsgSource),
+    File(&'a FileSource),
+    Journald(&'a JournaldSource),
+    Plugin(&'a PluginSource),
+    Systemd(&'a SystemdUnitSource),
+}
+
+impl LogSource {
+    /// The source that is set; `None` when none or several are (validation
+    /// refuses both, so a monitor that runs has one).
+    pub fn one(&self) -> Option<Source<'_>> {
+        let set = [
+            self.kmsg.as_ref().map(Source::Kmsg),
+            self.file.as_ref().map(Source::File),
+            self.journald.as_ref().map(Source::Journald),
+            self.plugin.as_ref().map(Source::Plugin),
+            self.systemd.as_ref().map(Source::Systemd),
+        ];
+        let mut set = set.into_iter().flatten();
+        match (set.next(), set.next()) {
+            (Some(one), None) => Some(one),
+            _ => None,
+        }
+    }
+}
+
+impl Source<'_> {
+    /// Its name in [`SOURCE_KINDS`].
+    pub fn kind(self) -> &'static str {
+        match self {
+            Source::Kmsg(_) => SOURCE_KINDS[0],
+            Source::File(_) => SOURCE_KINDS[1],
+            Source::Journald(_) => SOURCE_KINDS[2],
+            Source::Plugin(_) => SOURCE_KINDS[3],
+            Source::Systemd(_) => SOURCE_KINDS[4],
+        }
+    }
 }
 
 /// A service checked like node-problem-detector's health checker.
@@ -522,18 +577,8 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                 format!("monitor {:?} appears twice", m.name),
             ));
         }
-        let sources = [
-            m.source.kmsg.is_some(),
-            m.source.file.is_some(),
-            m.source.journald.is_some(),
-            m.source.plugin.is_some(),
-            m.source.systemd.is_some(),
-        ];
-        if sources.iter().filter(|s| **s).count() != 1 {
-            problems.push(Problem::new(
-                format!("{at}.source"),
-                "set exactly one of kmsg, file, journald, plugin or systemd",
-            ));
+        if m.source.one().is_none() {
+            problems.push(Problem::new(format!("{at}.source"), ONE_SOURCE_MESSAGE));
         }
         let plugin = m.source.plugin.is_some();
         for (j, c) in m.conditions.iter().enumerate() {
@@ -830,5 +875,62 @@ pub fn default_kernel_monitor() -> MonitorSpec {
                 r"Remounting filesystem read-only",
             ),
         ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The list of kinds, the fields of `LogSource` in the CRD, the CRD's
+    /// rule and the message say the same.
+    #[test]
+    fn one_list_of_source_kinds() {
+        let schema = serde_json::to_value(schemars::schema_for!(LogSource)).unwrap();
+        let mut fields: Vec<&str> = schema["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut kinds = SOURCE_KINDS.to_vec();
+        fields.sort_unstable();
+        kinds.sort_unstable();
+        assert_eq!(fields, kinds, "LogSource's fields are the kinds");
+        let has: Vec<String> = SOURCE_KINDS
+            .iter()
+            .map(|k| format!("has(self.{k})"))
+            .collect();
+        assert_eq!(
+            ONE_SOURCE_RULE,
+            format!("[{}].filter(x, x).size() == 1", has.join(", "))
+        );
+        let (last, rest) = SOURCE_KINDS.split_last().unwrap();
+        assert_eq!(
+            ONE_SOURCE_MESSAGE,
+            format!("set exactly one of {} or {last}", rest.join(", "))
+        );
+        let rule = &schema["x-kubernetes-validations"][0];
+        assert_eq!(rule["rule"], ONE_SOURCE_RULE);
+        assert_eq!(rule["message"], ONE_SOURCE_MESSAGE);
+    }
+
+    #[test]
+    fn one_source_names_its_kind() {
+        let least = |kind: &str| match kind {
+            "file" => serde_json::json!({"path": "/x"}),
+            "systemd" => serde_json::json!({"unit": "x.service"}),
+            _ => serde_json::json!({}),
+        };
+        for kind in SOURCE_KINDS {
+            let source: LogSource = serde_json::from_value(serde_json::json!({kind: least(kind)}))
+                .unwrap_or_else(|e| panic!("{kind}: {e}"));
+            assert_eq!(source.one().map(Source::kind), Some(kind));
+        }
+        let none: LogSource = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert_eq!(none.one(), None);
+        let two: LogSource =
+            serde_json::from_value(serde_json::json!({"kmsg": {}, "plugin": {}})).unwrap();
+        assert_eq!(two.one(), None, "two sources are none");
     }
 }

@@ -20,8 +20,8 @@ mod support;
 
 use nodeguard::monitor::engine::Engine;
 use nodeguard::monitor::kmsg;
+use nodeguard::policy::defaults::default_kernel_monitor;
 use nodeguard::policy::monitors::MonitorSpec;
-use nodeguard::policy::monitors::default_kernel_monitor;
 
 /// A realistic mix: mostly noise, about 1 line in 200 a problem.
 fn stream(n: usize) -> Vec<String> {

@@ -3,8 +3,8 @@
 //! graceful shutdown with common kubelet settings, the watchdog off.
 
 use super::monitors::{
-    ConditionSpec, CountSpec, JournaldSource, LogSource, MonitorSpec, ProblemKind, RuleSpec,
-    default_kernel_monitor,
+    ConditionSpec, CountSpec, JournaldSource, KmsgSource, LogSource, MonitorSpec, ProblemKind,
+    RuleSpec, default_kmsg,
 };
 use super::probes::ProbeSpec;
 use super::{NodeGuardPolicy, NodeGuardPolicySpec, ShutdownSpec};
@@ -186,6 +186,174 @@ pub fn default_spec() -> NodeGuardPolicySpec {
 /// The default policy, named `default`.
 pub fn default_policy() -> NodeGuardPolicy {
     NodeGuardPolicy::new("default", default_spec())
+}
+
+/// The kernel monitor shipped as the default: node-problem-detector's
+/// kernel-monitor conditions and reasons, with quiet-period clearing.
+pub fn default_kernel_monitor() -> MonitorSpec {
+    let temp = |reason: &str, pattern: &str| RuleSpec {
+        kind: ProblemKind::Temporary,
+        condition: None,
+        reason: reason.into(),
+        pattern: pattern.into(),
+        command: Vec::new(),
+        message: None,
+        count: None,
+    };
+    let perm = |condition: &str, reason: &str, pattern: &str| RuleSpec {
+        kind: ProblemKind::Permanent,
+        condition: Some(condition.into()),
+        reason: reason.into(),
+        pattern: pattern.into(),
+        command: Vec::new(),
+        message: None,
+        count: None,
+    };
+    MonitorSpec {
+        // NPD's kernel-monitor's source (its readonly-monitor's conditions,
+        // held here too, say readonly-monitor in NPD).
+        event_source: Some("kernel-monitor".into()),
+        npd_matching: None,
+        name: "kernel".into(),
+        source: LogSource {
+            kmsg: Some(KmsgSource {
+                path: default_kmsg(),
+            }),
+            file: None,
+            journald: None,
+            plugin: None,
+            systemd: None,
+        },
+        conditions: vec![
+            ConditionSpec {
+                type_: "KernelDeadlock".into(),
+                reason: "KernelHasNoDeadlock".into(),
+                message: "kernel has no deadlock".into(),
+                clear_after_seconds: Some(3600),
+                clear_pattern: None,
+                taint: None,
+            },
+            ConditionSpec {
+                type_: "ReadonlyFilesystem".into(),
+                reason: "FilesystemIsNotReadOnly".into(),
+                message: "Filesystem is not read-only".into(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            },
+            // A shut-down XFS stays down until it is unmounted and repaired
+            // (or the node reboots, which resets the condition).
+            ConditionSpec {
+                type_: "XfsShutdown".into(),
+                reason: "XfsHasNotShutDown".into(),
+                message: "XFS has not shutdown".into(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            },
+            ConditionSpec {
+                type_: "CperHardwareErrorFatal".into(),
+                reason: "CperHardwareHasNoFatalError".into(),
+                message: "UEFI CPER has no fatal error".into(),
+                clear_after_seconds: None,
+                clear_pattern: None,
+                taint: None,
+            },
+            // NPD's kernel-monitor-counter: unregister_netdevice hangs three
+            // times in 20 minutes; clears after 20 minutes without one.
+            ConditionSpec {
+                type_: "FrequentUnregisterNetDevice".into(),
+                reason: "NoFrequentUnregisterNetDevice".into(),
+                message: "node is functioning properly".into(),
+                clear_after_seconds: Some(1200),
+                clear_pattern: None,
+                taint: None,
+            },
+        ],
+        rules: vec![
+            temp(
+                "OOMKilling",
+                r"Killed process \d+ (.+) total-vm:\d+kB, anon-rss:\d+kB, file-rss:\d+kB.*",
+            ),
+            temp(
+                "TaskHung",
+                r"task [\S ]+:\w+ blocked for more than \w+ seconds\.",
+            ),
+            temp(
+                "UnregisterNetDevice",
+                r"unregister_netdevice: waiting for \w+ to become free. Usage count = \d+",
+            ),
+            RuleSpec {
+                count: Some(CountSpec {
+                    revert_pattern: None,
+                    threshold: 3,
+                    window_seconds: 1200,
+                }),
+                ..perm(
+                    "FrequentUnregisterNetDevice",
+                    "UnregisterNetDevice",
+                    r"unregister_netdevice: waiting for \w+ to become free. Usage count = \d+",
+                )
+            },
+            temp(
+                "KernelOops",
+                r"BUG: unable to handle kernel NULL pointer dereference at .*",
+            ),
+            temp("KernelOops", r"divide error: 0000 \[#\d+\] SMP"),
+            temp("Ext4Error", r"EXT4-fs error .*"),
+            temp("Ext4Warning", r"EXT4-fs warning .*"),
+            temp("IOError", r"Buffer I/O error .*"),
+            temp("MemoryReadError", r"CE memory read error .*"),
+            perm(
+                "XfsShutdown",
+                "XfsHasShutdown",
+                r"XFS .* Shutting down filesystem",
+            ),
+            // UEFI CPER records end with their severity (NPD trims and
+            // anchors; kmsg may carry trailing blanks).
+            temp(
+                "CperHardwareErrorCorrected",
+                r"\[Hardware Error\]: event severity: corrected\s*$",
+            ),
+            temp(
+                "CperHardwareErrorRecoverable",
+                r"\[Hardware Error\]: event severity: recoverable\s*$",
+            ),
+            perm(
+                "CperHardwareErrorFatal",
+                "CperHardwareErrorFatal",
+                r"\[Hardware Error\]: event severity: fatal\s*$",
+            ),
+            temp(
+                "XfsError",
+                r"XFS \(\S+\): (Corruption|metadata I/O error|Filesystem has been shut down).*",
+            ),
+            temp(
+                "SoftLockup",
+                r"watchdog: BUG: soft lockup - CPU#\d+ stuck for \d+s!.*",
+            ),
+            temp(
+                "NICTransmitTimeout",
+                r"NETDEV WATCHDOG: \S+ \(\S+\): transmit queue \d+ timed out.*",
+            ),
+            temp("GPUXidError", r"NVRM: Xid \(.*\): \d+,.*"),
+            perm(
+                "KernelDeadlock",
+                "AUFSUmountHung",
+                r"task umount\.aufs:\w+ blocked for more than \w+ seconds\.",
+            ),
+            perm(
+                "KernelDeadlock",
+                "DockerHung",
+                r"task docker:\w+ blocked for more than \w+ seconds\.",
+            ),
+            perm(
+                "ReadonlyFilesystem",
+                "FilesystemIsReadOnly",
+                r"Remounting filesystem read-only",
+            ),
+        ],
+    }
 }
 
 #[cfg(test)]

@@ -2,8 +2,10 @@
 //! `nodeguard check` and the agent call the same [`validate`].
 
 use super::NodeGuardPolicy;
+use super::monitors::{MonitorSpec, ONE_SOURCE_MESSAGE, ProblemKind};
+use super::probes::{ProbeRole, ProbeSpec};
 use super::problem::Problem;
-use super::selector::{Selector, check_label_key, is_dns_subdomain};
+use super::selector::{Selector, check_label_key, is_dns_label, is_dns_subdomain};
 
 /// Every problem of `policy`; empty when the policy can be put in force.
 pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
@@ -40,14 +42,8 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
     if let Some(s) = &policy.spec.shutdown {
         problems.extend(validate_shutdown(s, "spec.shutdown"));
     }
-    problems.extend(super::probes::validate_probes(
-        &policy.spec.probes,
-        "spec.probes",
-    ));
-    problems.extend(super::monitors::validate_monitors(
-        &policy.spec.monitors,
-        "spec.monitors",
-    ));
+    problems.extend(validate_probes(&policy.spec.probes, "spec.probes"));
+    problems.extend(validate_monitors(&policy.spec.monitors, "spec.monitors"));
     problems
 }
 
@@ -137,6 +133,333 @@ pub fn validate_watchdog(w: &super::WatchdogSpec, path: &str) -> Vec<Problem> {
     problems
 }
 
+/// Rules for `spec.probes` beyond the schema.
+pub fn validate_probes(probes: &[ProbeSpec], path: &str) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
+    for (i, p) in probes.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        if !is_dns_label(&p.name) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!(
+                    "{:?} must be a DNS label (lowercase letters, digits, '-')",
+                    p.name
+                ),
+            ));
+        }
+        if !names.insert(p.name.as_str()) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!("probe {:?} appears twice", p.name),
+            ));
+        }
+        let actions = [
+            p.http.is_some(),
+            p.tcp.is_some(),
+            p.grpc.is_some(),
+            p.exec.is_some(),
+        ]
+        .iter()
+        .filter(|a| **a)
+        .count();
+        if actions != 1 {
+            problems.push(Problem::new(
+                at.clone(),
+                "set exactly one of http, tcp, grpc, exec",
+            ));
+        }
+        if p.role != ProbeRole::Readiness && p.success_threshold != 1 {
+            problems.push(Problem::new(
+                format!("{at}.successThreshold"),
+                "must be 1 for Liveness and Startup probes, as for the kubelet",
+            ));
+        }
+        match &p.pods {
+            None => {
+                match &p.condition_type {
+                    None => problems.push(Problem::new(
+                        format!("{at}.conditionType"),
+                        "node probes need the NodeCondition type to set",
+                    )),
+                    Some(t) => {
+                        check_condition_type(t, &format!("{at}.conditionType"), &mut problems)
+                    }
+                }
+                if p.readiness_gate.is_some() {
+                    problems.push(Problem::new(
+                        format!("{at}.readinessGate"),
+                        "only pod probes set readiness gates",
+                    ));
+                }
+                if let Some(h) = &p.http {
+                    match &h.url {
+                        Some(u) if u.starts_with("http://") || u.starts_with("https://") => {}
+                        Some(u) => problems.push(Problem::new(
+                            format!("{at}.http.url"),
+                            format!("{u:?} is not an http:// or https:// URL"),
+                        )),
+                        None => problems.push(Problem::new(
+                            format!("{at}.http.url"),
+                            "node probes need a url",
+                        )),
+                    }
+                }
+            }
+            Some(target) => {
+                Selector::parse(
+                    &target.selector,
+                    &format!("{at}.pods.selector"),
+                    &mut problems,
+                );
+                match &p.readiness_gate {
+                    None => problems.push(Problem::new(
+                        format!("{at}.readinessGate"),
+                        "pod probes need the readiness gate condition type to set",
+                    )),
+                    Some(t) => {
+                        check_condition_type(t, &format!("{at}.readinessGate"), &mut problems)
+                    }
+                }
+                if p.condition_type.is_some() {
+                    problems.push(Problem::new(
+                        format!("{at}.conditionType"),
+                        "only node probes set NodeConditions",
+                    ));
+                }
+                if p.exec.is_some() {
+                    problems.push(Problem::new(
+                        format!("{at}.exec"),
+                        "exec probes run on the host: node probes only",
+                    ));
+                }
+                if let Some(h) = &p.http
+                    && (h.port.is_none() || h.url.is_some())
+                {
+                    problems.push(Problem::new(
+                        format!("{at}.http"),
+                        "pod probes take a port (and path), not a url",
+                    ));
+                }
+            }
+        }
+        if let Some(h) = &p.http
+            && let Some(r) = h.expected_status
+            && r.min > r.max
+        {
+            problems.push(Problem::new(
+                format!("{at}.http.expectedStatus"),
+                format!("min {} is above max {}", r.min, r.max),
+            ));
+        }
+        if let Some(e) = &p.exec
+            && e.command.is_empty()
+        {
+            problems.push(Problem::new(
+                format!("{at}.exec.command"),
+                "an empty command",
+            ));
+        }
+        if p.period_seconds == 0
+            || p.timeout_seconds == 0
+            || p.failure_threshold == 0
+            || p.success_threshold == 0
+        {
+            problems.push(Problem::new(
+                at.clone(),
+                "periodSeconds, timeoutSeconds and thresholds must be at least 1",
+            ));
+        }
+    }
+    for (i, p) in probes.iter().enumerate() {
+        if let Some(g) = &p.gated_by {
+            let gate = probes.iter().find(|q| &q.name == g);
+            match gate {
+                None => problems.push(Problem::new(
+                    format!("{path}[{i}].gatedBy"),
+                    format!("no probe named {g:?}"),
+                )),
+                Some(q) if q.role != ProbeRole::Startup => problems.push(Problem::new(
+                    format!("{path}[{i}].gatedBy"),
+                    format!("{g:?} is not a Startup probe"),
+                )),
+                Some(q) if q.pods != p.pods => problems.push(Problem::new(
+                    format!("{path}[{i}].gatedBy"),
+                    format!("{g:?} probes other targets"),
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    problems
+}
+
+fn check_condition_type(t: &str, path: &str, problems: &mut Vec<Problem>) {
+    check_label_key(t, path, problems);
+}
+
+fn camel(s: &str) -> bool {
+    crate::report::conditions::is_camel_case(s)
+}
+
+/// Rules beyond the schema (regular expressions are compiled by the agent
+/// and by `nodeguard check`, which reports them with their paths).
+pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
+    let mut types = std::collections::BTreeSet::new();
+    // (key, effect) -> the condition whose taint it is.
+    let mut taints: std::collections::BTreeMap<(&str, &str), &str> = Default::default();
+    for (i, m) in monitors.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        if !is_dns_label(&m.name) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!(
+                    "{:?} must be a DNS label (lowercase letters, digits, '-'; at most 63): it names the monitor's state file",
+                    m.name
+                ),
+            ));
+        }
+        if !names.insert(m.name.as_str()) {
+            problems.push(Problem::new(
+                format!("{at}.name"),
+                format!("monitor {:?} appears twice", m.name),
+            ));
+        }
+        if m.source.one().is_none() {
+            problems.push(Problem::new(format!("{at}.source"), ONE_SOURCE_MESSAGE));
+        }
+        let plugin = m.source.plugin.is_some();
+        for (j, c) in m.conditions.iter().enumerate() {
+            let cat = format!("{at}.conditions[{j}]");
+            check_label_key(&c.type_, &format!("{cat}.type"), &mut problems);
+            if !types.insert(c.type_.as_str()) {
+                problems.push(Problem::new(
+                    format!("{cat}.type"),
+                    format!("condition {:?} is owned twice", c.type_),
+                ));
+            }
+            if !camel(&c.reason) {
+                problems.push(Problem::new(
+                    format!("{cat}.reason"),
+                    format!("{:?} must be CamelCase", c.reason),
+                ));
+            }
+            if let Some(t) = &c.taint {
+                if let Some(first) = taints.insert((&t.key, &t.effect), &c.type_) {
+                    problems.push(Problem::new(
+                        format!("{cat}.taint"),
+                        format!(
+                            "taint {}:{} of condition {:?} is condition {first:?}'s too: the first to clear would remove it while the other is True; give each condition its own taint key",
+                            t.key, t.effect, c.type_
+                        ),
+                    ));
+                }
+                check_label_key(&t.key, &format!("{cat}.taint.key"), &mut problems);
+                if t.key == super::SHUTDOWN_TAINT_KEY {
+                    // The shutdown's taint: which pods tolerate it is decided by
+                    // its value, and a monitor's would stand in its place.
+                    problems.push(Problem::new(
+                        format!("{cat}.taint.key"),
+                        format!(
+                            "{} is the graceful shutdown's taint; give the condition its own taint key",
+                            super::SHUTDOWN_TAINT_KEY
+                        ),
+                    ));
+                }
+                if !matches!(
+                    t.effect.as_str(),
+                    "NoSchedule" | "PreferNoSchedule" | "NoExecute"
+                ) {
+                    problems.push(Problem::new(
+                        format!("{cat}.taint.effect"),
+                        "use NoSchedule, PreferNoSchedule or NoExecute",
+                    ));
+                }
+            }
+        }
+        for (j, r) in m.rules.iter().enumerate() {
+            let rat = format!("{at}.rules[{j}]");
+            let service = m.source.systemd.is_some();
+            match (plugin, service, r.pattern.is_empty(), r.command.is_empty()) {
+                (_, true, false, _) | (_, true, _, false) => problems.push(Problem::new(
+                    rat.clone(),
+                    "systemd monitor rules take neither pattern nor command: they name the reason and condition of an unhealthy unit",
+                )),
+                (_, true, _, _) => {}
+                (true, _, _, true) => problems.push(Problem::new(format!("{rat}.command"), "plugin rules run a command")),
+                (true, _, false, _) => problems.push(Problem::new(
+                    format!("{rat}.pattern"),
+                    "plugin rules take a command, not a pattern",
+                )),
+                (false, _, true, _) => problems.push(Problem::new(format!("{rat}.pattern"), "log rules need a pattern")),
+                (false, _, _, false) => problems.push(Problem::new(
+                    format!("{rat}.command"),
+                    "only plugin monitors run commands",
+                )),
+                _ => {}
+            }
+            if !camel(&r.reason) {
+                problems.push(Problem::new(
+                    format!("{rat}.reason"),
+                    format!("{:?} must be CamelCase", r.reason),
+                ));
+            }
+            match (r.kind, &r.condition) {
+                (ProblemKind::Permanent, None) => problems.push(Problem::new(
+                    format!("{rat}.condition"),
+                    "permanent rules name the condition they set",
+                )),
+                (ProblemKind::Permanent, Some(c))
+                    if !m.conditions.iter().any(|x| &x.type_ == c) =>
+                {
+                    problems.push(Problem::new(
+                        format!("{rat}.condition"),
+                        format!("{c:?} is not among this monitor's conditions"),
+                    ))
+                }
+                (ProblemKind::Temporary, Some(_)) => problems.push(Problem::new(
+                    format!("{rat}.condition"),
+                    "temporary rules set no condition",
+                )),
+                _ => {}
+            }
+        }
+        if let Err(bad) = m.compile_patterns(&at) {
+            problems.extend(bad.into_iter().map(|b| Problem::new(b.path, b.message)));
+        }
+        if let Some(n) = &m.npd_matching {
+            let log =
+                m.source.kmsg.is_some() || m.source.file.is_some() || m.source.journald.is_some();
+            if !log {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching"),
+                    "only kmsg, file and journald monitors match lines",
+                ));
+            }
+            if n.buffer_lines == 0 || n.buffer_lines > 100 {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching.bufferLines"),
+                    "from 1 to 100 lines",
+                ));
+            }
+            if (n.message_pattern.is_some() || !n.skip.is_empty()) && m.source.file.is_none() {
+                problems.push(Problem::new(
+                    format!("{at}.npdMatching"),
+                    "messagePattern and skip are for file monitors (NPD's filelog)",
+                ));
+            }
+            if let Some(p) = &n.message_pattern
+                && let Err(e) = super::goregex::translate(p)
+            {
+                problems.push(Problem::new(format!("{at}.npdMatching.messagePattern"), e));
+            }
+        }
+    }
+    problems
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,7 +519,7 @@ mod tests {
         // The CRD refuses windows over a day on new writes; a policy stored
         // before (or through an older CRD) must not be switched off whole by
         // an agent upgrade: its window runs in wider buckets.
-        let mut m = crate::policy::monitors::default_kernel_monitor();
+        let mut m = crate::policy::defaults::default_kernel_monitor();
         let counted = m.rules.iter_mut().find(|r| r.count.is_some()).unwrap();
         counted.count.as_mut().unwrap().window_seconds = 604_800;
         let spec = NodeGuardPolicySpec {

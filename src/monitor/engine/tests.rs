@@ -1,7 +1,6 @@
 use super::*;
-use crate::policy::monitors::{
-    ConditionSpec, CountSpec, RuleSpec, TaintSpec, default_kernel_monitor,
-};
+use crate::policy::defaults::default_kernel_monitor;
+use crate::policy::monitors::{ConditionSpec, CountSpec, RuleSpec, TaintSpec};
 
 fn t(s: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + s).unwrap()

@@ -5,9 +5,8 @@
 use super::PodConditionPort;
 use super::core::ProbeResult;
 use super::targets::{Def, Output, WorkerKey, action};
-use super::worker::Shared;
 use crate::policy::probes::ProbeRole;
-use crate::report::{Desired, EventKind, Status};
+use crate::report::{Desired, EventKind, Reporter, Status};
 
 /// CamelCase from a probe name: `kube-proxy` → `KubeProxy`.
 pub fn camel(name: &str) -> String {
@@ -23,16 +22,28 @@ pub fn camel(name: &str) -> String {
         .collect()
 }
 
+/// A result to write, with what the last probe said and since when the
+/// probe fails (`None` while it passes).
+pub(super) struct Verdict<'a> {
+    pub(super) result: ProbeResult,
+    pub(super) detail: &'a str,
+    pub(super) failing_since: Option<jiff::Timestamp>,
+}
+
 /// Writes a changed result; `false` when it must be retried.
 pub(super) async fn publish<P: PodConditionPort>(
-    shared: &Shared<P>,
+    reporter: &Reporter,
+    pod_port: &P,
     key: &WorkerKey,
     def: &Def,
     out: Option<&Output>,
-    result: ProbeResult,
-    detail: &str,
-    failing_since: Option<jiff::Timestamp>,
+    verdict: Verdict<'_>,
 ) -> bool {
+    let Verdict {
+        result,
+        detail,
+        failing_since,
+    } = verdict;
     let spec = &def.spec;
     let what = action(spec, Some("<pod IP>").filter(|_| spec.pods.is_some()))
         .map(|a| a.describe())
@@ -83,10 +94,8 @@ pub(super) async fn publish<P: PodConditionPort>(
             } else {
                 EventKind::Normal
             };
-            shared
-                .reporter
-                .event(kind, &reason, "Probe", message.clone());
-            shared.reporter.set(
+            reporter.event(kind, &reason, "Probe", message.clone());
+            reporter.set(
                 t,
                 Desired {
                     status,
@@ -103,8 +112,7 @@ pub(super) async fn publish<P: PodConditionPort>(
                 spec.name,
                 if passing { "passes" } else { "does not pass" }
             );
-            match shared
-                .pod_port
+            match pod_port
                 .set_on(&key.1, def.uid.as_deref(), gate, passing, &message)
                 .await
             {

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::core::{self, ProbeResult, Sink, TargetKind, TargetView, Thresholds, Tick, Worker};
 use super::prober::{Outcome, Probers};
-use super::publish::publish;
+use super::publish::{Verdict, publish};
 use super::targets::{Def, NODE, Output, WorkerKey, action, output, pod_view, role};
 use super::{PodConditionPort, ProbeMetrics};
 use crate::k8s::watch::Snapshot;
@@ -245,13 +245,16 @@ pub(super) async fn run_worker<P: PodConditionPort>(
                 failing_since = None;
             }
             if Box::pin(publish(
-                &shared,
+                &shared.reporter,
+                &shared.pod_port,
                 &key,
                 &def,
                 out.as_ref(),
-                result,
-                &detail,
-                failing_since,
+                Verdict {
+                    result,
+                    detail: &detail,
+                    failing_since,
+                },
             ))
             .await
             {

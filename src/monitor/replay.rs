@@ -14,7 +14,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use super::engine::{Action, Engine, TaintOutcome};
-use crate::policy::monitors::MonitorSpec;
+use crate::policy::monitors::{JournaldSource, MonitorSpec, Source};
 
 /// One line of the log, as far as its format tells.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -204,35 +204,36 @@ pub fn parse_line(raw: &str, year: i16) -> LogLine {
 
 /// What a monitor reads of a line, or `None` when the line is not its.
 fn input_for<'a>(m: &MonitorSpec, line: &'a LogLine) -> Option<&'a str> {
-    let src = &m.source;
-    if src.file.is_some() {
-        return Some(&line.raw);
-    }
-    if src.kmsg.is_some() {
+    match m.source.one()? {
+        Source::File(_) => Some(&line.raw),
         // The kernel's lines, and lines that do not say where they are from
         // (never a record's dictionary continuation, which the agent skips).
-        return (!line.continuation && (line.kernel() || line.identifier.is_none()))
-            .then_some(line.message.as_str());
+        Source::Kmsg(_) => (!line.continuation && (line.kernel() || line.identifier.is_none()))
+            .then_some(line.message.as_str()),
+        Source::Journald(j) => journal_input(j, line),
+        Source::Plugin(_) | Source::Systemd(_) => None,
     }
-    if let Some(j) = &src.journald {
-        let ident_ok = j
-            .identifier
-            .as_ref()
-            .is_none_or(|want| line.identifier.as_ref() == Some(want));
-        // As `journalctl --unit`: a bare name is a service; only journal
-        // entries say which unit they are about, so other lines never pass
-        // a unit filter.
-        let unit_ok = j.unit.as_ref().is_none_or(|want| {
-            let want = if want.contains('.') {
-                want.clone()
-            } else {
-                format!("{want}.service")
-            };
-            line.units.as_ref().is_some_and(|us| us.contains(&want))
-        });
-        return (ident_ok && unit_ok).then_some(line.message.as_str());
-    }
-    None
+}
+
+/// What a journald monitor reads of a line: its message, when the line
+/// passes the monitor's identifier and unit filters.
+fn journal_input<'a>(j: &JournaldSource, line: &'a LogLine) -> Option<&'a str> {
+    let ident_ok = j
+        .identifier
+        .as_ref()
+        .is_none_or(|want| line.identifier.as_ref() == Some(want));
+    // As `journalctl --unit`: a bare name is a service; only journal
+    // entries say which unit they are about, so other lines never pass
+    // a unit filter.
+    let unit_ok = j.unit.as_ref().is_none_or(|want| {
+        let want = if want.contains('.') {
+            want.clone()
+        } else {
+            format!("{want}.service")
+        };
+        line.units.as_ref().is_some_and(|us| us.contains(&want))
+    });
+    (ident_ok && unit_ok).then_some(line.message.as_str())
 }
 
 /// One thing the monitors did, at a line or at a tick between lines.
@@ -338,7 +339,7 @@ impl<'a> Compiled<'a> {
             skipped: Vec::new(),
         };
         for m in monitors {
-            if m.source.plugin.is_some() || m.source.systemd.is_some() {
+            if !m.source.one().is_some_and(Source::lines) {
                 c.skipped.push(m.name.clone());
                 continue;
             }

@@ -140,10 +140,11 @@ impl MonitorSpec {
     /// Plugin and systemd conditions are checked again on their interval and
     /// clear when their check passes, so a reboot leaves them as they were.
     pub fn resets_at_boot(&self, condition: &ConditionSpec) -> bool {
-        if self.source.kmsg.is_some() {
-            return true;
-        }
-        let log = self.source.file.is_some() || self.source.journald.is_some();
+        let log = match self.source.one() {
+            Some(Source::Kmsg(_)) => return true,
+            Some(Source::File(_) | Source::Journald(_)) => true,
+            Some(Source::Plugin(_) | Source::Systemd(_)) | None => false,
+        };
         let mut setters = self
             .rules
             .iter()
@@ -279,6 +280,15 @@ impl LogSource {
 }
 
 impl Source<'_> {
+    /// Whether it gives lines to match (a log), rather than verdicts of
+    /// checks run on an interval.
+    pub fn lines(self) -> bool {
+        match self {
+            Source::Kmsg(_) | Source::File(_) | Source::Journald(_) => true,
+            Source::Plugin(_) | Source::Systemd(_) => false,
+        }
+    }
+
     /// Its name in [`SOURCE_KINDS`].
     pub fn kind(self) -> &'static str {
         match self {

@@ -18,7 +18,7 @@
 
 use std::fmt;
 
-use super::monitors::MonitorSpec;
+use super::monitors::{MonitorSpec, Source};
 use super::probes::ProbeSpec;
 use super::{ShutdownSpec, WatchdogSpec};
 
@@ -235,36 +235,28 @@ impl NodeTrust {
         let read = |path: &str, field: String| {
             (!self.readable(path)).then(|| (field, format!("reads {path}"), Setting::ReadPaths))
         };
-        if let Some(k) = &src.kmsg {
-            return read(&k.path, format!("{at}.source.kmsg.path"));
-        }
-        if let Some(f) = &src.file {
-            return read(&f.path, format!("{at}.source.file.path"));
-        }
-        if let Some(j) = &src.journald {
-            return match &j.directory {
+        // One source: validation refuses none and several, so a monitor
+        // that runs has one.
+        match src.one()? {
+            Source::Kmsg(k) => read(&k.path, format!("{at}.source.kmsg.path")),
+            Source::File(f) => read(&f.path, format!("{at}.source.file.path")),
+            Source::Journald(j) => match &j.directory {
                 Some(d) => read(d, format!("{at}.source.journald.directory")),
                 None => LOCAL_JOURNAL
                     .iter()
                     .find_map(|d| read(d, format!("{at}.source.journald"))),
-            };
-        }
-        if let Some(s) = &src.systemd
-            && s.repair.is_some()
-            && !self.unit_allowed(&s.unit)
-        {
-            return Some((
-                format!("{at}.source.systemd.repair"),
-                format!("repairs {} (kills its main process)", s.unit),
-                Setting::RepairUnits,
-            ));
-        }
-        if src.plugin.is_some() {
-            return m.rules.iter().enumerate().find_map(|(i, r)| {
+            },
+            Source::Systemd(s) => (s.repair.is_some() && !self.unit_allowed(&s.unit)).then(|| {
+                (
+                    format!("{at}.source.systemd.repair"),
+                    format!("repairs {} (kills its main process)", s.unit),
+                    Setting::RepairUnits,
+                )
+            }),
+            Source::Plugin(_) => m.rules.iter().enumerate().find_map(|(i, r)| {
                 self.check_command(&r.command, &format!("{at}.rules[{i}].command"))
-            });
+            }),
         }
-        None
     }
 
     /// Whether a shutdown section may be put in force here (its inhibit

@@ -2,7 +2,7 @@
 //! `nodeguard check` and the agent call the same [`validate`].
 
 use super::NodeGuardPolicy;
-use super::monitors::{MonitorSpec, ONE_SOURCE_MESSAGE, ProblemKind};
+use super::monitors::{MonitorSpec, ONE_SOURCE_MESSAGE, ProblemKind, Source};
 use super::probes::{ProbeRole, ProbeSpec};
 use super::problem::Problem;
 use super::selector::{Selector, check_label_key, is_dns_label, is_dns_subdomain};
@@ -430,9 +430,7 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
             problems.extend(bad.into_iter().map(|b| Problem::new(b.path, b.message)));
         }
         if let Some(n) = &m.npd_matching {
-            let log =
-                m.source.kmsg.is_some() || m.source.file.is_some() || m.source.journald.is_some();
-            if !log {
+            if !m.source.one().is_some_and(Source::lines) {
                 problems.push(Problem::new(
                     format!("{at}.npdMatching"),
                     "only kmsg, file and journald monitors match lines",

@@ -13,7 +13,8 @@ use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use nodeguard::report::{StatusPort, Written};
-use nodeguard::shutdown::cluster::{ClusterPort, KubeCluster};
+use nodeguard::shutdown::ClusterPort;
+use nodeguard::shutdown::cluster::KubeCluster;
 use support::*;
 
 /// Installs of the chart in this file, one at a time: each install's

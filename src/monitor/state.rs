@@ -24,7 +24,7 @@ pub struct MonitorState {
     #[serde(default)]
     pub cursor: Cursor,
     /// Each counting rule's matches in its window (see
-    /// [`Engine::counts_state`]).
+    /// [`super::engine::Engine::counts_state`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counts: BTreeMap<String, Vec<(jiff::Timestamp, i64)>>,
     /// When it was saved, on the wall clock and on `CLOCK_MONOTONIC`

@@ -70,8 +70,8 @@ pub struct NpdMatching {
     /// these is skipped.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skip: Vec<String>,
-    /// NPD's `patternGeneratedMessageSuffix`: appended to the matched lines
-    /// as "<lines>; <suffix>" (often a runbook link).
+    /// NPD's `patternGeneratedMessageSuffix`: appended to the matched lines,
+    /// after "; " (often a runbook link).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message_suffix: Option<String>,
 }

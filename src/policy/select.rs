@@ -40,7 +40,7 @@ pub struct Selection {
     pub refused: Vec<Refusal>,
     /// Probes and monitors past the node's limits ([`MAX_PROBES`],
     /// [`MAX_MONITORS`], [`MAX_CONDITIONS`] from all policies together):
-    /// left out, see [`apply_limits`].
+    /// left out, see `apply_limits`.
     pub over_limit: Vec<OverLimit>,
     /// The limits reached, e.g. `"128 conditions"`.
     pub limits_reached: Vec<String>,

@@ -7,10 +7,11 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::sleep;
 
-use super::cluster::ClusterPort;
+use super::ClusterPort;
 use super::core;
-use super::logind::{self, InhibitLock, LogindConnector, LogindEvent, LogindPort};
+use super::logind::{self, InhibitLock, LogindEvent};
 use super::{Ctx, ShutdownConfig, ShutdownError};
+use super::{LogindConnector, LogindPort};
 use crate::report::EventKind;
 
 /// Connects to logind, subscribes, makes sure the inhibit delay suffices

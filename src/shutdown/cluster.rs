@@ -2,16 +2,14 @@
 //! Eviction API (PodDisruptionBudgets honoured), deletes for escalation,
 //! and the facts the decision core needs from a Pod.
 
-use std::future::Future;
-
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::{Eviction, PodDisruptionBudget};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 
-use super::ShutdownError;
 use super::core::PodFacts;
+use super::{ClusterPort, ShutdownError};
 use crate::k8s::taints;
 use crate::policy::Selector;
 
@@ -29,28 +27,6 @@ pub enum Evicted {
         pdb: Option<String>,
         message: String,
     },
-}
-
-/// Port: what shutdown does to the cluster.
-pub trait ClusterPort: Send + Sync + 'static {
-    /// Adds the shutdown taint; `true` when nodeguard added it, `false`
-    /// when it was already there (then nodeguard must not remove it).
-    fn add_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
-    fn remove_taint(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
-    /// Removes the shutdown taint only when it carries nodeguard's own
-    /// value ([`TAINT_VALUE`]): one left by a shutdown nodeguard could not
-    /// record. `true` when one was removed.
-    fn remove_left_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
-    fn evict(
-        &self,
-        key: &str,
-        grace: i64,
-    ) -> impl Future<Output = Result<Evicted, ShutdownError>> + Send;
-    fn delete(
-        &self,
-        key: &str,
-        grace: i64,
-    ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
 }
 
 /// The decision core's view of a Pod.

@@ -11,7 +11,8 @@ use k8s_openapi::api::core::v1::Pod;
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 
-use super::cluster::{self, ClusterPort, Evicted, pod_facts};
+use super::ClusterPort;
+use super::cluster::{self, Evicted, pod_facts};
 use super::conditions::report_condition;
 use super::core;
 use super::keep::{self, Keeper};

@@ -2,7 +2,6 @@
 //! inhibit delay, `PrepareForShutdown`, and making logind reload a drop-in
 //! (SIGHUP through systemd's `KillUnit`).
 
-use std::future::Future;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,8 +12,8 @@ use zbus::proxy::CacheProperties;
 use zbus_systemd::login1::ManagerProxy as LoginManager;
 use zbus_systemd::systemd1::ManagerProxy as SystemdManager;
 
-use super::ShutdownError;
 use super::keep::{self, Keeper};
+use super::{LogindConnector, LogindPort, ShutdownError};
 
 /// Something logind told us.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,28 +76,6 @@ impl Drop for InhibitLock {
             tracing::warn!(keeper = %k, error = %e, "cannot take the delay inhibitor out of its keeper");
         }
     }
-}
-
-/// Port: logind as the shutdown manager needs it.
-pub trait LogindPort: Send + Sync + 'static {
-    fn inhibit_delay_max(&self) -> impl Future<Output = Result<Duration, ShutdownError>> + Send;
-    fn inhibit(&self, why: &str)
-    -> impl Future<Output = Result<InhibitLock, ShutdownError>> + Send;
-    /// Makes logind re-read its configuration.
-    fn reload(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
-    /// `PreparingForShutdown`: a shutdown is under way (between
-    /// `PrepareForShutdown(true)` and the machine going down or a cancel).
-    fn preparing_for_shutdown(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
-    /// Events from now on; the channel closes after [`LogindEvent::Gone`].
-    fn events(
-        &self,
-    ) -> impl Future<Output = Result<mpsc::Receiver<LogindEvent>, ShutdownError>> + Send;
-}
-
-/// Port: makes a fresh connection (after logind or the bus went away).
-pub trait LogindConnector: Send + Sync + 'static {
-    type Port: LogindPort;
-    fn connect(&self) -> impl Future<Output = Result<Self::Port, ShutdownError>> + Send;
 }
 
 /// Connects to the system bus at `address` (`DBUS_SYSTEM_BUS_ADDRESS`), or

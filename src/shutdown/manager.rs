@@ -11,13 +11,13 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
+use super::ClusterPort;
 use super::arm::{connect_and_arm, ensure_delay, why};
-use super::cluster::ClusterPort;
 use super::conditions::{report_armed, report_condition, report_unavailable};
 use super::core;
 use super::execute::execute;
 use super::keep::Keeper;
-use super::logind::{InhibitLock, LogindConnector, LogindEvent, LogindPort};
+use super::logind::{InhibitLock, LogindEvent};
 use super::startup::{
     cancelled_meanwhile, logind_after_restart, preparing_for_shutdown, start_up, watch_going_down,
 };
@@ -25,6 +25,7 @@ use super::state::{self, ShutdownRecord};
 use super::stop::{ArmedMark, StopPhase, StopQuestions};
 use super::taint::{clean_up_left_taint, undo_taint};
 use super::{CALL_TIMEOUT, Ctx, ShutdownConfig, ShutdownMetrics, UNAVAILABLE};
+use super::{LogindConnector, LogindPort};
 use crate::clock::WallClock;
 use crate::k8s::watch::Snapshot;
 use crate::report::{EventKind, Reporter};

@@ -25,7 +25,8 @@
 //! whole life), `conditions` (the two conditions), `stop` (a stop's
 //! question), `state` (the record on disk), `keep` (the lock's keeper),
 //! and one adapter per peer: `logind` (D-Bus) and `cluster` (the API
-//! server). `config` and `metrics` hold the resolved policy and the
+//! server), each behind its port here ([`LogindPort`], [`LogindConnector`],
+//! [`ClusterPort`]). `config` and `metrics` hold the resolved policy and the
 //! `nodeguard_shutdown_*` metrics.
 
 mod arm;
@@ -43,17 +44,20 @@ pub mod state;
 mod stop;
 mod taint;
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::clock::WallClock;
 use crate::k8s::watch::Snapshot;
 use crate::report::Reporter;
 use crate::state_dir::StateWrites;
+use cluster::Evicted;
 use keep::Keeper;
+use logind::{InhibitLock, LogindEvent};
 use state::ShutdownRecord;
 
 pub use config::{ShutdownConfig, ShutdownError};
@@ -88,6 +92,50 @@ struct Ctx<C> {
     /// shutdown before its taint request, so an attempt in flight never
     /// removes the new shutdown's taint.
     taint_cleanup: tokio::sync::Mutex<()>,
+}
+
+/// Port: what shutdown does to the cluster.
+pub trait ClusterPort: Send + Sync + 'static {
+    /// Adds the shutdown taint; `true` when nodeguard added it, `false`
+    /// when it was already there (then nodeguard must not remove it).
+    fn add_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
+    fn remove_taint(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    /// Removes the shutdown taint only when it carries nodeguard's own
+    /// value ([`core::TAINT_VALUE`]): one left by a shutdown nodeguard could not
+    /// record. `true` when one was removed.
+    fn remove_left_taint(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
+    fn evict(
+        &self,
+        key: &str,
+        grace: i64,
+    ) -> impl Future<Output = Result<Evicted, ShutdownError>> + Send;
+    fn delete(
+        &self,
+        key: &str,
+        grace: i64,
+    ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+}
+
+/// Port: logind as the shutdown manager needs it.
+pub trait LogindPort: Send + Sync + 'static {
+    fn inhibit_delay_max(&self) -> impl Future<Output = Result<Duration, ShutdownError>> + Send;
+    fn inhibit(&self, why: &str)
+    -> impl Future<Output = Result<InhibitLock, ShutdownError>> + Send;
+    /// Makes logind re-read its configuration.
+    fn reload(&self) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    /// `PreparingForShutdown`: a shutdown is under way (between
+    /// `PrepareForShutdown(true)` and the machine going down or a cancel).
+    fn preparing_for_shutdown(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
+    /// Events from now on; the channel closes after [`LogindEvent::Gone`].
+    fn events(
+        &self,
+    ) -> impl Future<Output = Result<mpsc::Receiver<LogindEvent>, ShutdownError>> + Send;
+}
+
+/// Port: makes a fresh connection (after logind or the bus went away).
+pub trait LogindConnector: Send + Sync + 'static {
+    type Port: LogindPort;
+    fn connect(&self) -> impl Future<Output = Result<Self::Port, ShutdownError>> + Send;
 }
 
 /// How long one API call outside a shutdown's windows may take: removing

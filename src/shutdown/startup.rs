@@ -8,13 +8,14 @@ use std::time::Duration;
 use tokio::time::{sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
-use super::cluster::{self, ClusterPort};
+use super::ClusterPort;
+use super::cluster::{self};
 use super::conditions::report_condition;
 use super::core;
-use super::logind::{LogindConnector, LogindPort};
 use super::state::{self, OnStart, ShutdownRecord};
 use super::taint::{report_taint_removed, undo_taint};
 use super::{CALL_TIMEOUT, Ctx, ShutdownError};
+use super::{LogindConnector, LogindPort};
 use crate::report::EventKind;
 
 /// At start-up: resume an unfinished shutdown of this boot, or clean up

@@ -73,7 +73,7 @@ impl StopCheck {
     /// `node_shutdown` is true). `false` at once when the manager holds no
     /// inhibitor (nothing to delay; a shutdown resumed without a lock is not
     /// waited for, logind is not waiting for it either), and after
-    /// [`STOP_DECIDE_MAX`] when it cannot decide.
+    /// `STOP_DECIDE_MAX` (15 s) when it cannot decide.
     pub async fn ask(&self) -> bool {
         let deadline = Instant::now() + STOP_DECIDE_MAX;
         let mut phase = self.phase.clone();

@@ -9,7 +9,8 @@ use std::time::Duration;
 use tokio::time::{sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
-use super::cluster::{self, ClusterPort};
+use super::ClusterPort;
+use super::cluster::{self};
 use super::core;
 use super::state::{self, ShutdownRecord};
 use super::{CALL_TIMEOUT, Ctx, save};

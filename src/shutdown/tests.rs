@@ -1,11 +1,13 @@
 //! The shutdown manager with in-memory ports and paused time. The fake
 //! inhibitor is a real pipe, so "released" means its descriptor closed.
 
-use super::cluster::{ClusterPort, Evicted};
+use super::ClusterPort;
+use super::cluster::Evicted;
 use super::core::{GroupSpec, Include};
 use super::execute::terminating_since;
-use super::logind::{InhibitLock, LogindConnector, LogindEvent, LogindPort};
+use super::logind::{InhibitLock, LogindEvent};
 use super::*;
+use super::{LogindConnector, LogindPort};
 use crate::policy::ShutdownSpec;
 use crate::report::{Desired, ReportConfig, Status};
 use crate::server::Health;

@@ -11,18 +11,12 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::WatchdogError;
+use super::{IoctlPort, WatchdogError};
 
 // linux/watchdog.h: _IOR('W', 5, int), _IOWR('W', 6, int), _IOR('W', 7, int).
 pub const WDIOC_KEEPALIVE: u64 = 0x8004_5705;
 pub const WDIOC_SETTIMEOUT: u64 = 0xC004_5706;
 pub const WDIOC_GETTIMEOUT: u64 = 0x8004_5707;
-
-/// The ioctls the device needs, on an open descriptor.
-pub trait IoctlPort: Send {
-    /// `ioctl(fd, request, &mut value)`; returns the value after the call.
-    fn ioctl_int(&mut self, fd: RawFd, request: u64, value: i32) -> io::Result<i32>;
-}
 
 /// The real ioctl(2).
 #[derive(Debug, Default)]

@@ -36,8 +36,24 @@ use crate::clock::WallClock;
 use crate::policy::WatchdogSpec;
 use crate::report::{Desired, EventKind, Reporter, Status};
 use crate::server::Health;
-pub use device::{Device, IoctlPort, SysIoctl};
-pub use notify::{NotifyPort, SystemdNotifier};
+pub use device::{Device, SysIoctl};
+pub use notify::SystemdNotifier;
+
+/// Port: delivers notifications to the service manager.
+pub trait NotifyPort: Send + Sync + 'static {
+    fn notify(&self, states: &[NotifyState<'_>]) -> std::io::Result<()>;
+}
+
+/// The ioctls the device needs, on an open descriptor.
+pub trait IoctlPort: Send {
+    /// `ioctl(fd, request, &mut value)`; returns the value after the call.
+    fn ioctl_int(
+        &mut self,
+        fd: std::os::fd::RawFd,
+        request: u64,
+        value: i32,
+    ) -> std::io::Result<i32>;
+}
 
 /// The condition nodeguard owns while a watchdog is requested.
 pub const CONDITION: &str = "WatchdogUnavailable";

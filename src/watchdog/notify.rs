@@ -10,10 +10,7 @@ use std::path::PathBuf;
 
 use sd_notify::NotifyState;
 
-/// Port: delivers notifications to the service manager.
-pub trait NotifyPort: Send + Sync + 'static {
-    fn notify(&self, states: &[NotifyState<'_>]) -> io::Result<()>;
-}
+use super::NotifyPort;
 
 /// `NOTIFY_SOCKET`, read once at start-up.
 #[derive(Clone, Debug)]

@@ -26,10 +26,10 @@ crd:          ## regenerate crds/ (and the chart's copy) from the Rust types
 	cargo run --quiet -- crd > crds/nodeguard.io_nodeguardpolicies.yaml
 	cp crds/nodeguard.io_nodeguardpolicies.yaml charts/nodeguard/crds/
 
-manifests: crd ## render manifests/nodeguard.yaml from the chart with default values
+manifests: crd ## render manifests/nodeguard.yaml from the chart with default values (no Helm hooks)
 	cargo run --quiet -- default-policy > charts/nodeguard/files/default-policy.yaml
 	$$(e2e/cluster/build >/dev/null 2>&1; echo $${NODEGUARD_CACHE:-$$HOME/.cache/nodeguard}/bin/current/helm) \
-	  template nodeguard charts/nodeguard -n nodeguard-system --include-crds > manifests/nodeguard.yaml
+	  template nodeguard charts/nodeguard -n nodeguard-system --include-crds --no-hooks > manifests/nodeguard.yaml
 
 image:        ## build the OCI image without Docker (target/image/)
 	e2e/image

@@ -86,6 +86,24 @@ pub enum Command {
         #[command(flatten)]
         log: LogArgs,
     },
+    /// Ask every agent of a release to remove what it put on its node, and
+    /// wait until each running one has (the chart's pre-delete hook, run by
+    /// `helm uninstall`). Exits 1 when an agent did not answer in time or
+    /// left something behind, naming the node and what.
+    Retire {
+        /// The release's namespace.
+        #[arg(long, env = "POD_NAMESPACE")]
+        namespace: String,
+        /// Label selector of the release's agent pods.
+        #[arg(long)]
+        selector: String,
+        /// How long to wait for the agents.
+        #[arg(long, default_value_t = 120)]
+        timeout_seconds: u64,
+        /// Kubeconfig to use (default: the in-cluster service account).
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+    },
     /// Print the default policy shipped with the chart (NPD's standard
     /// monitors, kubelet and kube-proxy probes, kubelet-like shutdown).
     DefaultPolicy,

@@ -10,6 +10,7 @@ pub mod node_view;
 pub mod policy;
 pub mod probe;
 pub mod report;
+pub mod retire;
 pub mod server;
 pub mod shutdown;
 pub mod state_dir;

@@ -6,6 +6,7 @@ use clap::Parser;
 use nodeguard::agent::{self, AgentConfig};
 use nodeguard::cli::{Cli, Command, LogFormat, Output, RunArgs};
 use nodeguard::policy::{self, NodeGuardPolicy};
+use nodeguard::retire::{self, RetireCtx};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -40,6 +41,17 @@ fn main() -> ExitCode {
             events,
             kubeconfig,
         } => status(&node, output, events, kubeconfig.as_deref()),
+        Command::Retire {
+            namespace,
+            selector,
+            timeout_seconds,
+            kubeconfig,
+        } => retire(
+            &namespace,
+            &selector,
+            std::time::Duration::from_secs(timeout_seconds),
+            kubeconfig.as_deref(),
+        ),
         Command::Keep { socket, log } => {
             init_logging(log.log_format);
             nodeguard::shutdown::keep::serve(&socket)
@@ -97,7 +109,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     runtime.block_on(async {
         tracing::info!(version = %nodeguard::version_string(), node = %args.node_name, "starting");
         let client = nodeguard::k8s::client(args.kubeconfig.as_deref()).await?;
-        let mut config = AgentConfig::new(args.node_name, args.listen, args.state_dir);
+        let mut config = AgentConfig::new(&args.node_name, args.listen, &args.state_dir);
         config.report.heartbeat = std::time::Duration::from_secs(args.condition_heartbeat_seconds);
         config.report.policy_spread =
             std::time::Duration::from_secs(args.policy_write_spread_seconds);
@@ -114,20 +126,115 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.system_bus_address = std::env::var("DBUS_SYSTEM_BUS_ADDRESS")
             .ok()
             .filter(|a| !a.is_empty());
+        // In the chart's pod: the pod the uninstall hook asks to retire.
+        let retiring = own_pod().map(|pod| RetireCtx {
+            client: client.clone(),
+            node_name: args.node_name.clone(),
+            pod,
+            state_dir: args.state_dir.clone(),
+            drop_in_dirs: config.trust.logind_drop_in_dirs.clone(),
+            system_bus_address: config.system_bus_address.clone(),
+        });
+        if let Some(ctx) = &retiring
+            && retire::kube::asked_already(&ctx.client, &ctx.pod).await
+        {
+            // A container restarted after its agent retired: nothing of
+            // the agent starts again.
+            tracing::warn!(pod = %ctx.pod, "this pod was asked to retire (helm uninstall): nodeguard does not start again; removing what is left of it");
+            retire::clean_up(ctx).await;
+            let mut signals = Signals::new()?;
+            retire::idle(args.listen, async move {
+                signals.recv().await;
+            })
+            .await?;
+            return Ok(ExitCode::SUCCESS);
+        }
         let agent = agent::start(config, client).await?;
         // Listening from here on, so a second signal that comes while the
         // stop waits (for the shutdown manager's answer, for a shutdown's
         // groups) is not lost.
         let mut signals = Signals::new()?;
-        let signal = signals.recv().await;
-        tracing::info!(signal, "stopping");
-        agent
-            .stop_after_node_shutdown(async move {
-                signals.recv().await;
-            })
-            .await;
+        let asked = {
+            let pods = agent.pods.clone();
+            let retire_asked = async {
+                match &retiring {
+                    Some(ctx) => retire::requested(pods, &ctx.pod).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                signal = signals.recv() => Some(signal),
+                () = retire_asked => None,
+            }
+        };
+        match (asked, retiring) {
+            (None, Some(ctx)) => {
+                tracing::warn!(pod = %ctx.pod, "asked to retire (helm uninstall): stopping, then removing what nodeguard put on this node");
+                agent
+                    .stop_after_node_shutdown(async {
+                        signals.recv().await;
+                    })
+                    .await;
+                retire::clean_up(&ctx).await;
+                retire::idle(args.listen, async move {
+                    signals.recv().await;
+                })
+                .await?;
+            }
+            (signal, _) => {
+                tracing::info!(signal, "stopping");
+                agent
+                    .stop_after_node_shutdown(async move {
+                        signals.recv().await;
+                    })
+                    .await;
+            }
+        }
         tracing::info!("stopped");
         Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// The agent's own pod (`namespace/name`) from the downward API
+/// (`POD_NAMESPACE`, `POD_NAME`); `None` outside a pod.
+fn own_pod() -> Option<String> {
+    let var = |k| std::env::var(k).ok().filter(|v: &String| !v.is_empty());
+    Some(format!("{}/{}", var("POD_NAMESPACE")?, var("POD_NAME")?))
+}
+
+fn retire(
+    namespace: &str,
+    selector: &str,
+    timeout: std::time::Duration,
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let client = nodeguard::k8s::client(kubeconfig).await?;
+        let say = |line: &str| println!("retire: {line}");
+        let progress =
+            nodeguard::retire::hook::run(&client, namespace, selector, timeout, say).await?;
+        for (node, report) in &progress.incomplete {
+            println!("retire: {node}: {report}");
+        }
+        for node in &progress.waiting {
+            println!(
+                "retire: {node}: the agent did not answer within {}s; nodeguard's conditions, taints and logind drop-in stay on that node (README, \"Uninstalling\", says how to remove them)",
+                timeout.as_secs()
+            );
+        }
+        if progress.clean() {
+            println!("retire: every running agent removed what nodeguard had put on its node");
+            Ok(ExitCode::SUCCESS)
+        } else {
+            println!(
+                "retire: stopping the uninstall; fix the nodes above and run it again, or go on without this step: helm uninstall --no-hooks"
+            );
+            Ok(ExitCode::from(1))
+        }
     })
 }
 

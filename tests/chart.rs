@@ -23,7 +23,10 @@ use support::*;
 static INSTALL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Uninstalls a release when dropped, so a failing test leaves no
-/// cluster-wide admission policy behind for the tests after it.
+/// cluster-wide admission policy behind for the tests after it. Without
+/// the pre-delete hook, here and below: no agent runs against this API
+/// server (the hook's Job would wait for a kubelet); tests/uninstall.rs and
+/// the VM scenario `kube-install` run it.
 struct Uninstall {
     release: String,
     namespace: String,
@@ -31,7 +34,13 @@ struct Uninstall {
 
 impl Drop for Uninstall {
     fn drop(&mut self) {
-        let _ = helm(&["uninstall", &self.release, "-n", &self.namespace]);
+        let _ = helm(&[
+            "uninstall",
+            &self.release,
+            "-n",
+            &self.namespace,
+            "--no-hooks",
+        ]);
         admission_policies_are_gone();
     }
 }
@@ -293,6 +302,7 @@ fn rendered_manifests_do_not_drift() {
         "-n",
         "nodeguard-system",
         "--include-crds",
+        "--no-hooks",
     ]);
     assert!(ok, "{err}");
     let committed = std::fs::read_to_string(repo_root().join("manifests/nodeguard.yaml")).unwrap();
@@ -323,7 +333,7 @@ fn the_default_image_is_what_the_build_produces() {
 }
 
 #[test]
-fn image_digest_pins_both_containers_and_a_malformed_one_is_refused() {
+fn image_digest_pins_every_container_and_a_malformed_one_is_refused() {
     let digest = format!("sha256:{}", "ab".repeat(32));
     let set = format!("image.digest={digest}");
     // The keeper sidecar renders from Kubernetes 1.29 (helm template's
@@ -346,8 +356,9 @@ fn image_digest_pins_both_containers_and_a_malformed_one_is_refused() {
         .lines()
         .filter_map(|l| l.trim().strip_prefix("image: "))
         .collect();
-    // The agent and, with logind on, the inhibitor keeper.
-    assert_eq!(images.len(), 2, "{images:?}");
+    // The agent, with logind on the inhibitor keeper, and the uninstall
+    // hook's Job: all the same pinned image.
+    assert_eq!(images.len(), 3, "{images:?}");
     for i in images {
         assert_eq!(
             i,
@@ -585,7 +596,7 @@ async fn install_and_a_node_bound_token_only_touches_its_own_node() {
         }
     }
 
-    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
+    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns, "--no-hooks"]);
     assert!(ok, "{err}");
     let _ = Api::<Namespace>::all(admin)
         .delete(&ns, &DeleteParams::default())
@@ -764,7 +775,7 @@ async fn policy_write_access_is_never_aggregated_into_builtin_roles() {
         );
         kubectl(&["delete", "clusterrolebinding", &binding]);
     }
-    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
+    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns, "--no-hooks"]);
     assert!(ok, "{err}");
     let _ = Api::<Namespace>::all(admin)
         .delete(&ns, &DeleteParams::default())
@@ -981,7 +992,7 @@ async fn only_authors_allowed_host_access_may_write_policies_that_use_it() {
     for b in [&author, &host_admin] {
         kubectl(&["delete", "clusterrolebinding", b]);
     }
-    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns]);
+    let (ok, _, err) = helm(&["uninstall", &release, "-n", &ns, "--no-hooks"]);
     assert!(ok, "{err}");
     let _ = Api::<Namespace>::all(admin)
         .delete(&ns, &DeleteParams::default())

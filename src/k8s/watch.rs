@@ -43,7 +43,9 @@ pub fn keep_whole<K>(_: &mut K) {}
 
 /// What the agent keeps of a watched pod: only the fields its readers use
 /// (the shutdown manager's `pod_facts` and `terminating_since`, the probe
-/// manager's `desired_workers` and `pod_view`); a test holds each of them
+/// manager's `desired_workers` and `pod_view`, and the `nodeguard.io/`
+/// annotations, which carry the uninstall hook's request to the agent's own
+/// pod); a test holds each of them
 /// to the same answer on a whole pod and on its trimmed copy. The rest
 /// (container specs, volumes, environment, images, container states,
 /// `managedFields`) was most of each pod's memory in the pod store
@@ -59,6 +61,7 @@ pub fn trim_pod(pod: &mut Pod) {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
     const MIRROR: &str = "kubernetes.io/config.mirror";
+    const OURS: &str = "nodeguard.io/";
     let meta = std::mem::take(&mut pod.metadata);
     pod.metadata = ObjectMeta {
         name: meta.name,
@@ -66,10 +69,15 @@ pub fn trim_pod(pod: &mut Pod) {
         uid: meta.uid,
         resource_version: meta.resource_version,
         labels: meta.labels,
+        // The mirror-pod mark, and nodeguard's own (the uninstall hook's
+        // request to retire).
         annotations: meta
             .annotations
-            .and_then(|mut a| a.remove_entry(MIRROR))
-            .map(|entry| [entry].into()),
+            .map(|mut a| {
+                a.retain(|k, _| k == MIRROR || k.starts_with(OURS));
+                a
+            })
+            .filter(|a| !a.is_empty()),
         owner_references: meta.owner_references.map(|refs| {
             refs.into_iter()
                 .map(|o| OwnerReference {
@@ -499,6 +507,27 @@ pub(crate) fn realistic_snapshots() -> (Snapshot<Pod>, Snapshot<Pod>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trimmed_pod_keeps_the_mirror_mark_and_nodeguards_annotations_only() {
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "annotations": {
+                "kubernetes.io/config.mirror": "h",
+                "nodeguard.io/retire": "2030-01-01T00:00:00Z",
+                "kubectl.kubernetes.io/last-applied-configuration": "{}",
+            }},
+        }))
+        .unwrap();
+        trim_pod(&mut pod);
+        let kept: Vec<&String> = pod.metadata.annotations.as_ref().unwrap().keys().collect();
+        assert_eq!(kept, ["kubernetes.io/config.mirror", "nodeguard.io/retire"]);
+        let mut bare: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "annotations": {"x": "y"}},
+        }))
+        .unwrap();
+        trim_pod(&mut bare);
+        assert_eq!(bare.metadata.annotations, None, "none kept: none stored");
+    }
 
     #[test]
     fn a_trimmed_pod_keeps_little_of_a_realistic_one() {

@@ -178,6 +178,10 @@ impl LogindPort for ZbusLogind {
 /// shorter than the policy needs.
 pub const DROP_IN_NAME: &str = "99-nodeguard-inhibit-delay.conf";
 
+/// How the drop-in begins: a file of its name that does not begin so is
+/// someone else's (an uninstall leaves it).
+pub const DROP_IN_MARK: &str = "# Written by nodeguard";
+
 /// Writes `InhibitDelayMaxSec=` into `dir` atomically; returns the path.
 pub fn write_drop_in(dir: &Path, delay: Duration) -> Result<PathBuf, ShutdownError> {
     let path = dir.join(DROP_IN_NAME);
@@ -186,7 +190,7 @@ pub fn write_drop_in(dir: &Path, delay: Duration) -> Result<PathBuf, ShutdownErr
         source,
     };
     let text = format!(
-        "# Written by nodeguard: its shutdown policy needs this much time to move pods off the node.\n\
+        "{DROP_IN_MARK}: its shutdown policy needs this much time to move pods off the node.\n\
          [Login]\nInhibitDelayMaxSec={}\n",
         delay.as_secs().max(1)
     );

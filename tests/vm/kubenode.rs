@@ -227,6 +227,11 @@ impl Drop for Release {
                 "-n",
                 &self.namespace,
                 "--wait=false",
+                // The scenario is over: the pre-delete hook's Job could be
+                // scheduled to one of the shared cluster's kubelet-less
+                // Nodes and hold the teardown for Helm's timeout.
+                // `kube-install` runs the hook.
+                "--no-hooks",
             ])
             .output();
         let _ = kubectl_status(&[
@@ -1146,15 +1151,39 @@ async fn readme_install(
         &release.namespace,
         "pod-security.kubernetes.io/enforce-",
     ]);
+    // The upgrade also keeps the uninstall hook's pod on this node: the
+    // shared cluster's other Nodes have no kubelet, and a Job scheduled to
+    // one would never run (on a real cluster every node has one).
+    kubectl(&[
+        "label",
+        "node",
+        node,
+        "nodeguard-test/kubelet=true",
+        "--overwrite",
+    ]);
     run(Command::new(&release.helm)
         .arg("--kubeconfig")
         .arg(kubeconfig_path())
         .args(["upgrade", &release.name, &published.chart()])
         .args(["--version", &published.version, "--plain-http"])
-        .args(["-n", &release.namespace, "--reuse-values"]));
+        .args(["-n", &release.namespace, "--reuse-values"])
+        .args([
+            "--set-string",
+            "uninstall.nodeSelector.nodeguard-test/kubelet=true",
+        ]));
 
-    // Out again, before the scenarios' own release (same host port).
-    run(Command::new(&release.helm)
+    // What the agent put on the node, before `helm uninstall`.
+    let before = Api::<Node>::all(admin.clone()).get(node).await.unwrap();
+    let owned_before = nodeguard::report::kube::owned_condition_types(&before).len();
+    assert!(
+        owned_before >= declared.len(),
+        "{owned_before} conditions owned before uninstall"
+    );
+    // Out again (README "What `helm uninstall` removes"), before the
+    // scenarios' own release (same host port): the pre-delete hook asks the
+    // agent to retire first.
+    let t_uninstall = Instant::now();
+    let uninstalled = run(Command::new(&release.helm)
         .arg("--kubeconfig")
         .arg(kubeconfig_path())
         .args([
@@ -1164,6 +1193,8 @@ async fn readme_install(
             &release.namespace,
             "--wait",
         ]));
+    let uninstall_took = t_uninstall.elapsed();
+    std::fs::write(dir.join("readme-uninstall.txt"), &uninstalled).unwrap();
     eventually(
         Duration::from_secs(90),
         "README install's pods gone",
@@ -1176,13 +1207,71 @@ async fn readme_install(
         },
     )
     .await;
+    let after = Api::<Node>::all(admin.clone()).get(node).await.unwrap();
+    let owned_after: Vec<String> = nodeguard::report::kube::owned_condition_types(&after)
+        .into_iter()
+        .collect();
+    assert!(
+        owned_after.is_empty(),
+        "conditions left after helm uninstall: {owned_after:?}"
+    );
+    assert!(
+        !after
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key("nodeguard.io/effective-policies")),
+        "the effective-policies annotation is left after helm uninstall"
+    );
+    let dropins = vm
+        .sh("ls /etc/systemd/logind.conf.d/ 2>/dev/null; true")
+        .await;
+    assert!(
+        !dropins.contains("nodeguard"),
+        "the drop-in is left: {dropins}"
+    );
+    let delay = vm
+        .sh("busctl get-property org.freedesktop.login1 /org/freedesktop/login1 org.freedesktop.login1.Manager InhibitDelayMaxUSec")
+        .await;
+    assert_eq!(
+        delay.trim(),
+        "t 5000000",
+        "logind's delay is back to Debian's 5 s"
+    );
+    let locks = vm
+        .exec("systemd-inhibit --list --no-pager --mode=delay")
+        .await
+        .stdout;
+    assert!(
+        !locks.contains("nodeguard"),
+        "a delay lock is left:\n{locks}"
+    );
+    let state_left = vm
+        .sh("find /var/lib/nodeguard -type f 2>/dev/null | wc -l")
+        .await;
+    assert_eq!(
+        state_left.trim(),
+        "0",
+        "state files left in /var/lib/nodeguard"
+    );
+    let event = kubectl(&["events", "-A", "--for", &format!("node/{node}")]);
+    assert!(
+        event.contains("NodeguardRetired"),
+        "no NodeguardRetired Event:\n{event}"
+    );
+    let crd = kubectl(&["get", "crd", "nodeguardpolicies.nodeguard.io", "-o", "name"]);
+    assert!(
+        crd.contains("nodeguardpolicies.nodeguard.io"),
+        "the CRD stays"
+    );
     drop(release);
     rows.pass(
         "kube-install",
         format!(
-            "README's install (namespace labelled privileged, `helm install … --set defaultPolicy.enabled=true`, nothing else; in-cluster API address): NOTES list kmsg, journal, dbus, logindDropIn on (auto), watchdog off; {pulled}; pod Ready {} after helm install; NodeGuardPolicyInvalid=False, every declared condition has a verdict ({}), none MonitorSourceUnavailable; delay inhibitor held, logind allows {logind}; `helm upgrade` with the label removed goes on (the DaemonSet has pods from a template that needed privileged)",
+            "README's install (namespace labelled privileged, `helm install … --set defaultPolicy.enabled=true`, nothing else; in-cluster API address): NOTES list kmsg, journal, dbus, logindDropIn on (auto), watchdog off; {pulled}; pod Ready {} after helm install; NodeGuardPolicyInvalid=False, every declared condition has a verdict ({}), none MonitorSourceUnavailable; delay inhibitor held, logind allows {logind}; `helm upgrade` with the label removed goes on (the DaemonSet has pods from a template that needed privileged); `helm uninstall --wait` took {} (its pre-delete hook included): none of the {owned_before} conditions nodeguard owned is left, nor its annotation, drop-in, delay lock or state files, logind's delay is back to 5 s, a NodeguardRetired Event says so, the CRD stays",
             secs(pod_ready_at),
-            verdicts.join(", ")
+            verdicts.join(", "),
+            secs(uninstall_took)
         ),
     );
     up

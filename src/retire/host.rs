@@ -1,0 +1,163 @@
+//! The host side of retiring: the monitors' saved states (which taints are
+//! nodeguard's), the logind drop-in, and the state directory.
+
+use std::path::{Path, PathBuf};
+
+use crate::monitor::MonitorState;
+use crate::shutdown::logind::{DROP_IN_MARK, DROP_IN_NAME, ZbusConnector};
+use crate::shutdown::{LogindConnector, LogindPort};
+
+/// The monitors' saved states, by monitor name; an unreadable one is
+/// skipped (said in the log).
+pub(super) fn monitor_states(state_dir: &Path) -> Vec<(String, MonitorState)> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join("monitors")) else {
+        return Vec::new();
+    };
+    let mut states = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("?")
+            .to_string();
+        match std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<MonitorState>(&b).ok())
+        {
+            Some(s) => states.push((name, s)),
+            None => {
+                tracing::warn!(path = %path.display(), "unreadable monitor state: the taints it records (if any) are not removed")
+            }
+        }
+    }
+    states.sort_by(|a, b| a.0.cmp(&b.0));
+    states
+}
+
+/// Removes nodeguard's logind drop-in from each directory the node lets
+/// policies write one to: the paths removed, and what could not be.
+pub(super) fn remove_drop_ins(dirs: &[String]) -> (Vec<PathBuf>, Vec<String>) {
+    let mut removed = Vec::new();
+    let mut failed = Vec::new();
+    for dir in dirs {
+        let path = Path::new(dir).join(DROP_IN_NAME);
+        match std::fs::read_to_string(&path) {
+            Ok(text) if text.starts_with(DROP_IN_MARK) => match std::fs::remove_file(&path) {
+                Ok(()) => removed.push(path),
+                Err(e) => failed.push(format!(
+                    "cannot remove the logind drop-in {}: {e}; remove it and reload logind",
+                    path.display()
+                )),
+            },
+            Ok(_) => {
+                tracing::info!(path = %path.display(), "a logind drop-in of nodeguard's name that nodeguard did not write: left as it is")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => failed.push(format!(
+                "cannot read {}: {e}; remove nodeguard's logind drop-in there by hand",
+                path.display()
+            )),
+        }
+    }
+    (removed, failed)
+}
+
+/// Makes logind re-read its configuration (its delay back to what the
+/// host configures without nodeguard's drop-in).
+pub(super) async fn reload_logind(address: &Option<String>) -> Result<(), String> {
+    let connector = ZbusConnector {
+        address: address.clone(),
+    };
+    let logind = connector.connect().await.map_err(|e| e.to_string())?;
+    logind.reload().await.map_err(|e| e.to_string())
+}
+
+/// Removes the files of the state directory and of its `monitors` folder
+/// (nodeguard's own directory; folders it did not make stay): how many,
+/// and what could not be removed.
+pub(super) fn clear_state(state_dir: &Path) -> (usize, Vec<String>) {
+    let mut removed = 0;
+    let mut failed = Vec::new();
+    let monitors = state_dir.join("monitors");
+    for dir in [monitors.as_path(), state_dir] {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for path in entries.flatten().map(|e| e.path()) {
+            if !path.symlink_metadata().is_ok_and(|m| m.is_file()) {
+                continue;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed += 1,
+                Err(e) => failed.push(format!("cannot remove {}: {e}", path.display())),
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(&monitors);
+    (removed, failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("nodeguard-retire-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn only_nodeguards_drop_in_goes() {
+        let ours = scratch("ours");
+        let theirs = scratch("theirs");
+        let empty = scratch("empty");
+        std::fs::write(
+            ours.join(DROP_IN_NAME),
+            format!("{DROP_IN_MARK}: its shutdown policy needs this much time.\n[Login]\nInhibitDelayMaxSec=32\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            theirs.join(DROP_IN_NAME),
+            "[Login]\nInhibitDelayMaxSec=90\n",
+        )
+        .unwrap();
+        let dirs: Vec<String> = [&ours, &theirs, &empty]
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        let (removed, failed) = remove_drop_ins(&dirs);
+        assert_eq!(removed, vec![ours.join(DROP_IN_NAME)]);
+        assert!(failed.is_empty(), "{failed:?}");
+        assert!(!ours.join(DROP_IN_NAME).exists());
+        assert!(theirs.join(DROP_IN_NAME).exists(), "someone else's stays");
+        // Again: nothing left to remove.
+        assert_eq!(remove_drop_ins(&dirs), (vec![], vec![]));
+        for d in [ours, theirs, empty] {
+            std::fs::remove_dir_all(d).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_state_directory_is_emptied_of_files_only() {
+        let dir = scratch("state");
+        std::fs::create_dir_all(dir.join("monitors")).unwrap();
+        std::fs::create_dir_all(dir.join("other")).unwrap();
+        std::fs::write(dir.join("shutdown-state.json"), "{}").unwrap();
+        std::fs::write(dir.join("monitors/kernel.json"), "{}").unwrap();
+        std::fs::write(dir.join("other/keep"), "x").unwrap();
+        assert_eq!(clear_state(&dir), (2, vec![]));
+        assert!(!dir.join("monitors").exists());
+        assert!(
+            dir.join("other/keep").exists(),
+            "folders it did not make stay"
+        );
+        assert_eq!(clear_state(&dir), (0, vec![]));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

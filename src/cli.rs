@@ -88,8 +88,10 @@ pub enum Command {
     },
     /// Ask every agent of a release to remove what it put on its node, and
     /// wait until each running one has (the chart's pre-delete hook, run by
-    /// `helm uninstall`). Exits 1 when an agent did not answer in time or
-    /// left something behind, naming the node and what.
+    /// `helm uninstall`). A node whose agent did not answer in time, or
+    /// left something behind, gets a Warning Event `NodeguardNotRetired`
+    /// saying what; with `--strict` the command then exits 1 (failing the
+    /// uninstall), otherwise 0.
     Retire {
         /// The release's namespace.
         #[arg(long, env = "POD_NAMESPACE")]
@@ -100,6 +102,9 @@ pub enum Command {
         /// How long to wait for the agents.
         #[arg(long, default_value_t = 120)]
         timeout_seconds: u64,
+        /// Exit 1 when a node is left with anything of nodeguard's.
+        #[arg(long)]
+        strict: bool,
         /// Kubeconfig to use (default: the in-cluster service account).
         #[arg(long, env = "KUBECONFIG")]
         kubeconfig: Option<PathBuf>,

@@ -45,11 +45,13 @@ fn main() -> ExitCode {
             namespace,
             selector,
             timeout_seconds,
+            strict,
             kubeconfig,
         } => retire(
             &namespace,
             &selector,
             std::time::Duration::from_secs(timeout_seconds),
+            strict,
             kubeconfig.as_deref(),
         ),
         Command::Keep { socket, log } => {
@@ -128,7 +130,10 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .filter(|a| !a.is_empty());
         // In the chart's pod: the pod the uninstall hook asks to retire.
         let retiring = own_pod().map(|pod| RetireCtx {
-            client: client.clone(),
+            client: nodeguard::k8s::deadline::with_deadline(
+                client.clone(),
+                nodeguard::k8s::deadline::API_DEADLINE,
+            ),
             node_name: args.node_name.clone(),
             pod,
             state_dir: args.state_dir.clone(),
@@ -206,6 +211,7 @@ fn retire(
     namespace: &str,
     selector: &str,
     timeout: std::time::Duration,
+    strict: bool,
     kubeconfig: Option<&std::path::Path>,
 ) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -214,26 +220,41 @@ fn retire(
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
         let client = nodeguard::k8s::client(kubeconfig).await?;
+        let client =
+            nodeguard::k8s::deadline::with_deadline(client, nodeguard::k8s::deadline::API_DEADLINE);
         let say = |line: &str| println!("retire: {line}");
         let progress =
             nodeguard::retire::hook::run(&client, namespace, selector, timeout, say).await?;
-        for (node, report) in &progress.incomplete {
-            println!("retire: {node}: {report}");
-        }
+        let mut left: Vec<(String, String)> = progress.incomplete.clone();
         for node in &progress.waiting {
-            println!(
-                "retire: {node}: the agent did not answer within {}s; nodeguard's conditions, taints and logind drop-in stay on that node (README, \"Uninstalling\", says how to remove them)",
-                timeout.as_secs()
-            );
+            left.push((
+                node.clone(),
+                format!(
+                    "nodeguard was uninstalled, but its agent on this node did not answer within {}s (the node down or unreachable?): nodeguard's conditions, taints, logind drop-in and state may still be on it; README, \"Uninstalling\", says how to remove them",
+                    timeout.as_secs()
+                ),
+            ));
         }
-        if progress.clean() {
+        for (node, report) in &left {
+            println!("retire: {node}: {report}");
+            if let Err(e) = nodeguard::retire::hook::warn_node(&client, node, report).await {
+                println!("retire: {node}: cannot write the Warning Event on the node: {e}");
+            }
+        }
+        if left.is_empty() {
             println!("retire: every running agent removed what nodeguard had put on its node");
             Ok(ExitCode::SUCCESS)
-        } else {
+        } else if strict {
             println!(
-                "retire: stopping the uninstall; fix the nodes above and run it again, or go on without this step: helm uninstall --no-hooks"
+                "retire: stopping the uninstall (uninstall.strict); fix the nodes above and run it again, or go on without this step: helm uninstall --no-hooks"
             );
             Ok(ExitCode::from(1))
+        } else {
+            println!(
+                "retire: {} node(s) keep something of nodeguard's (each has a NodeguardNotRetired Warning Event); the uninstall goes on",
+                left.len()
+            );
+            Ok(ExitCode::SUCCESS)
         }
     })
 }

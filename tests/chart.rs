@@ -1369,3 +1369,67 @@ impl Drop for Namespaces {
         }
     }
 }
+
+/// The uninstall hook's RBAC, applied to the real API server as Helm
+/// creates it before the Job: the pods of the release namespace (list,
+/// annotate) and Events about Nodes (in `default`); nothing else.
+#[tokio::test]
+async fn the_uninstall_hooks_rbac_is_what_nodeguard_retire_calls() {
+    let admin = admin_client().await;
+    let ns = unique_name("nodeguard-hook");
+    kubectl(&["create", "namespace", &ns]);
+    let release = "hook";
+    let (ok, rendered, err) = helm(&[
+        "template",
+        release,
+        &chart(),
+        "-n",
+        &ns,
+        "--show-only",
+        "templates/uninstall.yaml",
+    ]);
+    assert!(ok, "{err}");
+    let rbac: String = rendered
+        .split("\n---\n")
+        .filter(|d| !d.contains("\nkind: Job\n"))
+        .collect::<Vec<_>>()
+        .join("\n---\n");
+    let file = std::env::temp_dir().join(format!("{ns}-hook-rbac.yaml"));
+    std::fs::write(&file, &rbac).unwrap();
+    kubectl(&["apply", "-f", file.to_str().unwrap()]);
+    let sa = format!("system:serviceaccount:{ns}:{release}-nodeguard-retire");
+    let groups = ["system:serviceaccounts", "system:authenticated"];
+    let check = |verb: &str, resource: &str, namespace: &str| -> String {
+        let out = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .args([
+                "auth", "can-i", verb, resource, "-n", namespace, "--as", &sa,
+            ])
+            .args(groups.iter().flat_map(|g| ["--as-group", g]))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    for (verb, resource, namespace, want) in [
+        ("list", "pods", ns.as_str(), "yes"),
+        ("patch", "pods", ns.as_str(), "yes"),
+        ("create", "events.events.k8s.io", "default", "yes"),
+        // Nothing more: not other namespaces' pods, not deletes, not nodes.
+        ("list", "pods", "default", "no"),
+        ("delete", "pods", ns.as_str(), "no"),
+        ("patch", "nodes", "", "no"),
+        ("create", "events.events.k8s.io", ns.as_str(), "no"),
+    ] {
+        assert_eq!(
+            check(verb, resource, namespace),
+            want,
+            "{verb} {resource} in {namespace:?}"
+        );
+    }
+    kubectl(&["delete", "-f", file.to_str().unwrap(), "--wait=false"]);
+    let _ = Api::<Namespace>::all(admin)
+        .delete(&ns, &DeleteParams::default())
+        .await;
+    let _ = std::fs::remove_file(&file);
+}

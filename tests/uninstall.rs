@@ -91,7 +91,7 @@ impl Agent {
 }
 
 /// `nodeguard retire`, as the hook's Job runs it: (exit code, output).
-async fn retire(instance: &str, timeout_seconds: u64) -> (i32, String) {
+async fn retire(instance: &str, timeout_seconds: u64, strict: bool) -> (i32, String) {
     let selector =
         format!("app.kubernetes.io/name=nodeguard,app.kubernetes.io/instance={instance}");
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
@@ -103,6 +103,7 @@ async fn retire(instance: &str, timeout_seconds: u64) -> (i32, String) {
             &selector,
         ])
         .arg(format!("--timeout-seconds={timeout_seconds}"))
+        .args(strict.then_some("--strict"))
         .arg("--kubeconfig")
         .arg(kubeconfig_path())
         .output()
@@ -254,7 +255,7 @@ async fn retiring_removes_what_nodeguard_put_on_the_node_and_an_ordinary_stop_do
     )
     .await;
     let reloads_before = peer.state.lock().unwrap().reloads;
-    let (code, out) = retire(&instance, 60).await;
+    let (code, out) = retire(&instance, 60, true).await;
     assert_eq!(code, 0, "the hook succeeds:\n{out}");
     assert!(out.contains("1 of 1 running agent(s) retired"), "{out}");
 
@@ -336,8 +337,32 @@ async fn retiring_removes_what_nodeguard_put_on_the_node_and_an_ordinary_stop_do
     delete_policy(&admin, &policy).await;
 }
 
+/// The Warning Event the hook left on `node` (in `default`, as Events
+/// about Nodes are).
+async fn not_retired_event(admin: &kube::Client, node: &str) -> Option<String> {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(admin.clone(), "default");
+    events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|e| {
+            e.reason.as_deref() == Some("NodeguardNotRetired")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
+        })
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.type_.unwrap_or_default(),
+                e.note.unwrap_or_default()
+            )
+        })
+}
+
 #[tokio::test]
-async fn the_hook_fails_naming_a_node_whose_agent_does_not_answer() {
+async fn a_node_whose_agent_does_not_answer_is_named_on_the_node_and_the_uninstall_goes_on() {
     let admin = admin_client().await;
     let silent = TestNode::selectable(&admin, "retire-silent").await;
     ensure_priority_class(&admin, CLASS, 1000).await;
@@ -362,18 +387,141 @@ async fn the_hook_fails_naming_a_node_whose_agent_does_not_answer() {
         .create(&Default::default(), &pending)
         .await
         .unwrap();
+    // A pod the DaemonSet makes while the hook waits is asked too.
+    let late_node = TestNode::selectable(&admin, "retire-late").await;
+    let late = unique_name("agent-late");
+    let hook = tokio::spawn({
+        let instance = instance.clone();
+        async move { retire(&instance, 6, false).await }
+    });
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    running_pod(
+        &admin,
+        &late_node.name,
+        &late,
+        CLASS,
+        agent_labels(&instance),
+    )
+    .await;
     let t = std::time::Instant::now();
-    let (code, out) = retire(&instance, 3).await;
-    assert_eq!(code, 1, "the hook fails:\n{out}");
+    let (code, out) = hook.await.unwrap();
+    assert_eq!(code, 0, "the uninstall goes on:\n{out}");
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
     assert!(
-        out.contains("0 of 1 running agent(s) retired")
-            && out.contains(&format!(
-                "{}: the agent did not answer within 3s",
-                silent.name
-            ))
+        out.contains("0 of 2 running agent(s) retired")
+            && out.contains(&format!("{}: nodeguard was uninstalled, but its agent on this node did not answer within 6s", silent.name))
             && out.contains("not running (phase Pending)")
-            && out.contains("helm uninstall --no-hooks"),
+            && out.contains("2 node(s) keep something of nodeguard's"),
         "{out}"
     );
+    let late_pod = Api::<Pod>::namespaced(admin.clone(), TEST_NAMESPACE)
+        .get(&late)
+        .await
+        .unwrap();
+    assert!(
+        late_pod
+            .metadata
+            .annotations
+            .is_some_and(|a| a.contains_key("nodeguard.io/retire")),
+        "a pod created while the hook waited was not asked"
+    );
+    let event = not_retired_event(&admin, &silent.name)
+        .await
+        .unwrap_or_else(|| {
+            panic!("a NodeguardNotRetired Event on the node whose agent did not answer:\n{out}")
+        });
+    assert!(
+        event.starts_with("Warning: nodeguard was uninstalled, but its agent"),
+        "{event}"
+    );
+
+    // Strict: the hook fails the uninstall.
+    let (code, out) = retire(&instance, 3, true).await;
+    assert_eq!(code, 1, "strict fails:\n{out}");
+    assert!(out.contains("helm uninstall --no-hooks"), "{out}");
+}
+
+/// A taint a policy declares that no saved state says nodeguard added (its
+/// state directory was not kept across pods) may be someone else's: it
+/// stays, and the agent's report names it, so the hook names the node.
+#[tokio::test]
+async fn a_policy_taint_no_state_records_is_named_not_removed() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "retire-stateless").await;
+    let logs = TempDir::new("retire-stateless-logs");
+    let app_log = logs.path.join("app.log");
+    std::fs::write(&app_log, "").unwrap();
+    // An earlier pod added it; its state went with its emptyDir.
+    Api::<Node>::all(admin.clone())
+        .patch(
+            &node.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": [
+                {"key": TAINT, "value": "true", "effect": "NoSchedule"}]}})),
+        )
+        .await
+        .unwrap();
+    let policy = unique_name("retire-stateless");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "monitors": [{
+                "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
+                "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.",
+                                "taint": {"key": TAINT, "value": "true", "effect": "NoSchedule"}}],
+                "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
+                           "pattern": "app crashed"}],
+            }],
+        }),
+    )
+    .await;
+    ensure_priority_class(&admin, CLASS, 1000).await;
+    let instance = unique_name("release");
+    let pod = unique_name("agent");
+    running_pod(&admin, &node.name, &pod, CLASS, agent_labels(&instance)).await;
+    let state = TempDir::new("retire-stateless-state");
+    let agent = Agent::spawn(
+        &node.name,
+        &pod,
+        &state.path,
+        &[logs.path.as_path()],
+        "unix:path=/nonexistent/bus",
+    );
+    agent.answering().await;
+    eventually(Duration::from_secs(20), "AppBroken=False", || async {
+        condition_is(&admin, &node.name, "AppBroken", "False").await
+    })
+    .await;
+    let (code, out) = retire(&instance, 60, false).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!(
+            "the taint {TAINT}:NoSchedule that a policy's monitor sets is still on the node"
+        )),
+        "{out}"
+    );
+    assert!(
+        has_taint(&node_of(&admin, &node.name).await, TAINT),
+        "it may be someone else's: it stays"
+    );
+    let event = not_retired_event(&admin, &node.name)
+        .await
+        .unwrap_or_else(|| panic!("a NodeguardNotRetired Event naming the taint:\n{out}"));
+    assert!(event.contains(TAINT), "{event}");
+    let agent_pod = Api::<Pod>::namespaced(admin.clone(), TEST_NAMESPACE)
+        .get(&pod)
+        .await
+        .unwrap();
+    let reason = agent_pod
+        .status
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "nodeguard.io/retired")
+        .and_then(|c| c.reason);
+    assert_eq!(reason.as_deref(), Some("RetiredWithProblems"));
+    drop(agent);
+    delete_policy(&admin, &policy).await;
 }

@@ -108,6 +108,29 @@ pub fn owned_taints(states: &[(String, MonitorState)]) -> OwnedTaints {
     }
 }
 
+/// A taint as `(key, value, effect)`.
+pub type Taint = (String, Option<String>, String);
+
+/// Taints still on the node that a policy's monitor declares but that no
+/// saved state says nodeguard added (the state directory was not kept, or
+/// someone else set them): not removed, since they may be someone else's,
+/// but said, each with what to do.
+pub fn policy_taints_left(on_node: &[Taint], declared: &[Taint]) -> Vec<String> {
+    let value = |v: &Option<String>| v.clone().unwrap_or_default();
+    let mut left = BTreeSet::new();
+    for (key, v, effect) in on_node {
+        if declared
+            .iter()
+            .any(|(dk, dv, de)| dk == key && de == effect && value(dv) == value(v))
+        {
+            left.insert(format!(
+                "the taint {key}:{effect} that a policy's monitor sets is still on the node, and no saved state says nodeguard added it (its state directory was not kept, or someone else set it): remove it with kubectl taint if nodeguard did"
+            ));
+        }
+    }
+    left.into_iter().collect()
+}
+
 /// One agent pod, as the uninstall hook sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AgentPod {
@@ -270,6 +293,37 @@ mod tests {
             owned.unrecorded
         );
         assert_eq!(owned_taints(&[]), OwnedTaints::default());
+    }
+
+    #[test]
+    fn a_declared_taint_left_on_the_node_is_said() {
+        let t = |k: &str, v: Option<&str>, e: &str| {
+            (k.to_string(), v.map(str::to_string), e.to_string())
+        };
+        let declared = [
+            t("example.com/app-broken", Some("true"), "NoSchedule"),
+            t("example.com/dead", None, "NoExecute"),
+        ];
+        let on_node = [
+            t("example.com/app-broken", Some("true"), "NoSchedule"),
+            // Another value or effect: not the policy's.
+            t("example.com/app-broken", Some("other"), "NoSchedule"),
+            t("example.com/app-broken", Some("true"), "NoExecute"),
+            // No value and an empty one are the same taint.
+            t("example.com/dead", Some(""), "NoExecute"),
+            t("node.kubernetes.io/unschedulable", None, "NoSchedule"),
+        ];
+        let left = policy_taints_left(&on_node, &declared);
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert!(
+            left[0].starts_with("the taint example.com/app-broken:NoSchedule "),
+            "{left:?}"
+        );
+        assert!(
+            left[1].starts_with("the taint example.com/dead:NoExecute "),
+            "{left:?}"
+        );
+        assert!(policy_taints_left(&[], &declared).is_empty());
     }
 
     #[test]

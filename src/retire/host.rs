@@ -7,13 +7,14 @@ use crate::monitor::MonitorState;
 use crate::shutdown::logind::{DROP_IN_MARK, DROP_IN_NAME, ZbusConnector};
 use crate::shutdown::{LogindConnector, LogindPort};
 
-/// The monitors' saved states, by monitor name; an unreadable one is
-/// skipped (said in the log).
-pub(super) fn monitor_states(state_dir: &Path) -> Vec<(String, MonitorState)> {
+/// The monitors' saved states, by monitor name, and a sentence for each
+/// one that cannot be read (the taints it records cannot be removed).
+pub(super) fn monitor_states(state_dir: &Path) -> (Vec<(String, MonitorState)>, Vec<String>) {
     let Ok(entries) = std::fs::read_dir(state_dir.join("monitors")) else {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     };
     let mut states = Vec::new();
+    let mut unreadable = Vec::new();
     for path in entries.flatten().map(|e| e.path()) {
         if path.extension().and_then(|e| e.to_str()) != Some("json") {
             continue;
@@ -28,13 +29,14 @@ pub(super) fn monitor_states(state_dir: &Path) -> Vec<(String, MonitorState)> {
             .and_then(|b| serde_json::from_slice::<MonitorState>(&b).ok())
         {
             Some(s) => states.push((name, s)),
-            None => {
-                tracing::warn!(path = %path.display(), "unreadable monitor state: the taints it records (if any) are not removed")
-            }
+            None => unreadable.push(format!(
+                "the state {} cannot be read: a taint it records is not removed; check the node's taints",
+                path.display()
+            )),
         }
     }
     states.sort_by(|a, b| a.0.cmp(&b.0));
-    states
+    (states, unreadable)
 }
 
 /// Removes nodeguard's logind drop-in from each directory the node lets

@@ -10,6 +10,7 @@ use kube::{Api, Client};
 use super::core::Retired;
 use super::{RETIRE_ANNOTATION, RETIRED_CONDITION};
 use crate::k8s::taints::{self, TaintError};
+use crate::policy::NodeGuardPolicy;
 use crate::report::kube::{FIELD_MANAGER, KubeEvents, apply_body, owned_condition_types};
 use crate::report::{EventKind, EventPort, EventRequest, ReportError};
 use crate::shutdown::core::{TAINT_EFFECT, TAINT_KEY, TAINT_VALUE};
@@ -117,12 +118,8 @@ pub async fn asked_already(client: &Client, pod: &str) -> bool {
     }
 }
 
-/// Asks an agent pod to retire (the hook's request), unless it was asked.
-pub(super) async fn ask(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
-    if super::asked(pod) {
-        return Ok(());
-    }
-    let name = pod.metadata.name.as_deref().unwrap_or_default();
+/// Asks an agent pod to retire (the hook's request).
+pub(super) async fn ask(api: &Api<Pod>, name: &str) -> Result<(), kube::Error> {
     let now = jiff::Timestamp::now().to_string();
     api.patch(
         name,
@@ -131,4 +128,36 @@ pub(super) async fn ask(api: &Api<Pod>, pod: &Pod) -> Result<(), kube::Error> {
     )
     .await?;
     Ok(())
+}
+
+/// The taints the policies' monitors declare, as `(key, value, effect)`.
+pub(super) async fn declared_taints(
+    client: &Client,
+) -> Result<Vec<(String, Option<String>, String)>, kube::Error> {
+    let policies = Api::<NodeGuardPolicy>::all(client.clone())
+        .list(&Default::default())
+        .await?;
+    Ok(policies
+        .items
+        .iter()
+        .flat_map(|p| &p.spec.monitors)
+        .flat_map(|m| &m.conditions)
+        .filter_map(|c| c.taint.as_ref())
+        .map(|t| (t.key.clone(), t.value.clone(), t.effect.clone()))
+        .collect())
+}
+
+/// The Node's taints, as `(key, value, effect)`.
+pub(super) async fn node_taints(
+    client: &Client,
+    node: &str,
+) -> Result<Vec<(String, Option<String>, String)>, kube::Error> {
+    let node = Api::<Node>::all(client.clone()).get(node).await?;
+    Ok(node
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| (t.key, t.value, t.effect))
+        .collect())
 }

@@ -102,7 +102,8 @@ pub fn asked(pod: &Pod) -> bool {
 /// is not found the second time.
 pub async fn clean_up(ctx: &RetireCtx) -> Retired {
     let mut retired = Retired::default();
-    let states = host::monitor_states(&ctx.state_dir);
+    let (states, unreadable) = host::monitor_states(&ctx.state_dir);
+    retired.failures.extend(unreadable);
     let owned = core::owned_taints(&states);
     retired.failures.extend(owned.unrecorded);
     let mut taint_left = false;
@@ -122,6 +123,17 @@ pub async fn clean_up(ctx: &RetireCtx) -> Retired {
         Ok(None) => {}
         Err(e) => retired.failures.push(format!(
             "cannot remove the shutdown taint ({e}): remove it with kubectl taint"
+        )),
+    }
+    match tokio::try_join!(
+        kube::node_taints(&ctx.client, &ctx.node_name),
+        kube::declared_taints(&ctx.client)
+    ) {
+        Ok((on_node, declared)) => retired
+            .failures
+            .extend(core::policy_taints_left(&on_node, &declared)),
+        Err(e) => retired.failures.push(format!(
+            "cannot check the node for policy taints left ({e}): check its taints"
         )),
     }
     match kube::remove_conditions(&ctx.client, &ctx.node_name).await {

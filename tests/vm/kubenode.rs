@@ -1036,8 +1036,10 @@ async fn readme_install(
     // cluster: README's install sets no apiServer.host. (The VM's network
     // has no default route: the service range gets one, or the connect
     // fails before the rule is reached.)
+    // PREROUTING does the same for pods on the pod network (the uninstall
+    // hook's Job), as kube-proxy's rules would.
     vm.sh(&format!(
-        "ip route add 10.0.0.0/24 via 10.0.2.2 && iptables -t nat -A OUTPUT -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER}"
+        "ip route add 10.0.0.0/24 via 10.0.2.2 && iptables -t nat -A OUTPUT -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER} && iptables -t nat -A PREROUTING -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER}"
     ))
     .await;
     let release = Release {

@@ -387,11 +387,26 @@ async fn default_and_all_features_pass_a_server_side_dry_run() {
         args.extend(extra.iter());
         let (ok, rendered, err) = helm(&args);
         assert!(ok, "{err}");
+        // The uninstall hook's Role for Events about Nodes lives in
+        // `default`; kubectl applies one namespace at a time.
+        let (in_default, in_release): (Vec<&str>, Vec<&str>) = rendered
+            .split("\n---\n")
+            .partition(|doc| doc.contains("\n  namespace: default\n"));
+        assert_eq!(
+            in_default.len(),
+            2,
+            "the hook's events Role and RoleBinding"
+        );
         let (ok, out) = kubectl_stdin(
             &["apply", "--dry-run=server", "-n", &ns, "-f", "-"],
-            &rendered,
+            &in_release.join("\n---\n"),
         );
         assert!(ok, "server dry run failed:\n{out}");
+        let (ok, in_default_out) = kubectl_stdin(
+            &["apply", "--dry-run=server", "-n", "default", "-f", "-"],
+            &in_default.join("\n---\n"),
+        );
+        assert!(ok, "server dry run failed:\n{in_default_out}");
         assert!(
             out.contains("daemonset.apps/dry-nodeguard created (server dry run)"),
             "{out}"

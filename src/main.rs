@@ -214,10 +214,7 @@ fn retire(
     strict: bool,
     kubeconfig: Option<&std::path::Path>,
 ) -> anyhow::Result<ExitCode> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = one_thread_runtime()?;
     runtime.block_on(async {
         let client = nodeguard::k8s::client(kubeconfig).await?;
         let client =
@@ -282,16 +279,21 @@ impl Signals {
     }
 }
 
+/// The runtime of a one-shot command (`status`, `retire`).
+fn one_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
 fn status(
     node: &str,
     output: Output,
     events: usize,
     kubeconfig: Option<&std::path::Path>,
 ) -> anyhow::Result<ExitCode> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = one_thread_runtime()?;
     runtime.block_on(async {
         let client = nodeguard::k8s::client(kubeconfig).await?;
         let view = nodeguard::node_view::kube::fetch(&client, node, events).await?;

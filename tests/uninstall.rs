@@ -117,6 +117,17 @@ async fn retire(instance: &str, timeout_seconds: u64, strict: bool) -> (i32, Str
     (out.status.code().unwrap_or(-1), text)
 }
 
+/// A monitor of `log` whose condition `AppBroken` sets [`TAINT`].
+fn app_monitor(log: &Path) -> serde_json::Value {
+    serde_json::json!({
+        "name": "app", "source": {"file": {"path": log.display().to_string()}},
+        "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.",
+                        "taint": {"key": TAINT, "value": "true", "effect": "NoSchedule"}}],
+        "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
+                   "pattern": "app crashed"}],
+    })
+}
+
 fn agent_labels(instance: &str) -> serde_json::Value {
     serde_json::json!({"app.kubernetes.io/name": "nodeguard", "app.kubernetes.io/instance": instance})
 }
@@ -177,13 +188,7 @@ async fn retiring_removes_what_nodeguard_put_on_the_node_and_an_ordinary_stop_do
             "nodeSelector": selecting(&node.name),
             "shutdown": {"gracePeriodByPriority": [{"priority": 0, "gracePeriodSeconds": 20}],
                          "logindDropInDir": drop_in.path.display().to_string(), "safetyMarginSeconds": 2},
-            "monitors": [{
-                "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
-                "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.",
-                                "taint": {"key": TAINT, "value": "true", "effect": "NoSchedule"}}],
-                "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
-                           "pattern": "app crashed"}],
-            }],
+            "monitors": [app_monitor(&app_log)],
         }),
     )
     .await;
@@ -337,21 +342,10 @@ async fn retiring_removes_what_nodeguard_put_on_the_node_and_an_ordinary_stop_do
     delete_policy(&admin, &policy).await;
 }
 
-/// The Warning Event the hook left on `node` (in `default`, as Events
-/// about Nodes are).
+/// The Warning Event the hook left on `node`, as `type: note`.
 async fn not_retired_event(admin: &kube::Client, node: &str) -> Option<String> {
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(admin.clone(), "default");
-    events
-        .list(&Default::default())
+    node_event(admin, node, "NodeguardNotRetired")
         .await
-        .unwrap()
-        .items
-        .into_iter()
-        .find(|e| {
-            e.reason.as_deref() == Some("NodeguardNotRetired")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
-        })
         .map(|e| {
             format!(
                 "{}: {}",
@@ -467,13 +461,7 @@ async fn a_policy_taint_no_state_records_is_named_not_removed() {
         &policy,
         serde_json::json!({
             "nodeSelector": selecting(&node.name),
-            "monitors": [{
-                "name": "app", "source": {"file": {"path": app_log.display().to_string()}},
-                "conditions": [{"type": "AppBroken", "reason": "AppIsFine", "message": "The app is fine.",
-                                "taint": {"key": TAINT, "value": "true", "effect": "NoSchedule"}}],
-                "rules": [{"type": "permanent", "condition": "AppBroken", "reason": "AppCrashed",
-                           "pattern": "app crashed"}],
-            }],
+            "monitors": [app_monitor(&app_log)],
         }),
     )
     .await;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use super::engine;
 use super::engine::OwnedTaint;
 use super::sources::Cursor;
-use super::state::{MonitorState, load_state, save_state, state_path};
+use super::state::{load_state, save_state, saved_states, state_path};
 use super::{MonitorContext, TaintPort};
 use crate::policy::monitors::MonitorSpec;
 
@@ -37,35 +37,19 @@ pub(super) async fn sweep_orphans<T: TaintPort>(
     ctx: &MonitorContext<T>,
     desired: &HashMap<String, MonitorSpec>,
 ) {
-    let dir = ctx.state_dir.join("monitors");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return;
-    };
     let wanted: std::collections::HashSet<PathBuf> = desired
         .keys()
         .map(|n| state_path(&ctx.state_dir, n))
         .collect();
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.extension().and_then(|e| e.to_str()) != Some("json") || wanted.contains(&path) {
+    for (path, name, state) in saved_states(&ctx.state_dir) {
+        if wanted.contains(&path) {
             continue;
         }
-        let state: MonitorState = match std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-        {
-            Some(s) => s,
-            None => {
-                tracing::warn!(path = %path.display(), "unreadable state of a monitor no longer in the policy; removed");
-                ctx.state_writes.remove(&path);
-                continue;
-            }
+        let Some(state) = state else {
+            tracing::warn!(path = %path.display(), "unreadable state of a monitor no longer in the policy; removed");
+            ctx.state_writes.remove(&path);
+            continue;
         };
-        let name = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("?")
-            .to_string();
         tracing::info!(monitor = %name, "state of a monitor no longer in the policy: removing its taints and state");
         let mut failed = false;
         for s in state.conditions.values().filter(|s| s.taint_added) {

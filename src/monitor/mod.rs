@@ -32,7 +32,7 @@ use crate::report::Reporter;
 use crate::server::Health;
 use crate::state_dir::StateWrites;
 pub use metrics::MonitorMetrics;
-pub use state::{MonitorState, same_boot, state_path};
+pub use state::{MonitorState, same_boot, saved_states, state_path};
 pub use tasks::run_monitors;
 
 #[derive(Debug, thiserror::Error)]

@@ -60,6 +60,31 @@ pub fn state_path(dir: &Path, monitor: &str) -> PathBuf {
     dir.join("monitors").join(format!("{file}.json"))
 }
 
+/// Every monitor state file in `dir` (`dir/monitors/*.json`): its path, the
+/// monitor's name (the file's stem) and the state, `None` when it cannot be
+/// read.
+pub fn saved_states(dir: &Path) -> Vec<(PathBuf, String, Option<MonitorState>)> {
+    let Ok(entries) = std::fs::read_dir(dir.join("monitors")) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().and_then(|e| e.to_str()) == Some("json"))
+        .map(|path| {
+            let name = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("?")
+                .to_string();
+            let state = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            (path, name, state)
+        })
+        .collect()
+}
+
 /// The saved state, and whether its file was last written before this boot
 /// began; `None` when the monitor has none.
 pub(super) fn load_state(dir: &Path, monitor: &str) -> Option<(MonitorState, bool)> {

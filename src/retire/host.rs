@@ -3,31 +3,17 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::monitor::MonitorState;
+use crate::monitor::{MonitorState, saved_states};
 use crate::shutdown::logind::{DROP_IN_MARK, DROP_IN_NAME, ZbusConnector};
 use crate::shutdown::{LogindConnector, LogindPort};
 
 /// The monitors' saved states, by monitor name, and a sentence for each
 /// one that cannot be read (the taints it records cannot be removed).
 pub(super) fn monitor_states(state_dir: &Path) -> (Vec<(String, MonitorState)>, Vec<String>) {
-    let Ok(entries) = std::fs::read_dir(state_dir.join("monitors")) else {
-        return (Vec::new(), Vec::new());
-    };
     let mut states = Vec::new();
     let mut unreadable = Vec::new();
-    for path in entries.flatten().map(|e| e.path()) {
-        if path.extension().and_then(|e| e.to_str()) != Some("json") {
-            continue;
-        }
-        let name = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("?")
-            .to_string();
-        match std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<MonitorState>(&b).ok())
-        {
+    for (path, name, state) in saved_states(state_dir) {
+        match state {
             Some(s) => states.push((name, s)),
             None => unreadable.push(format!(
                 "the state {} cannot be read: a taint it records is not removed; check the node's taints",

@@ -29,7 +29,8 @@ crd:          ## regenerate crds/ (and the chart's copy) from the Rust types
 manifests: crd ## render manifests/nodeguard.yaml from the chart with default values (no Helm hooks)
 	cargo run --quiet -- default-policy > charts/nodeguard/files/default-policy.yaml
 	$$(e2e/cluster/build >/dev/null 2>&1; echo $${NODEGUARD_CACHE:-$$HOME/.cache/nodeguard}/bin/current/helm) \
-	  template nodeguard charts/nodeguard -n nodeguard-system --include-crds --no-hooks > manifests/nodeguard.yaml
+	  template nodeguard charts/nodeguard -n nodeguard-system --include-crds --no-hooks \
+	  --kube-version $$(. e2e/cluster/versions.env; echo $$KUBE_OLDEST_VERSION) > manifests/nodeguard.yaml
 
 image:        ## build the OCI image without Docker (target/image/)
 	e2e/image

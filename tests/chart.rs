@@ -94,13 +94,16 @@ fn chart() -> String {
     repo_root().join("charts/nodeguard").display().to_string()
 }
 
+/// `helm ARGS` against the test cluster. A `helm template` that names no
+/// `--kube-version` renders for the oldest supported one, as README tells
+/// `helm template` users to.
 fn helm(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm_binary())
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args(args)
-        .output()
-        .unwrap();
+    let mut cmd = Command::new(helm_binary());
+    cmd.arg("--kubeconfig").arg(kubeconfig_path()).args(args);
+    if args.first() == Some(&"template") && !args.contains(&"--kube-version") {
+        cmd.args(["--kube-version", &template_kube_version()]);
+    }
+    let out = cmd.output().unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -278,6 +281,51 @@ fn the_shipped_default_policy_is_the_codes_and_renders() {
     }
 }
 
+/// One supported range, enforced by Chart.yaml's kubeVersion: renders for
+/// both ends the tests run on (versions.env), refuses the minor below it,
+/// and a `helm template` without `--kube-version` (Helm 3 assumes v1.20.0)
+/// stops naming the constraint.
+#[test]
+fn the_chart_renders_only_for_the_supported_kubernetes_versions() {
+    let env = std::fs::read_to_string(repo_root().join("e2e/cluster/versions.env")).unwrap();
+    let pin = |key: &str| {
+        env.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap()
+            .to_string()
+    };
+    let (oldest, newest) = (pin("KUBE_OLDEST_VERSION"), pin("KUBE_VERSION"));
+    let chart_yaml =
+        std::fs::read_to_string(repo_root().join("charts/nodeguard/Chart.yaml")).unwrap();
+    let minor = oldest.trim_start_matches('v').rsplit_once('.').unwrap().0;
+    assert!(
+        chart_yaml.contains(&format!("kubeVersion: \">={minor}.0-0\"")),
+        "Chart.yaml's kubeVersion starts at the oldest tested minor {minor}"
+    );
+    for v in [oldest.as_str(), newest.as_str()] {
+        let (ok, _, err) = helm(&["template", "x", &chart(), "--kube-version", v]);
+        assert!(ok, "{v}: {err}");
+    }
+    let older = format!(
+        "1.{}.9",
+        minor.trim_start_matches("1.").parse::<u32>().unwrap() - 1
+    );
+    let (ok, _, err) = helm(&["template", "x", &chart(), "--kube-version", &older]);
+    assert!(
+        !ok && err.contains("chart requires kubeVersion: >="),
+        "{older}: {err}"
+    );
+    let out = Command::new(helm_binary())
+        .args(["template", "x", &chart()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("chart requires kubeVersion"),
+        "helm template without --kube-version: {err}"
+    );
+}
+
 #[test]
 fn the_chart_crd_is_the_repository_crd() {
     let repo =
@@ -336,8 +384,6 @@ fn the_default_image_is_what_the_build_produces() {
 fn image_digest_pins_every_container_and_a_malformed_one_is_refused() {
     let digest = format!("sha256:{}", "ab".repeat(32));
     let set = format!("image.digest={digest}");
-    // The keeper sidecar renders from Kubernetes 1.29 (helm template's
-    // default version is older).
     let (ok, rendered, err) = helm(&[
         "template",
         "t",
@@ -1287,6 +1333,8 @@ async fn pod_admitted(client: &Client, ns: &str, rendered: &str) -> Result<(), S
 #[tokio::test]
 async fn an_install_the_namespaces_pod_security_would_refuse_stops_naming_the_label() {
     let admin = admin_client().await;
+    // Its server-side dry runs read the CRD, which the CRD test changes.
+    let _one_install = INSTALL.lock().await;
     let readme = ["--set", "defaultPolicy.enabled=true"];
     let baseline = unique_name("ng-psa-baseline");
     let bare = unique_name("ng-psa-bare");
@@ -1447,4 +1495,89 @@ async fn the_uninstall_hooks_rbac_is_what_nodeguard_retire_calls() {
         .delete(&ns, &DeleteParams::default())
         .await;
     let _ = std::fs::remove_file(&file);
+}
+
+/// Puts the committed CRD (and its schema digest) back on the cluster when
+/// dropped, however the test ends.
+struct CommittedCrd;
+
+impl Drop for CommittedCrd {
+    fn drop(&mut self) {
+        let committed = repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml");
+        kubectl(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            committed.to_str().unwrap(),
+        ]);
+    }
+}
+
+/// Helm installs crds/ on the first install only: over a cluster CRD that
+/// is not the chart's (another release's schema digest, or none), `helm
+/// install` and `helm upgrade` stop and print the command that applies this
+/// chart's CRD; crd.check=false goes on; the chart's own CRD goes on.
+#[tokio::test]
+async fn an_install_over_another_releases_crd_stops_naming_the_command_that_applies_this_one() {
+    let admin = admin_client().await;
+    install_crd(&admin).await;
+    let _one_install = INSTALL.lock().await;
+    let restore = CommittedCrd;
+    let ns = unique_name("ng-crd");
+    let _gone = Namespaces(vec![ns.clone()]);
+    namespace(&admin, &ns).await;
+    let chart_path = chart();
+    let dry_run = |verb: &str, extra: &[&str]| {
+        let mut args = vec![
+            verb,
+            "crd",
+            chart_path.as_str(),
+            "-n",
+            ns.as_str(),
+            "--dry-run=server",
+        ];
+        if verb == "upgrade" {
+            args.push("--install");
+        }
+        args.extend(extra);
+        helm(&args)
+    };
+    let (ok, _, err) = dry_run("install", &[]);
+    assert!(ok, "the chart's own CRD: {err}");
+    let fix = format!(
+        "helm show crds oci://ghcr.io/nodeguard/charts/nodeguard --version {} | kubectl apply --server-side --force-conflicts -f -",
+        env!("CARGO_PKG_VERSION")
+    );
+    let key = nodeguard::policy::SCHEMA_ANNOTATION;
+    for (what, annotate, shown) in [
+        (
+            "another release's CRD",
+            format!("{key}=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"),
+            "0123456789ab…",
+        ),
+        ("a CRD from before the digest", format!("{key}-"), "missing"),
+    ] {
+        kubectl(&[
+            "annotate",
+            "crd",
+            "nodeguardpolicies.nodeguard.io",
+            &annotate,
+            "--overwrite",
+        ]);
+        for verb in ["install", "upgrade"] {
+            let (ok, _, err) = dry_run(verb, &[]);
+            assert!(
+                !ok && err.contains("the cluster's NodeGuardPolicy CRD is not this chart's")
+                    && err.contains(&format!("its {key} is {shown}"))
+                    && err.contains(&fix),
+                "{what}, helm {verb}: {err}"
+            );
+            let (ok, _, err) = dry_run(verb, &["--set", "crd.check=false"]);
+            assert!(ok, "{what}, helm {verb} with crd.check=false: {err}");
+        }
+    }
+    drop(restore);
+    let (ok, _, err) = dry_run("upgrade", &[]);
+    assert!(ok, "the chart's own CRD again: {err}");
 }

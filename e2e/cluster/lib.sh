@@ -5,12 +5,24 @@ REPO_ROOT="$(cd "$CLUSTER_DIR/../.." && pwd)"
 # shellcheck source=versions.env
 . "$CLUSTER_DIR/versions.env"
 NODEGUARD_CACHE="${NODEGUARD_CACHE:-$HOME/.cache/nodeguard}"
-# Running cluster state (certs, etcd data, logs, kubeconfig). Outside the repo.
-NODEGUARD_CLUSTER_STATE="${NODEGUARD_CLUSTER_STATE:-$NODEGUARD_CACHE/cluster}"
-KUBECONFIG_PATH="$NODEGUARD_CLUSTER_STATE/admin.kubeconfig"
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Which end of the supported range: NODEGUARD_KUBE=oldest selects the oldest
+# supported control plane (KUBE_OLDEST_VERSION, built from go/kube-oldest,
+# with a cluster state of its own so it can run beside the main one); unset
+# or `newest`, the main test bed at KUBE_VERSION. The oldest has no node
+# binaries (kubelet, scheduler, pause) and no helm of its own: the real node
+# and the tools come from the main test bed.
+case ${NODEGUARD_KUBE:-newest} in
+  newest) KUBE_MODULE=kube; cluster_dir_name=cluster ;;
+  oldest) KUBE_MODULE=kube-oldest; cluster_dir_name=cluster-oldest; KUBE_VERSION=$KUBE_OLDEST_VERSION ;;
+  *) die "NODEGUARD_KUBE=$NODEGUARD_KUBE: newest or oldest" ;;
+esac
+# Running cluster state (certs, etcd data, logs, kubeconfig). Outside the repo.
+NODEGUARD_CLUSTER_STATE="${NODEGUARD_CLUSTER_STATE:-$NODEGUARD_CACHE/$cluster_dir_name}"
+KUBECONFIG_PATH="$NODEGUARD_CLUSTER_STATE/admin.kubeconfig"
 
 # Go builds (control plane, helm, node-problem-detector) use a scratch module
 # and build cache under the nodeguard cache, removed once the binaries are in
@@ -27,9 +39,9 @@ go_scratch_drop() {
 # Directory holding the binaries for the pinned versions; the key changes when
 # any pin or Go module file changes, so a stale binary is never reused.
 bin_dir() {
-  local key g=$CLUSTER_DIR/go
-  key=$(cat "$CLUSTER_DIR/versions.env" "$g/etcd/go.mod" "$g/kube/go.mod" "$g/etcd/go.sum" "$g/kube/go.sum" \
-    "$g"/kube/cmd/*/main.go "$g/etcd/main.go" | sha256sum | cut -c1-12)
+  local key g=$CLUSTER_DIR/go k=$CLUSTER_DIR/go/$KUBE_MODULE
+  key=$( (printf '%s\n' "$KUBE_VERSION" "$ETCD_VERSION" "$HELM_VERSION"; cat "$g/etcd/go.mod" "$k/go.mod" "$g/etcd/go.sum" "$k/go.sum" \
+    "$k"/cmd/*/main.go "$g/etcd/main.go") | sha256sum | cut -c1-12)
   echo "$NODEGUARD_CACHE/bin/$KUBE_VERSION-$key"
 }
 
@@ -37,9 +49,17 @@ bin_dir() {
 # module so the control plane's cache key does not change with them.
 node_bin_dir() {
   local key
-  key=$(cat "$CLUSTER_DIR/versions.env" "$CLUSTER_DIR"/go/node/go.mod "$CLUSTER_DIR"/go/node/go.sum \
-    "$CLUSTER_DIR"/go/node/cmd/*/main.go | sha256sum | cut -c1-12)
+  key=$( (echo "$KUBE_VERSION"; cat "$CLUSTER_DIR"/go/node/go.mod "$CLUSTER_DIR"/go/node/go.sum \
+    "$CLUSTER_DIR"/go/node/cmd/*/main.go) | sha256sum | cut -c1-12)
   echo "$NODEGUARD_CACHE/bin/node-$KUBE_VERSION-$key"
+}
+
+# The node VM's container runtime (containerd, its runc shim, ctr), built by
+# e2e/cluster/containerd for an architecture (amd64 unless given).
+containerd_dir() {
+  local key
+  key=$( (echo "$CONTAINERD_VERSION"; cat "$CLUSTER_DIR/containerd") | sha256sum | cut -c1-12)
+  echo "$NODEGUARD_CACHE/bin/containerd-$CONTAINERD_VERSION-${1:-amd64}-$key"
 }
 
 # True while a process exists and is not a zombie (this sandbox's PID 1 may

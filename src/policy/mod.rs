@@ -359,11 +359,34 @@ pub struct NodeGuardPolicyStatus {
     pub conditions: Vec<Condition>,
 }
 
+/// The annotation the generated CRD carries: the SHA-256 of its `spec` as
+/// JSON, in hex. Helm installs a chart's `crds/` on the first install only,
+/// so the chart compares this with the cluster's CRD and stops an install or
+/// upgrade whose CRD differs (the API server would drop the fields it does
+/// not know from policies written without strict field validation).
+pub const SCHEMA_ANNOTATION: &str = "nodeguard.io/schema-sha256";
+
 impl NodeGuardPolicy {
-    /// The CRD as YAML, exactly as committed under `crds/`.
+    /// The CRD as YAML, exactly as committed under `crds/`, stamped with
+    /// [`SCHEMA_ANNOTATION`].
     pub fn crd_yaml() -> String {
         use ::kube::CustomResourceExt;
-        let crd = Self::crd();
+        let mut crd = Self::crd();
+        let digest = schema_digest(&crd.spec);
+        crd.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(SCHEMA_ANNOTATION.to_string(), digest);
         serde_saphyr::to_string(&crd).expect("a CRD always serializes to YAML")
     }
+}
+
+/// The value of [`SCHEMA_ANNOTATION`] for a CRD with `spec`: SHA-256 of the
+/// spec as JSON, in lowercase hex.
+pub fn schema_digest(
+    spec: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinitionSpec,
+) -> String {
+    let json = serde_json::to_vec(spec).expect("a CRD spec always serializes to JSON");
+    let digest = ring::digest::digest(&ring::digest::SHA256, &json);
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }

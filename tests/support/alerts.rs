@@ -42,7 +42,8 @@ pub fn render_rule_for(
     let mut cmd = Command::new(helm_binary());
     cmd.args(["template", release])
         .arg(&chart)
-        .args(["-n", namespace]);
+        .args(["-n", namespace])
+        .args(["--kube-version", &super::template_kube_version()]);
     if api {
         cmd.args(["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]);
     }

@@ -50,9 +50,15 @@ pub fn kubeconfig_path() -> PathBuf {
         .unwrap_or_else(|_| {
             PathBuf::from(std::env::var("HOME").expect("HOME is set")).join(".cache/nodeguard")
         });
+    // NODEGUARD_KUBE=oldest: the oldest supported control plane, which
+    // e2e/cluster/lib.sh keeps in a state directory of its own.
+    let name = match std::env::var("NODEGUARD_KUBE").as_deref() {
+        Ok("oldest") => "cluster-oldest",
+        _ => "cluster",
+    };
     let state = std::env::var("NODEGUARD_CLUSTER_STATE")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| cache.join("cluster"));
+        .unwrap_or_else(|_| cache.join(name));
     state.join("admin.kubeconfig")
 }
 
@@ -303,6 +309,19 @@ pub fn old_journalctl() -> PathBuf {
 }
 
 /// The helm e2e/cluster/build installed (or `NODEGUARD_HELM`).
+/// The Kubernetes version `helm template` and client-side dry runs render
+/// for (`--kube-version`): the oldest supported one, KUBE_OLDEST_VERSION in
+/// e2e/cluster/versions.env. Without one Helm 3 assumes v1.20.0, which the
+/// chart's `kubeVersion` refuses.
+pub fn template_kube_version() -> String {
+    let env = std::fs::read_to_string(repo_root().join("e2e/cluster/versions.env")).unwrap();
+    env.lines()
+        .find_map(|l| l.strip_prefix("KUBE_OLDEST_VERSION="))
+        .expect("KUBE_OLDEST_VERSION in e2e/cluster/versions.env")
+        .trim()
+        .to_string()
+}
+
 pub fn helm_binary() -> PathBuf {
     if let Ok(h) = std::env::var("NODEGUARD_HELM") {
         return PathBuf::from(h);

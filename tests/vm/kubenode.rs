@@ -1,5 +1,5 @@
-//! The VM as a real Kubernetes node: its kubelet (built by e2e/cluster/build)
-//! on Debian's containerd registers the Node as `system:node:<name>`, and
+//! The VM as a real Kubernetes node: its kubelet and containerd (both built
+//! by e2e/cluster/build) register the Node as `system:node:<name>`, and
 //! nodeguard is installed the way users install it, `helm install` of
 //! charts/nodeguard, running as the DaemonSet's pod.
 
@@ -17,10 +17,12 @@ use crate::{Env, Rows, kubework, node_dir, secs};
 
 /// A Kubernetes node gets 2 GiB (kubelet, containerd, the agent's pod).
 const KUBE_MEMORY_MIB: u32 = 2048;
+/// The sandbox image e2e/vm/images packs from the upstream pause.c.
+const PAUSE_IMAGE: &str = "localhost/e2e/pause:node";
 const NODE_READY_TIMEOUT: Duration = Duration::from_secs(300);
 const POD_READY_TIMEOUT: Duration = Duration::from_secs(240);
 
-fn run(cmd: &mut Command) -> String {
+pub(crate) fn run(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
     assert!(
         out.status.success(),
@@ -42,7 +44,7 @@ fn e2e_dir(script: &str) -> PathBuf {
 }
 
 /// `. e2e/cluster/lib.sh; FN`: where the pinned binaries are.
-fn lib_dir(function: &str) -> PathBuf {
+pub(crate) fn lib_dir(function: &str) -> PathBuf {
     let out = run(Command::new("bash").arg("-c").arg(format!(
         ". {}/e2e/cluster/lib.sh && {function}",
         repo_root().display()
@@ -210,10 +212,10 @@ impl Drop for KubeNode {
 
 /// The helm release, uninstalled (with its policy `default`, and its namespace
 /// deleted) with the scenario.
-struct Release {
-    name: String,
-    namespace: String,
-    helm: PathBuf,
+pub(crate) struct Release {
+    pub(crate) name: String,
+    pub(crate) namespace: String,
+    pub(crate) helm: PathBuf,
 }
 
 impl Drop for Release {
@@ -245,7 +247,7 @@ impl Drop for Release {
 }
 
 /// A disk that boots as a Kubernetes node named `node`: hostname, kubelet,
-/// its identity and the CA, the pause and busybox archives, ghcr.io's
+/// containerd, its identity and the CA, the pause and busybox archives, ghcr.io's
 /// hosts.toml (the registry mirror), kubelet.service enabled
 /// (it pulls in containerd and the image import).
 fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk {
@@ -295,6 +297,7 @@ fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk
         &std::fs::read(&kubelet).unwrap(),
         0o755,
     );
+    write_containerd(&disk, env.image.arch);
     disk.write(
         "/etc/kubernetes/kubelet.kubeconfig",
         kubelet_kubeconfig(node, dir).as_bytes(),
@@ -331,6 +334,63 @@ fn kube_disk(env: &Env, node: &str, dir: &Path, shutdown_by: ShutdownBy) -> Disk
     disk
 }
 
+/// The node's container runtime: containerd, its runc shim and ctr from
+/// e2e/cluster/containerd (CONTAINERD_VERSION) in /usr/local/bin, with its
+/// unit and a version 3 config: runc with systemd cgroups (Debian's runc),
+/// the imported pause image, Debian's CNI plugins, registries per host in
+/// certs.d. The image has no containerd of its own (bookworm's 1.6 is too
+/// old for the kubelet from 1.36 on); the kubelet's unit pulls this one in.
+fn write_containerd(disk: &Disk, arch: &str) {
+    let dir = lib_dir(&format!("containerd_dir {arch}"));
+    for name in ["containerd", "containerd-shim-runc-v2", "ctr"] {
+        let bin = dir.join(name);
+        assert!(
+            bin.is_file(),
+            "{} is missing: run e2e/cluster/containerd {arch}",
+            bin.display()
+        );
+        disk.write(
+            &format!("/usr/local/bin/{name}"),
+            &std::fs::read(&bin).unwrap(),
+            0o755,
+        );
+    }
+    disk.write(
+        "/etc/containerd/config.toml",
+        format!(
+            r#"version = 3
+[plugins."io.containerd.cri.v1.images"]
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{PAUSE_IMAGE}"
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "/etc/containerd/certs.d"
+[plugins."io.containerd.cri.v1.runtime"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        SystemdCgroup = true
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
+    conf_dir = "/etc/cni/net.d"
+"#
+        )
+        .as_bytes(),
+        0o644,
+    );
+    // The description is the one systemd prints in "Starting
+    // containerd.service - containerd container runtime..." (the
+    // kube-journald scenario's restart lines). Delegate: containerd's shims
+    // manage their pods' cgroups; KillMode=process: a restart of containerd
+    // leaves the running containers alone.
+    disk.write(
+        "/etc/systemd/system/containerd.service",
+        b"[Unit]\nDescription=containerd container runtime\nAfter=network.target local-fs.target\n\n[Service]\nType=notify\nExecStartPre=-/sbin/modprobe overlay\nExecStart=/usr/local/bin/containerd\nDelegate=yes\nKillMode=process\nRestart=always\nRestartSec=5\nLimitNOFILE=infinity\nTasksMax=infinity\nOOMScoreAdjust=-999\n",
+        0o644,
+    );
+}
+
 pub fn node_ready(n: &Node) -> bool {
     n.status
         .as_ref()
@@ -354,8 +414,9 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
 }
 
 /// The real node's scenarios, in the order they run on its boots.
-pub const STEPS: [&str; 11] = [
+pub const STEPS: [&str; 12] = [
     "kube-install",
+    "kube-upgrade",
     "daemonset",
     "kube-probe",
     "kube-journald",
@@ -409,11 +470,17 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     let mut boot = 1;
     let result = std::panic::AssertUnwindSafe(async {
         let wants = |s: &str| steps.contains(&s);
-        let earlier = if wants("kube-install") {
+        let mut earlier = if wants("kube-install") {
             Some(readme_install(&mut vm, &admin, &node.0, &dir, &published, rows).await)
         } else {
             None
         };
+        if wants("kube-upgrade") {
+            let up =
+                crate::upgrade::from_previous(&mut vm, &admin, &node.0, &dir, &published, rows)
+                    .await;
+            earlier.get_or_insert(up);
+        }
         daemonset(
             &mut vm,
             &admin,
@@ -644,7 +711,7 @@ enum ShutdownBy {
 
 /// When the node came up, since qemu started.
 #[derive(Clone, Copy)]
-struct NodeUp {
+pub(crate) struct NodeUp {
     booted: Duration,
     registered: Duration,
     ready: Duration,
@@ -652,7 +719,7 @@ struct NodeUp {
 
 /// Boot → the guest agent answers → the kubelet registers the Node → Ready
 /// with the not-ready taint gone. Returns at once (same figures) if it is.
-async fn node_up(vm: &mut Vm, admin: &Client, node: &str) -> NodeUp {
+pub(crate) async fn node_up(vm: &mut Vm, admin: &Client, node: &str) -> NodeUp {
     let booted = vm.wait_guest_agent(crate::BOOT_TIMEOUT).await;
     let nodes: Api<Node> = Api::all(admin.clone());
     let mut registered = None;
@@ -848,7 +915,7 @@ async fn pulled_from_registry(
     }
     if image_present {
         return format!(
-            "the published index ({}), already on the node from kube-install's pull; chart from oci://",
+            "the published index ({}), already on the node from an earlier step's pull; chart from oci://",
             &published.digest[..19]
         );
     }
@@ -1006,7 +1073,7 @@ const PRIVILEGED: &str = "pod-security.kubernetes.io/enforce=privileged";
 
 /// `kubectl create namespace NS` then `kubectl label namespace NS …`, as
 /// README "Installing it" has it.
-fn labelled_namespace(ns: &str) {
+pub(crate) fn labelled_namespace(ns: &str) {
     kubectl(&["create", "namespace", ns]);
     kubectl(&["label", "namespace", ns, PRIVILEGED]);
 }
@@ -1029,19 +1096,11 @@ async fn readme_install(
     rows: &Rows,
 ) -> NodeUp {
     let up = node_up(vm, admin, node).await;
-    // No service proxy runs on this node. The rule kube-proxy would make
-    // for the in-cluster address (the `kubernetes` Service, 10.0.0.1:443)
-    // is added by hand, to the API server's address on the VM's network, so
-    // the pod uses the in-cluster defaults the kubelet injects, as on any
-    // cluster: README's install sets no apiServer.host. (The VM's network
-    // has no default route: the service range gets one, or the connect
-    // fails before the rule is reached.)
-    // PREROUTING does the same for pods on the pod network (the uninstall
-    // hook's Job), as kube-proxy's rules would.
-    vm.sh(&format!(
-        "ip route add 10.0.0.0/24 via 10.0.2.2 && iptables -t nat -A OUTPUT -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER} && iptables -t nat -A PREROUTING -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER}"
-    ))
-    .await;
+    // No service proxy runs on this node: kube-proxy's rule for the
+    // in-cluster address is added by hand, so the pod uses the in-cluster
+    // defaults the kubelet injects, as on any cluster (README's install
+    // sets no apiServer.host).
+    in_cluster_route(vm).await;
     let release = Release {
         name: "nodeguard-readme".to_string(),
         namespace: unique_name("nodeguard-system"),
@@ -1279,11 +1338,24 @@ async fn readme_install(
     up
 }
 
+/// The rules kube-proxy would make for the in-cluster API address (the
+/// `kubernetes` Service, 10.0.0.1:443) on a node that runs none: DNAT to
+/// the API server's address on the VM's network, for the node's own
+/// connections (OUTPUT, the agent's host-network pod) and for pods on the
+/// pod network (PREROUTING, the uninstall hook's Job). The VM's network has
+/// no default route, so the service range gets one. Idempotent.
+pub(crate) async fn in_cluster_route(vm: &mut Vm) {
+    vm.sh(&format!(
+        "ip route replace 10.0.0.0/24 via 10.0.2.2 && for chain in OUTPUT PREROUTING; do rule=\"-d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination {GUEST_APISERVER}\"; iptables -t nat -C $chain $rule 2>/dev/null || iptables -t nat -A $chain $rule; done"
+    ))
+    .await;
+}
+
 /// Polls `ns` (pods matching `list`) until one is Running and Ready, at most
 /// POD_READY_TIMEOUT: that pod, when a pod was first Running and when it
 /// was Ready (both since `t_install`). On time-out, panics naming `what`
 /// with `kubectl describe pods`.
-async fn running_and_ready(
+pub(crate) async fn running_and_ready(
     admin: &Client,
     ns: &str,
     list: &ListParams,

@@ -13,6 +13,7 @@ mod kubework;
 mod qemu;
 #[path = "../support/mod.rs"]
 mod support;
+mod upgrade;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -27,7 +28,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 21] = [
+const SCENARIOS: [&str; 22] = [
     "inhibit-delay",
     "kernel-problem",
     "clock-step",
@@ -37,6 +38,7 @@ const SCENARIOS: [&str; 21] = [
     "reboot",
     "device-watchdog",
     "kube-install",
+    "kube-upgrade",
     "daemonset",
     "kube-probe",
     "kube-journald",
@@ -261,13 +263,13 @@ async fn run(selected: &[&'static str], rows: &Rows) -> bool {
         let mut scen: Vec<&str> = kube_steps
             .iter()
             .copied()
-            .filter(|s| *s == "kube-install")
+            .filter(|s| *s == "kube-install" || *s == "kube-upgrade")
             .collect();
         scen.push("daemonset");
         scen.extend(
             kube_steps
                 .into_iter()
-                .filter(|s| *s != "daemonset" && *s != "kube-install"),
+                .filter(|s| !matches!(*s, "daemonset" | "kube-install" | "kube-upgrade")),
         );
         record(&scen, res.map_err(|e| e.into_panic()));
     }

@@ -234,6 +234,35 @@ admitted, Ready or not. */ -}}
 {{- end -}}
 {{- end -}}
 
+{{/* Stops an install or upgrade where the cluster's NodeGuardPolicy CRD is
+not this chart's. Helm installs crds/ on the first install only (an upgrade,
+or an install after an uninstall, which leaves the CRD, keeps the old one),
+and the API server then drops from a policy written without strict field
+validation (Helm's own defaultPolicy, most controllers) every field the old
+schema lacks, with only a warning. The generated CRD carries the SHA-256 of its spec
+(nodeguard.io/schema-sha256); a CRD without it or with another one stops the
+render with the command that applies this chart's. Skipped where there is no
+cluster to ask (helm template, a client-side dry run; lookup is empty) and
+with crd.check=false. */}}
+{{- define "nodeguard.checkCrd" -}}
+{{- if dig "check" true (.Values.crd | default dict) -}}
+{{- $key := "nodeguard.io/schema-sha256" -}}
+{{- $want := index ((fromYaml (.Files.Get "crds/nodeguard.io_nodeguardpolicies.yaml")).metadata.annotations | default dict) $key | default "" -}}
+{{- $live := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" "nodeguardpolicies.nodeguard.io" -}}
+{{- if and $live $want -}}
+{{- $have := index ($live.metadata.annotations | default dict) $key | default "" -}}
+{{- if ne $have $want -}}
+{{- fail (printf "the cluster's NodeGuardPolicy CRD is not this chart's (its %s is %s, this chart's %s), and Helm never upgrades a CRD: the API server drops the fields the installed schema lacks from policies written without strict validation (this chart's own defaultPolicy among them). Apply this chart's CRD first: helm show crds %s --version %s | kubectl apply --server-side --force-conflicts -f - (or set crd.check=false to keep the installed one)" $key (ternary (printf "%.12s…" $have) "missing" (ne $have "")) (printf "%.12s…" $want) (include "nodeguard.chartRef" .) .Chart.Version) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where users get this chart, for the commands the chart's messages print. */}}
+{{- define "nodeguard.chartRef" -}}
+oci://ghcr.io/nodeguard/charts/nodeguard
+{{- end -}}
+
 {{/* "true" when unit (a systemd unit name) is allowed by the list of
 trust.repairUnits entries (exact, or a prefix ending in '*'); "" otherwise. */}}
 {{- define "nodeguard.unitAllowed" -}}

@@ -3,6 +3,7 @@
 package main
 
 import (
+	"context"
 	"os"
 
 	"k8s.io/component-base/cli"
@@ -10,6 +11,5 @@ import (
 )
 
 func main() {
-	// 1.33's NewKubeletCommand takes no context (it gained one later).
-	os.Exit(cli.Run(app.NewKubeletCommand()))
+	os.Exit(cli.Run(app.NewKubeletCommand(context.Background())))
 }

@@ -422,6 +422,8 @@ fn image_digest_pins_every_container_and_a_malformed_one_is_refused() {
 #[tokio::test]
 async fn default_and_all_features_pass_a_server_side_dry_run() {
     let admin = admin_client().await;
+    // Its policy documents need the CRD, which the CRD test deletes.
+    let _one_install = INSTALL.lock().await;
     let ns = unique_name("ng-dry");
     namespace(&admin, &ns).await;
     let dir = TempDir::new("values");
@@ -1515,9 +1517,12 @@ impl Drop for CommittedCrd {
 }
 
 /// Helm installs crds/ on the first install only: over a cluster CRD that
-/// is not the chart's (another release's schema digest, or none), `helm
+/// is not the chart's and not a newer release's (an older release's schema
+/// digest, the same version with another digest, no annotations), `helm
 /// install` and `helm upgrade` stop and print the command that applies this
-/// chart's CRD; crd.check=false goes on; the chart's own CRD goes on.
+/// chart's CRD, and crd.check=false goes on; a newer release's CRD (a
+/// downgrade) goes on; an upgrade where the CRD was deleted stops too; the
+/// chart's own CRD goes on.
 #[tokio::test]
 async fn an_install_over_another_releases_crd_stops_naming_the_command_that_applies_this_one() {
     let admin = admin_client().await;
@@ -1550,21 +1555,39 @@ async fn an_install_over_another_releases_crd_stops_naming_the_command_that_appl
         env!("CARGO_PKG_VERSION")
     );
     let key = nodeguard::policy::SCHEMA_ANNOTATION;
-    for (what, annotate, shown) in [
+    let vkey = nodeguard::policy::VERSION_ANNOTATION;
+    let other = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let annotate = |args: &[String]| {
+        let mut a = vec![
+            "annotate".to_string(),
+            "crd".to_string(),
+            "nodeguardpolicies.nodeguard.io".to_string(),
+            "--overwrite".to_string(),
+        ];
+        a.extend(args.iter().cloned());
+        kubectl(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    };
+    for (what, set, shown) in [
         (
-            "another release's CRD",
-            format!("{key}=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"),
-            "0123456789ab…",
+            "an older release's CRD",
+            vec![format!("{key}={other}"), format!("{vkey}=0.0.1")],
+            "0123456789ab…, from release 0.0.1",
         ),
-        ("a CRD from before the digest", format!("{key}-"), "missing"),
+        (
+            "a CRD of this version with another digest",
+            vec![
+                format!("{key}={other}"),
+                format!("{vkey}={}", env!("CARGO_PKG_VERSION")),
+            ],
+            "0123456789ab…, from release",
+        ),
+        (
+            "a CRD from before the annotations",
+            vec![format!("{key}-"), format!("{vkey}-")],
+            "missing, from release unknown",
+        ),
     ] {
-        kubectl(&[
-            "annotate",
-            "crd",
-            "nodeguardpolicies.nodeguard.io",
-            &annotate,
-            "--overwrite",
-        ]);
+        annotate(&set);
         for verb in ["install", "upgrade"] {
             let (ok, _, err) = dry_run(verb, &[]);
             assert!(
@@ -1577,7 +1600,31 @@ async fn an_install_over_another_releases_crd_stops_naming_the_command_that_appl
             assert!(ok, "{what}, helm {verb} with crd.check=false: {err}");
         }
     }
+    // A newer release's CRD (a downgrade, or a canary release applied it):
+    // this chart's would take its fields away, so it goes on.
+    annotate(&[format!("{key}={other}"), format!("{vkey}=99.0.0")]);
+    for verb in ["install", "upgrade"] {
+        let (ok, _, err) = dry_run(verb, &[]);
+        assert!(ok, "a newer release's CRD, helm {verb}: {err}");
+    }
+    // An upgrade where the CRD is gone (deleted by hand): helm upgrade
+    // never creates it.
     drop(restore);
+    let restore = CommittedCrd;
+    let (ok, _, err) = helm(&["install", "crd", &chart_path, "-n", &ns, "--no-hooks"]);
+    assert!(ok, "{err}");
+    let _uninstall = Uninstall {
+        release: "crd".into(),
+        namespace: ns.clone(),
+    };
+    kubectl(&["delete", "crd", "nodeguardpolicies.nodeguard.io", "--wait"]);
+    let (ok, _, err) = helm(&["upgrade", "crd", &chart_path, "-n", &ns, "--dry-run=server"]);
+    assert!(
+        !ok && err.contains("the cluster has no NodeGuardPolicy CRD") && err.contains(&fix),
+        "helm upgrade without the CRD: {err}"
+    );
+    drop(restore);
+    install_crd(&admin).await;
     let (ok, _, err) = dry_run("upgrade", &[]);
     assert!(ok, "the chart's own CRD again: {err}");
 }

@@ -366,17 +366,24 @@ pub struct NodeGuardPolicyStatus {
 /// not know from policies written without strict field validation).
 pub const SCHEMA_ANNOTATION: &str = "nodeguard.io/schema-sha256";
 
+/// The annotation with the release whose CRD this is (the crate's version,
+/// which is the chart's): a CRD of a newer release than the chart's passes
+/// the chart's check (a downgrade, a canary release of a newer chart).
+pub const VERSION_ANNOTATION: &str = "nodeguard.io/version";
+
 impl NodeGuardPolicy {
     /// The CRD as YAML, exactly as committed under `crds/`, stamped with
-    /// [`SCHEMA_ANNOTATION`].
+    /// [`SCHEMA_ANNOTATION`] and [`VERSION_ANNOTATION`].
     pub fn crd_yaml() -> String {
         use ::kube::CustomResourceExt;
         let mut crd = Self::crd();
         let digest = schema_digest(&crd.spec);
-        crd.metadata
-            .annotations
-            .get_or_insert_default()
-            .insert(SCHEMA_ANNOTATION.to_string(), digest);
+        let annotations = crd.metadata.annotations.get_or_insert_default();
+        annotations.insert(SCHEMA_ANNOTATION.to_string(), digest);
+        annotations.insert(
+            VERSION_ANNOTATION.to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        );
         serde_saphyr::to_string(&crd).expect("a CRD always serializes to YAML")
     }
 }

@@ -7,9 +7,10 @@
 //! one field (`spec.healthz`) and whose image is referenced by tag only (the
 //! release's is pinned by digest), so the upgrade changes the pod template
 //! and the DaemonSet rolls the pod, as a release with a new image does. The
-//! agent's binary is the same on both sides: what is tested is the chart's
-//! path (the CRD, the rollout, the handover of the node), not a change of
-//! the agent's own state format.
+//! agent's binary is the same on both sides, and its image is on the node
+//! already: what is tested is the chart's path (the CRD, the rollout, the
+//! handover of the node), not a change of the agent's own state format, and
+//! the measured gap has no image pull in it (a real release's has).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -105,10 +106,12 @@ fn previous_chart(dir: &Path, published: &Published, helm: &Path) -> (PathBuf, S
         "the CRD has spec.{NEW_FIELD}"
     );
     let digest = nodeguard::policy::schema_digest(&crd.spec);
-    crd.metadata
-        .annotations
-        .get_or_insert_default()
-        .insert(nodeguard::policy::SCHEMA_ANNOTATION.to_string(), digest);
+    let annotations = crd.metadata.annotations.get_or_insert_default();
+    annotations.insert(nodeguard::policy::SCHEMA_ANNOTATION.to_string(), digest);
+    annotations.insert(
+        nodeguard::policy::VERSION_ANNOTATION.to_string(),
+        version.clone(),
+    );
     std::fs::write(&crd_path, serde_saphyr::to_string(&crd).unwrap()).unwrap();
 
     run(Command::new(helm)
@@ -161,6 +164,22 @@ fn owned(node: &Node) -> BTreeMap<String, (String, String)> {
                 .unwrap_or_default();
             (c.type_.clone(), (c.status.clone(), ltt))
         })
+        .collect()
+}
+
+/// The monitors' conditions whose transition time must survive the
+/// upgrade (restored from the state files); the probes' and the shutdown
+/// manager's are compared by status.
+const MONITOR_CONDITIONS: [&str; 3] = ["UpgradeCanary", "KernelDeadlock", "ReadonlyFilesystem"];
+
+/// Each condition's lastHeartbeatTime.
+fn heartbeats(node: &Node) -> Vec<(String, Option<jiff::Timestamp>)> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|c| (c.type_.clone(), c.last_heartbeat_time.as_ref().map(|t| t.0)))
         .collect()
 }
 
@@ -254,6 +273,9 @@ pub async fn from_previous(
         .args(["install", &release.name, &chart])
         .args(["--version", &previous, "--plain-http", "-n", &ns])
         .args(["--set", "defaultPolicy.enabled=true"])
+        // Conditions re-written every 10 s (not 300): after the upgrade the
+        // new agent's own writes are waited for before they are compared.
+        .args(["--set", "conditionHeartbeatSeconds=10"])
         .args([
             "--set-string",
             "uninstall.nodeSelector.nodeguard-test/kubelet=true",
@@ -421,8 +443,14 @@ pub async fn from_previous(
     tokio::time::sleep(Duration::from_secs(1)).await;
     vm.sh("systemctl stop e2e-inhibit-watch").await;
     // Where the new agent's part of the gap goes: its start → its lock.
-    let log =
-        kubectl_status(&["logs", "-n", &ns, &new_pod, "-c", "nodeguard"]).unwrap_or_else(|e| e);
+    // (Read on the node: the API server here cannot reach the kubelet by
+    // the node's name for `kubectl logs`.) Lines in the CRI log format, each
+    // beginning with the time the container runtime logged it.
+    let log = vm
+        .sh(&format!(
+            "cat /var/log/pods/{ns}_{new_pod}_*/nodeguard/*.log 2>/dev/null; true"
+        ))
+        .await;
     std::fs::write(dir.join("upgrade-new-agent.log"), &log).unwrap();
     let at = |needle: &str| {
         log.lines()
@@ -459,8 +487,37 @@ pub async fn from_previous(
         "graceful shutdown armed by the upgraded release",
     )
     .await;
-    let after = nodes.get(node).await.unwrap();
+    // Compared once the new agent has written every one of them (a
+    // heartbeat after its pod started): had it lost a monitor's state, its
+    // write would say so (a permanent condition starts False).
+    let new_started = pods
+        .get(&new_pod)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.start_time)
+        .expect("the new pod's start time")
+        .0;
+    let mut after = nodes.get(node).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let stale: Vec<String> = heartbeats(&after)
+            .into_iter()
+            .filter(|(t, hb)| owned_before.contains_key(t) && hb.is_none_or(|hb| hb <= new_started))
+            .map(|(t, _)| t)
+            .collect();
+        if stale.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new agent wrote none of {stale:?} within 90 s (heartbeat 10 s)"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        after = nodes.get(node).await.unwrap();
+    }
     let owned_after = owned(&after);
+    let mut same_transition = 0;
     for (t, (status, ltt)) in &owned_before {
         let now = owned_after.get(t);
         assert_eq!(
@@ -468,11 +525,12 @@ pub async fn from_previous(
             Some(status),
             "{t} was {status} before the upgrade, now {now:?}"
         );
-        if t == "UpgradeCanary" {
-            assert_eq!(
-                now.map(|(_, l)| l),
-                Some(ltt),
-                "UpgradeCanary kept its lastTransitionTime"
+        if now.map(|(_, l)| l) == Some(ltt) {
+            same_transition += 1;
+        } else {
+            assert!(
+                !MONITOR_CONDITIONS.contains(&t.as_str()),
+                "{t}, a monitor's condition, changed its lastTransitionTime: {ltt} → {now:?}"
             );
         }
     }
@@ -518,6 +576,39 @@ pub async fn from_previous(
     )
     .await;
 
+    // And in force: the taint it names makes the node ineligible in the
+    // new agent's /healthz (the chart's port 9909 on the node's network).
+    let healthz = "exec 3<>/dev/tcp/127.0.0.1/9909 && printf 'GET /healthz HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 5 cat <&3; true";
+    let before_taint = vm.sh(healthz).await;
+    assert!(
+        !before_taint.contains("example.com/drain"),
+        "/healthz before the taint: {before_taint}"
+    );
+    kubectl(&[
+        "taint",
+        "node",
+        node,
+        "example.com/drain=upgrade:NoSchedule",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let response = vm.sh(healthz).await;
+        if response
+            .lines()
+            .next()
+            .is_some_and(|l| l.starts_with("HTTP/1.") && l.contains(" 503"))
+            && response.contains("the Node has the taint example.com/drain")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/healthz 30 s after the taint spec.healthz names: {response}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    kubectl(&["taint", "node", node, "example.com/drain-"]);
+
     delete_policy(admin, &new_field).await;
     delete_policy(admin, &canary).await;
     // Out with its hook, so the scenarios after this one start on a clean node.
@@ -538,7 +629,7 @@ pub async fn from_previous(
     rows.pass(
         "kube-upgrade",
         format!(
-            "previous chart {previous} (its CRD without spec.{NEW_FIELD}, image by tag) installed with the default policy: inhibitor held, UpgradeCanary=True with its taint, spec.{NEW_FIELD} dropped from a plain create by its CRD; `helm upgrade --reset-then-reuse-values` to {} refused until the CRD is applied, naming README's command; after `helm show crds … | kubectl apply --server-side --force-conflicts`, the upgrade rolled the pod ({old_pod} → {new_pod} Ready {} after helm upgrade); logind's delay inhibitor absent for at most {gap:.2} s in one handover ({agent_part}; {n_samples} samples, one per `systemd-inhibit --list`); {} owned conditions, the taints and {} state files kept; a policy using spec.{NEW_FIELD} stored and Accepted",
+            "previous chart {previous} (its CRD without spec.{NEW_FIELD}, image by tag) installed with the default policy: inhibitor held, UpgradeCanary=True with its taint, spec.{NEW_FIELD} dropped from a plain create by its CRD; `helm upgrade --reset-then-reuse-values` to {} refused until the CRD is applied, naming README's command; after `helm show crds … | kubectl apply --server-side --force-conflicts`, the upgrade rolled the pod ({old_pod} → {new_pod} Ready {} after helm upgrade); logind's delay inhibitor absent for at most {gap:.2} s in one handover ({agent_part}; {n_samples} samples, one per `systemd-inhibit --list`); after the new agent re-wrote them, the {} owned conditions kept their status ({same_transition} their transition time, the monitors' all), the taints and {} state files kept; a policy using spec.{NEW_FIELD} stored, Accepted and in force (its taint turns /healthz 503)",
             published.version,
             secs(new_ready),
             owned_before.len(),

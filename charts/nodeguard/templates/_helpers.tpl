@@ -235,24 +235,41 @@ admitted, Ready or not. */ -}}
 {{- end -}}
 
 {{/* Stops an install or upgrade where the cluster's NodeGuardPolicy CRD is
-not this chart's. Helm installs crds/ on the first install only (an upgrade,
-or an install after an uninstall, which leaves the CRD, keeps the old one),
-and the API server then drops from a policy written without strict field
-validation (Helm's own defaultPolicy, most controllers) every field the old
-schema lacks, with only a warning. The generated CRD carries the SHA-256 of its spec
-(nodeguard.io/schema-sha256); a CRD without it or with another one stops the
-render with the command that applies this chart's. Skipped where there is no
-cluster to ask (helm template, a client-side dry run; lookup is empty) and
-with crd.check=false. */}}
+older than this chart's or not this release's. Helm installs crds/ on the
+first install only (an upgrade, or an install after an uninstall, which
+leaves the CRD, keeps the old one), and the API server then drops from a
+policy written without strict field validation (Helm's own defaultPolicy,
+most controllers) every field the old schema lacks, with only a warning.
+The generated CRD carries the SHA-256 of its spec (nodeguard.io/schema-sha256)
+and the release it comes from (nodeguard.io/version, the chart's version).
+The same digest passes; a CRD of a newer release passes too (a downgrade, or
+a canary release of a newer chart applied it: applying this chart's would
+take fields away); anything else stops the render with the command that
+applies this chart's: an older release's CRD, one of the same version with
+another digest (a development build), one without the annotations (from
+before them), and, on an upgrade, none at all (helm upgrade never creates
+it). On a first install the CRD is missing only in a dry run (Helm creates
+crds/ before rendering, unless --skip-crds): that passes. Skipped where
+there is no cluster to ask (helm template, a client-side dry run; lookup is
+empty) and with crd.check=false. */}}
 {{- define "nodeguard.checkCrd" -}}
-{{- if dig "check" true (.Values.crd | default dict) -}}
+{{- if and (dig "check" true (.Values.crd | default dict)) (lookup "v1" "Namespace" "" "kube-system") -}}
 {{- $key := "nodeguard.io/schema-sha256" -}}
-{{- $want := index ((fromYaml (.Files.Get "crds/nodeguard.io_nodeguardpolicies.yaml")).metadata.annotations | default dict) $key | default "" -}}
+{{- $vkey := "nodeguard.io/version" -}}
+{{- $mine := (fromYaml (.Files.Get "crds/nodeguard.io_nodeguardpolicies.yaml")).metadata.annotations | default dict -}}
+{{- $want := index $mine $key | default "" -}}
 {{- $live := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" "nodeguardpolicies.nodeguard.io" -}}
+{{- $fix := printf "Apply this chart's CRD first: helm show crds %s --version %s | kubectl apply --server-side --force-conflicts -f - (the chart from where you install it; or set crd.check=false to keep the installed one)" (include "nodeguard.chartRef" .) .Chart.Version -}}
+{{- if and (not $live) .Release.IsUpgrade -}}
+{{- fail (printf "the cluster has no NodeGuardPolicy CRD, and helm upgrade never creates one: the agents would find no policies and the chart's defaultPolicy could not be written. %s" $fix) -}}
+{{- end -}}
 {{- if and $live $want -}}
-{{- $have := index ($live.metadata.annotations | default dict) $key | default "" -}}
-{{- if ne $have $want -}}
-{{- fail (printf "the cluster's NodeGuardPolicy CRD is not this chart's (its %s is %s, this chart's %s), and Helm never upgrades a CRD: the API server drops the fields the installed schema lacks from policies written without strict validation (this chart's own defaultPolicy among them). Apply this chart's CRD first: helm show crds %s --version %s | kubectl apply --server-side --force-conflicts -f - (or set crd.check=false to keep the installed one)" $key (ternary (printf "%.12s…" $have) "missing" (ne $have "")) (printf "%.12s…" $want) (include "nodeguard.chartRef" .) .Chart.Version) -}}
+{{- $ann := $live.metadata.annotations | default dict -}}
+{{- $have := index $ann $key | default "" -}}
+{{- $haveVersion := index $ann $vkey | default "" -}}
+{{- $newer := and $haveVersion (semverCompare (printf ">%s" .Chart.Version) $haveVersion) -}}
+{{- if and (ne $have $want) (not $newer) -}}
+{{- fail (printf "the cluster's NodeGuardPolicy CRD is not this chart's (its %s is %s, from release %s; this chart's %s, release %s), and Helm never upgrades a CRD: the API server drops the fields the installed schema lacks from policies written without strict validation (this chart's own defaultPolicy among them). %s" $key (ternary (printf "%.12s…" $have) "missing" (ne $have "")) (default "unknown" $haveVersion) (printf "%.12s…" $want) .Chart.Version $fix) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

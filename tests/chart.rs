@@ -1516,13 +1516,15 @@ impl Drop for CommittedCrd {
     }
 }
 
-/// Helm installs crds/ on the first install only: over a cluster CRD that
-/// is not the chart's and not a newer release's (an older release's schema
-/// digest, the same version with another digest, no annotations), `helm
-/// install` and `helm upgrade` stop and print the command that applies this
-/// chart's CRD, and crd.check=false goes on; a newer release's CRD (a
-/// downgrade) goes on; an upgrade where the CRD was deleted stops too; the
-/// chart's own CRD goes on.
+/// Helm installs crds/ on the first install only. Over a cluster CRD that
+/// is not the chart's and not a newer release's (an older release's, one
+/// of this version with another digest, an unstamped one, one whose version
+/// is no version, this version's release candidate), `helm install` and a
+/// real `helm upgrade` of an installed release stop and print the command
+/// that applies this chart's CRD, and crd.check=false goes on. A newer
+/// release's CRD (a downgrade; a later release candidate too) goes on; the
+/// same digest goes on whatever the version annotation says; an upgrade
+/// where the CRD was deleted stops.
 #[tokio::test]
 async fn an_install_over_another_releases_crd_stops_naming_the_command_that_applies_this_one() {
     let admin = admin_client().await;
@@ -1533,98 +1535,139 @@ async fn an_install_over_another_releases_crd_stops_naming_the_command_that_appl
     let _gone = Namespaces(vec![ns.clone()]);
     namespace(&admin, &ns).await;
     let chart_path = chart();
-    let dry_run = |verb: &str, extra: &[&str]| {
-        let mut args = vec![
-            verb,
-            "crd",
-            chart_path.as_str(),
-            "-n",
-            ns.as_str(),
-            "--dry-run=server",
-        ];
-        if verb == "upgrade" {
-            args.push("--install");
-        }
+    let attempt = |verb: &str, extra: &[&str]| {
+        let mut args = match verb {
+            "install" => vec!["install", "crd", chart_path.as_str()],
+            _ => vec!["upgrade", "crd", chart_path.as_str()],
+        };
+        args.extend(["-n", ns.as_str(), "--dry-run=server"]);
         args.extend(extra);
         helm(&args)
     };
-    let (ok, _, err) = dry_run("install", &[]);
-    assert!(ok, "the chart's own CRD: {err}");
+    let version = env!("CARGO_PKG_VERSION");
     let fix = format!(
-        "helm show crds oci://ghcr.io/nodeguard/charts/nodeguard --version {} | kubectl apply --server-side --force-conflicts -f -",
-        env!("CARGO_PKG_VERSION")
+        "helm show crds oci://ghcr.io/nodeguard/charts/nodeguard --version {version} | kubectl apply --server-side --force-conflicts -f -"
     );
     let key = nodeguard::policy::SCHEMA_ANNOTATION;
     let vkey = nodeguard::policy::VERSION_ANNOTATION;
-    let other = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-    let annotate = |args: &[String]| {
-        let mut a = vec![
-            "annotate".to_string(),
-            "crd".to_string(),
-            "nodeguardpolicies.nodeguard.io".to_string(),
-            "--overwrite".to_string(),
-        ];
-        a.extend(args.iter().cloned());
-        kubectl(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mine = {
+        let crd = kubectl(&[
+            "get",
+            "crd",
+            "nodeguardpolicies.nodeguard.io",
+            "-o",
+            "jsonpath={.metadata.annotations.nodeguard\\.io/schema-sha256}",
+        ]);
+        crd.trim().to_string()
     };
-    for (what, set, shown) in [
+    assert_eq!(mine.len(), 64, "the committed CRD is stamped: {mine:?}");
+    let other = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let (major, minor) = {
+        let mut parts = version.split('.');
+        let major: u64 = parts.next().unwrap().parse().unwrap();
+        let minor: u64 = parts.next().unwrap().parse().unwrap();
+        (major, minor)
+    };
+    let later_rc = format!("{major}.{}.0-rc.1", minor + 1);
+    let this_rc = format!("{version}-rc.1");
+    let annotate = |digest: Option<&str>, release: Option<&str>| {
+        let d = digest.map_or(format!("{key}-"), |d| format!("{key}={d}"));
+        let v = release.map_or(format!("{vkey}-"), |v| format!("{vkey}={v}"));
+        kubectl(&[
+            "annotate",
+            "crd",
+            "nodeguardpolicies.nodeguard.io",
+            "--overwrite",
+            &d,
+            &v,
+        ]);
+    };
+    let refused: [(&str, Option<&str>, Option<&str>, String); 5] = [
         (
             "an older release's CRD",
-            vec![format!("{key}={other}"), format!("{vkey}=0.0.1")],
-            "0123456789ab…, from release 0.0.1",
+            Some(other),
+            Some("0.0.1"),
+            "0123456789ab…, from release 0.0.1;".to_string(),
         ),
         (
             "a CRD of this version with another digest",
-            vec![
-                format!("{key}={other}"),
-                format!("{vkey}={}", env!("CARGO_PKG_VERSION")),
-            ],
-            "0123456789ab…, from release",
+            Some(other),
+            Some(version),
+            format!("0123456789ab…, from release {version};"),
+        ),
+        (
+            "this version's release candidate",
+            Some(other),
+            Some(this_rc.as_str()),
+            format!("0123456789ab…, from release {this_rc};"),
+        ),
+        (
+            "a CRD whose version is no version",
+            Some(other),
+            Some("dev"),
+            "0123456789ab…, from release dev;".to_string(),
         ),
         (
             "a CRD from before the annotations",
-            vec![format!("{key}-"), format!("{vkey}-")],
-            "missing, from release unknown",
+            None,
+            None,
+            "missing, from release unknown;".to_string(),
         ),
-    ] {
-        annotate(&set);
-        for verb in ["install", "upgrade"] {
-            let (ok, _, err) = dry_run(verb, &[]);
+    ];
+    // Each case as a first install, then (with the release installed) as a
+    // real upgrade.
+    let run_cases = |verb: &str| {
+        for (what, digest, release, shown) in &refused {
+            annotate(*digest, *release);
+            let (ok, _, err) = attempt(verb, &[]);
             assert!(
                 !ok && err.contains("the cluster's NodeGuardPolicy CRD is not this chart's")
                     && err.contains(&format!("its {key} is {shown}"))
                     && err.contains(&fix),
                 "{what}, helm {verb}: {err}"
             );
-            let (ok, _, err) = dry_run(verb, &["--set", "crd.check=false"]);
+            let (ok, _, err) = attempt(verb, &["--set", "crd.check=false"]);
             assert!(ok, "{what}, helm {verb} with crd.check=false: {err}");
         }
-    }
-    // A newer release's CRD (a downgrade, or a canary release applied it):
-    // this chart's would take its fields away, so it goes on.
-    annotate(&[format!("{key}={other}"), format!("{vkey}=99.0.0")]);
-    for verb in ["install", "upgrade"] {
-        let (ok, _, err) = dry_run(verb, &[]);
-        assert!(ok, "a newer release's CRD, helm {verb}: {err}");
-    }
-    // An upgrade where the CRD is gone (deleted by hand): helm upgrade
-    // never creates it.
-    drop(restore);
-    let restore = CommittedCrd;
+        // A newer release's CRD (a downgrade, or a canary release applied
+        // it): this chart's would take its fields away, so it goes on. The
+        // same digest goes on whatever the version says.
+        for (what, digest, release) in [
+            ("a newer release's CRD", other, "99.0.0"),
+            ("a later release candidate's CRD", other, later_rc.as_str()),
+            (
+                "this chart's digest with a version that is none",
+                mine.as_str(),
+                "dev",
+            ),
+        ] {
+            annotate(Some(digest), Some(release));
+            let (ok, _, err) = attempt(verb, &[]);
+            assert!(ok, "{what}, helm {verb}: {err}");
+        }
+    };
+    run_cases("install");
+    // A release to upgrade (no agent runs here: no hooks).
+    annotate(Some(mine.as_str()), Some(version));
     let (ok, _, err) = helm(&["install", "crd", &chart_path, "-n", &ns, "--no-hooks"]);
     assert!(ok, "{err}");
     let _uninstall = Uninstall {
         release: "crd".into(),
         namespace: ns.clone(),
     };
+    run_cases("upgrade");
+    // An upgrade where the CRD is gone (deleted by hand): helm upgrade
+    // never creates it.
+    drop(restore);
+    let restore = CommittedCrd;
     kubectl(&["delete", "crd", "nodeguardpolicies.nodeguard.io", "--wait"]);
-    let (ok, _, err) = helm(&["upgrade", "crd", &chart_path, "-n", &ns, "--dry-run=server"]);
+    let (ok, _, err) = attempt("upgrade", &[]);
     assert!(
         !ok && err.contains("the cluster has no NodeGuardPolicy CRD") && err.contains(&fix),
         "helm upgrade without the CRD: {err}"
     );
     drop(restore);
     install_crd(&admin).await;
-    let (ok, _, err) = dry_run("upgrade", &[]);
+    let (ok, _, err) = attempt("upgrade", &[]);
     assert!(ok, "the chart's own CRD again: {err}");
 }

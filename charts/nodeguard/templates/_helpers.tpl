@@ -242,13 +242,14 @@ policy written without strict field validation (Helm's own defaultPolicy,
 most controllers) every field the old schema lacks, with only a warning.
 The generated CRD carries the SHA-256 of its spec (nodeguard.io/schema-sha256)
 and the release it comes from (nodeguard.io/version, the chart's version).
-The same digest passes; a CRD of a newer release passes too (a downgrade, or
-a canary release of a newer chart applied it: applying this chart's would
-take fields away); anything else stops the render with the command that
-applies this chart's: an older release's CRD, one of the same version with
-another digest (a development build), one without the annotations (from
-before them), and, on an upgrade, none at all (helm upgrade never creates
-it). On a first install the CRD is missing only in a dry run (Helm creates
+The same digest passes; a CRD of a newer release by semver precedence
+passes too (a downgrade, or a canary release of a newer chart applied it:
+applying this chart's would take fields away); anything else stops the
+render with the command that applies this chart's: an older release's CRD
+(a release candidate of this version among them), one of the same version
+with another digest (a development build), one without the annotations
+(from before them) or whose version is no version, and, on an upgrade, none
+at all (helm upgrade never creates it). On a first install the CRD is missing only in a dry run (Helm creates
 crds/ before rendering, unless --skip-crds): that passes. Skipped where
 there is no cluster to ask (helm template, a client-side dry run; lookup is
 empty) and with crd.check=false. */}}
@@ -267,9 +268,16 @@ empty) and with crd.check=false. */}}
 {{- $ann := $live.metadata.annotations | default dict -}}
 {{- $have := index $ann $key | default "" -}}
 {{- $haveVersion := index $ann $vkey | default "" -}}
-{{- $newer := and $haveVersion (semverCompare (printf ">%s" .Chart.Version) $haveVersion) -}}
-{{- if and (ne $have $want) (not $newer) -}}
+{{- if ne $have $want -}}
+{{- /* Newer by semver precedence (a release candidate of a later version is
+newer, 0.1.0-rc.1 older than 0.1.0); a value that is no version is not. */ -}}
+{{- $newer := false -}}
+{{- if regexMatch "^v?[0-9]+\\.[0-9]+\\.[0-9]+(-[0-9A-Za-z.-]+)?(\\+[0-9A-Za-z.-]+)?$" $haveVersion -}}
+{{- $newer = eq ((semver $haveVersion).Compare (semver .Chart.Version)) 1 -}}
+{{- end -}}
+{{- if not $newer -}}
 {{- fail (printf "the cluster's NodeGuardPolicy CRD is not this chart's (its %s is %s, from release %s; this chart's %s, release %s), and Helm never upgrades a CRD: the API server drops the fields the installed schema lacks from policies written without strict validation (this chart's own defaultPolicy among them). %s" $key (ternary (printf "%.12s…" $have) "missing" (ne $have "")) (default "unknown" $haveVersion) (printf "%.12s…" $want) .Chart.Version $fix) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -459,8 +459,9 @@ pub async fn from_previous(
             .and_then(|t| t.parse::<jiff::Timestamp>().ok())
     };
     let agent_part = match (
-        at("nodeguard: starting"),
-        at("holding a logind delay inhibitor"),
+        // The chart's JSON log lines.
+        at("\"message\":\"starting\""),
+        at("\"message\":\"holding a logind delay inhibitor"),
     ) {
         (Some(a), Some(b)) => format!(
             "{:.2} s of it from the new agent's start to its lock",

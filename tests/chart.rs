@@ -1499,23 +1499,6 @@ async fn the_uninstall_hooks_rbac_is_what_nodeguard_retire_calls() {
     let _ = std::fs::remove_file(&file);
 }
 
-/// Puts the committed CRD (and its schema digest) back on the cluster when
-/// dropped, however the test ends.
-struct CommittedCrd;
-
-impl Drop for CommittedCrd {
-    fn drop(&mut self) {
-        let committed = repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml");
-        kubectl(&[
-            "apply",
-            "--server-side",
-            "--force-conflicts",
-            "-f",
-            committed.to_str().unwrap(),
-        ]);
-    }
-}
-
 /// Helm installs crds/ on the first install only. Over a cluster CRD that
 /// is not the chart's and not a newer release's (an older release's, one
 /// of this version with another digest, an unstamped one, one whose version

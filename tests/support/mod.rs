@@ -151,6 +151,24 @@ pub async fn install_crd(client: &Client) {
     .await;
 }
 
+/// Puts the committed CRD (and its annotations) back on the cluster when
+/// dropped, however the test ends: the tests and scenarios after one that
+/// changes or deletes it need this tree's schema.
+pub struct CommittedCrd;
+
+impl Drop for CommittedCrd {
+    fn drop(&mut self) {
+        let committed = repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml");
+        let _ = kubectl_status(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            committed.to_str().unwrap(),
+        ]);
+    }
+}
+
 /// Polls `check` every 50 ms until it is true; panics after `timeout`.
 pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
 where

@@ -1244,30 +1244,9 @@ async fn readme_install(
     // scenarios' own release (same host port): the pre-delete hook asks the
     // agent to retire first.
     let t_uninstall = Instant::now();
-    let uninstalled = run(Command::new(&release.helm)
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args([
-            "uninstall",
-            &release.name,
-            "-n",
-            &release.namespace,
-            "--wait",
-        ]));
+    let uninstalled = uninstall_with_hook(&release, &pods, "README install's pods gone").await;
     let uninstall_took = t_uninstall.elapsed();
     std::fs::write(dir.join("readme-uninstall.txt"), &uninstalled).unwrap();
-    eventually(
-        Duration::from_secs(90),
-        "README install's pods gone",
-        || async {
-            pods.list(&ListParams::default())
-                .await
-                .unwrap()
-                .items
-                .is_empty()
-        },
-    )
-    .await;
     let after = Api::<Node>::all(admin.clone()).get(node).await.unwrap();
     let owned_after: Vec<String> = nodeguard::report::kube::owned_condition_types(&after)
         .into_iter()
@@ -1336,6 +1315,31 @@ async fn readme_install(
         ),
     );
     up
+}
+
+/// `helm uninstall --wait` with the chart's pre-delete hook (the agents
+/// retire), then waits until `pods` (the release's namespace) has none;
+/// helm's output.
+pub(crate) async fn uninstall_with_hook(release: &Release, pods: &Api<Pod>, what: &str) -> String {
+    let out = run(Command::new(&release.helm)
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .args([
+            "uninstall",
+            &release.name,
+            "-n",
+            &release.namespace,
+            "--wait",
+        ]));
+    eventually(Duration::from_secs(90), what, || async {
+        pods.list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    })
+    .await;
+    out
 }
 
 /// The rules kube-proxy would make for the in-cluster API address (the

@@ -24,7 +24,7 @@ use kube::{Api, Client};
 
 use crate::kubenode::{
     NodeUp, Published, Release, in_cluster_route, labelled_namespace, lib_dir, node_up, pod_ready,
-    run, running_and_ready,
+    run, running_and_ready, uninstall_with_hook,
 };
 use crate::qemu::Vm;
 use crate::support::*;
@@ -37,23 +37,6 @@ const CANARY_TAINT: &str = "example.com/upgrade-canary";
 const CRD_NAME: &str = "nodeguardpolicies.nodeguard.io";
 /// How often the guest samples logind's delay inhibitors during the upgrade.
 const SAMPLE_MS: u32 = 50;
-
-/// Puts the committed CRD back when the scenario ends, however it ends:
-/// the shared cluster's other tests and scenarios need this tree's schema.
-struct RestoreCrd;
-
-impl Drop for RestoreCrd {
-    fn drop(&mut self) {
-        let committed = repo_root().join("crds/nodeguard.io_nodeguardpolicies.yaml");
-        let _ = kubectl_status(&[
-            "apply",
-            "--server-side",
-            "--force-conflicts",
-            "-f",
-            committed.to_str().unwrap(),
-        ]);
-    }
-}
 
 /// This tree's packaged chart (e2e/image's copy, image pinned by digest)
 /// rebuilt as the previous release: version `<version>-previous`, the image
@@ -242,7 +225,7 @@ pub async fn from_previous(
     // The cluster as the previous release left it: its CRD. (Helm
     // installs crds/ only where the CRD is missing; this shared cluster has
     // this tree's, so it is applied here, and put back at the end.)
-    let _restore = RestoreCrd;
+    let _restore = CommittedCrd;
     kubectl(&[
         "apply",
         "--server-side",
@@ -613,19 +596,7 @@ pub async fn from_previous(
     delete_policy(admin, &new_field).await;
     delete_policy(admin, &canary).await;
     // Out with its hook, so the scenarios after this one start on a clean node.
-    run(helm_cmd(&helm).args(["uninstall", &release.name, "-n", &ns, "--wait"]));
-    eventually(
-        Duration::from_secs(90),
-        "the upgraded release's pods gone",
-        || async {
-            pods.list(&ListParams::default())
-                .await
-                .unwrap()
-                .items
-                .is_empty()
-        },
-    )
-    .await;
+    uninstall_with_hook(&release, &pods, "the upgraded release's pods gone").await;
     drop(release);
     rows.pass(
         "kube-upgrade",

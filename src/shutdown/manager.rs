@@ -265,6 +265,12 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
             c
         } else {
             loop {
+                // A selection sent before this first look (the agent's
+                // first one may come while start-up still asks logind) is
+                // known too, though `changed()` below will not say so.
+                if self.config.has_changed().unwrap_or(false) {
+                    self.policy_known = true;
+                }
                 if let Some(c) = self.config.borrow_and_update().clone() {
                     self.policy_known = true;
                     self.ctx

@@ -335,6 +335,8 @@ struct Rig {
     /// What the rig's event publisher stored (it runs, as in the agent: the
     /// release waits for its Event to be stored).
     events: Published,
+    /// The manager's loop health (its `synced` gates /readyz and READY=1).
+    health: Health,
 }
 
 /// An event port that stores every Event at once.
@@ -452,6 +454,7 @@ fn rig_in(
         in_progress,
         stop_check,
         events,
+        health,
     }
 }
 
@@ -983,6 +986,34 @@ async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
 
 /// Found on the e2e VM: after a reboot the agent starts before its first
 /// policy selection; the NodeRebooted report must survive that moment.
+/// The agent's first policy selection may come while the manager still
+/// asks logind at start-up. A selection without a shutdown section is then
+/// already in the channel when the manager first looks: it must count as
+/// known (graceful shutdown off, the loop synced), not wait for a second
+/// selection that never comes (the agent stayed unready, systemd's start
+/// timed out).
+#[tokio::test(start_paused = true)]
+async fn a_policy_without_shutdown_selected_during_start_up_counts_as_known() {
+    let r = rig(
+        "off-during-start-up",
+        FakeLogind::new(Duration::from_secs(60)),
+        None,
+        vec![],
+        "b1",
+    );
+    // Sent before the manager's task first runs.
+    r.config.send_replace(None);
+    ms(300).await;
+    let loops = r.health.report().loops;
+    assert!(
+        loops["shutdown"].synced,
+        "the manager never counted the policy as known"
+    );
+    assert!(condition(&r, CONDITION).is_none(), "off: no condition");
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_reboot_report_stays_when_the_policy_arrives_after_start_up() {
     let (dir, pre) = shut_down_before_this_boot("reboot-late-policy", 6);

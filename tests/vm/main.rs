@@ -508,10 +508,15 @@ async fn boot_node(
     // Type=notify: active once the agent sent READY=1 (its watches synced).
     // The annotation alone may be left from an earlier boot.
     while vm.exec("systemctl is-active nodeguard").await.stdout.trim() != "active" {
-        assert!(
-            Instant::now() < deadline,
-            "the nodeguard unit did not become active within 120 s"
-        );
+        if Instant::now() > deadline {
+            let journal = vm
+                .exec("systemctl status --no-pager nodeguard; journalctl -b --no-pager -u nodeguard | tail -60")
+                .await;
+            panic!(
+                "the nodeguard unit on {node} did not become active within 120 s; status and journal:\n{}",
+                journal.stdout
+            );
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let ready = vm.started.elapsed();

@@ -84,6 +84,9 @@ pub struct AgentConfig {
     /// The inhibitor a previous process left with the keeper, taken back
     /// before any thread started (so no child process inherits it).
     pub reclaimed_inhibitor: Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>,
+    /// Handing the delay inhibitor over to the next pod's agent on a stop
+    /// (the chart's pods); see [`shutdown::Handover`].
+    pub handover: shutdown::Handover,
     /// The `journalctl` journald monitors run; by default the one on PATH
     /// (the image's own, or the host's in host mode).
     pub journalctl: PathBuf,
@@ -109,6 +112,7 @@ impl AgentConfig {
             trust: NodeTrust::default(),
             keeper: Keeper::None,
             reclaimed_inhibitor: Arc::default(),
+            handover: shutdown::Handover::default(),
             journalctl: "journalctl".into(),
         }
     }
@@ -437,6 +441,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .take(),
+                handover: config.handover.clone(),
             },
             shutdown_rx,
             pod_rx.clone(),

@@ -163,6 +163,17 @@ pub struct RunArgs {
     #[arg(long, env = "NODEGUARD_INHIBITOR_KEEPER")]
     pub inhibitor_keeper: Option<PathBuf>,
 
+    /// On a stop that is not an uninstall (most often a rollout, which
+    /// replaces the pod and its keeper), leave a delay inhibitor with a
+    /// transient host unit (`nodeguard-inhibitor-handover.service`, the
+    /// host's `systemd-inhibit`) for at most this long, so the node is not
+    /// without one until the next agent holds its own; that agent stops
+    /// the unit. 0: no handover (a host service needs none: systemd's file
+    /// descriptor store keeps the lock across restarts).
+    #[arg(long, env = "NODEGUARD_INHIBITOR_HANDOVER_SECONDS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub inhibitor_handover_seconds: u64,
+
     #[command(flatten)]
     pub trust: TrustArgs,
 

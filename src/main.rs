@@ -119,6 +119,9 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.notify_socket = notify_socket;
         config.systemd_watchdog = systemd_watchdog;
         config.keeper = keeper;
+        config.handover.life = (args.inhibitor_handover_seconds > 0)
+            .then(|| std::time::Duration::from_secs(args.inhibitor_handover_seconds));
+        let retiring_flag = config.handover.retiring.clone();
         *config.reclaimed_inhibitor.lock().unwrap() = reclaimed;
         if let Ok(ns) = std::env::var("POD_NAMESPACE")
             && !ns.is_empty()
@@ -175,6 +178,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         match (asked, retiring) {
             (None, Some(ctx)) => {
                 tracing::warn!(pod = %ctx.pod, "asked to retire (helm uninstall): stopping, then removing what nodeguard put on this node");
+                // Going for good: no lock is handed over to a next agent.
+                retiring_flag.store(true, std::sync::atomic::Ordering::SeqCst);
                 agent
                     .stop_after_node_shutdown(async {
                         signals.recv().await;

@@ -48,7 +48,26 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
         ))
     })?;
     if let Some(lock) = reclaimed.take() {
-        return Ok((port, events, delay_max, Some(lock)));
+        if !(take_lock && lock.is_handed_over()) {
+            return Ok((port, events, delay_max, Some(lock)));
+        }
+        // The handover unit's: this process's own first, then the unit
+        // goes (the node is never without one). Kept on a refusal.
+        match port.inhibit(&why(cfg)).await {
+            Ok(own) => {
+                drop(lock);
+                return Ok((port, events, delay_max, Some(own)));
+            }
+            Err(e) => {
+                *reclaimed = Some(lock);
+                return Err((
+                    "InhibitorRefused",
+                    format!(
+                        "systemd-logind refused nodeguard's delay inhibitor ({e}); the one the previous agent handed over is held until it ends, then a shutdown would not wait for pods."
+                    ),
+                ));
+            }
+        }
     }
     if !take_lock {
         return Ok((port, events, delay_max, None));

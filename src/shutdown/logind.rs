@@ -28,25 +28,46 @@ pub enum LogindEvent {
 /// process's descriptor and takes the copy out of the keeper, if one holds
 /// it. A process killed without dropping it leaves the keeper's copy, so
 /// logind keeps waiting until the restarted agent takes it back.
-#[derive(Debug)]
+///
+/// A lock handed over by the previous pod ([`HANDOVER_UNIT`]) has no
+/// descriptor here: the holder is a host unit, and dropping the lock stops
+/// that unit.
 pub struct InhibitLock {
-    fd: OwnedFd,
+    fd: Option<OwnedFd>,
     kept: Option<Keeper>,
+    end: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for InhibitLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InhibitLock")
+            .field("fd", &self.fd)
+            .field("kept", &self.kept)
+            .field("handed_over", &self.end.is_some())
+            .finish()
+    }
 }
 
 impl InhibitLock {
     /// A lock only this process holds.
     pub fn new(fd: OwnedFd) -> Self {
-        InhibitLock { fd, kept: None }
+        InhibitLock {
+            fd: Some(fd),
+            kept: None,
+            end: None,
+        }
     }
 
     /// Leaves a copy with `keeper` unless it holds one already (a failure
     /// is logged: the lock is still held, only not beyond this process).
+    /// A handed-over lock has no copy to leave: its holder outlives the
+    /// agent anyway.
     pub fn kept_by(mut self, keeper: &Keeper) -> Self {
+        let Some(fd) = &self.fd else { return self };
         if *keeper == Keeper::None || self.kept.is_some() {
             return self;
         }
-        match keeper.keep(keep::INHIBITOR, self.fd.as_fd()) {
+        match keeper.keep(keep::INHIBITOR, fd.as_fd()) {
             Ok(()) => {
                 tracing::debug!(%keeper, "the delay inhibitor is kept beyond this process");
                 self.kept = Some(keeper.clone());
@@ -62,9 +83,25 @@ impl InhibitLock {
     /// A lock a previous process of the agent left with `keeper`.
     pub fn reclaimed(fd: OwnedFd, keeper: &Keeper) -> Self {
         InhibitLock {
-            fd,
+            fd: Some(fd),
             kept: Some(keeper.clone()),
+            end: None,
         }
+    }
+
+    /// The lock the previous pod's agent handed over to a host unit;
+    /// `end` stops that unit (called when the lock is dropped).
+    pub fn handed_over(end: impl FnOnce() + Send + Sync + 'static) -> Self {
+        InhibitLock {
+            fd: None,
+            kept: None,
+            end: Some(Box::new(end)),
+        }
+    }
+
+    /// Held by the handover unit, not by this process.
+    pub fn is_handed_over(&self) -> bool {
+        self.end.is_some()
     }
 }
 
@@ -75,8 +112,27 @@ impl Drop for InhibitLock {
         {
             tracing::warn!(keeper = %k, error = %e, "cannot take the delay inhibitor out of its keeper");
         }
+        if let Some(end) = self.end.take() {
+            end();
+        }
     }
 }
+
+/// The transient unit an agent whose pod is going away (a rollout, not an
+/// uninstall) leaves holding a delay inhibitor of its own, so the node is
+/// not without one until the next pod's agent has taken its lock; that
+/// agent stops it. It ends by itself after its life (the agent's
+/// `--inhibitor-handover-seconds`) should no agent come.
+pub const HANDOVER_UNIT: &str = "nodeguard-inhibitor-handover.service";
+
+/// The `who` of the handover unit's inhibitor, as logind lists it.
+pub const HANDOVER_WHO: &str = "nodeguard-handover";
+
+/// The host's `systemd-inhibit`, which the handover unit runs.
+const SYSTEMD_INHIBIT: &str = "/usr/bin/systemd-inhibit";
+
+/// How long the handover may take to show in logind's list.
+const HANDOVER_WAIT: Duration = Duration::from_secs(3);
 
 /// Connects to the system bus at `address` (`DBUS_SYSTEM_BUS_ADDRESS`), or
 /// the default system bus.
@@ -135,6 +191,104 @@ impl LogindPort for ZbusLogind {
         Ok(self.manager.preparing_for_shutdown().await?)
     }
 
+    async fn hand_over(&self, why: &str, life: Duration) -> Result<(), ShutdownError> {
+        let systemd = SystemdManager::new(&self.conn).await?;
+        // One holder at a time: an earlier one nobody took (a rollout
+        // whose next agent never armed) makes way. This process still
+        // holds its own lock, so the node is not without one meanwhile.
+        let _ = systemd
+            .stop_unit(HANDOVER_UNIT.into(), "replace".into())
+            .await;
+        let exec = vec![(
+            SYSTEMD_INHIBIT.to_string(),
+            vec![
+                "systemd-inhibit".to_string(),
+                "--what=shutdown".into(),
+                "--mode=delay".into(),
+                format!("--who={HANDOVER_WHO}"),
+                format!("--why={why}"),
+                "sleep".into(),
+                life.as_secs().max(1).to_string(),
+            ],
+            false,
+        )];
+        let props = [
+            (
+                "Description".to_string(),
+                zbus::OwnedVariant::from(zbus::Str::from(
+                    "nodeguard: the delay inhibitor between two agent pods",
+                )),
+            ),
+            (
+                "ExecStart".to_string(),
+                zbus::OwnedVariant::try_from(zbus::Variant::from(exec))?,
+            ),
+            (
+                "CollectMode".to_string(),
+                zbus::OwnedVariant::from(zbus::Str::from("inactive-or-failed")),
+            ),
+        ];
+        // The stopped unit may still be on its way out: a few tries.
+        let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
+        loop {
+            match systemd
+                .start_transient_unit(
+                    HANDOVER_UNIT.into(),
+                    "replace".into(),
+                    props
+                        .iter()
+                        .map(|(k, v)| Ok((k.clone(), v.try_clone()?)))
+                        .collect::<Result<_, zbus::Error>>()?,
+                    vec![],
+                )
+                .await
+            {
+                Ok(_) => break,
+                Err(e)
+                    if tokio::time::Instant::now() < deadline
+                        && e.to_string().contains("exists") =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // Only once logind lists its inhibitor may this process's go.
+        while tokio::time::Instant::now() < deadline {
+            if self.handover_listed().await? {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(ShutdownError::Conflict(format!(
+            "{HANDOVER_UNIT} did not hold a delay inhibitor within {HANDOVER_WAIT:?}"
+        )))
+    }
+
+    async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
+        if !self.handover_listed().await? {
+            return Ok(None);
+        }
+        let conn = self.conn.clone();
+        Ok(Some(InhibitLock::handed_over(move || {
+            let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            rt.spawn(async move {
+                let stop = async {
+                    SystemdManager::new(&conn)
+                        .await?
+                        .stop_unit(HANDOVER_UNIT.into(), "replace".into())
+                        .await
+                };
+                match stop.await {
+                    Ok(_) => tracing::info!(unit = HANDOVER_UNIT, "the handed-over delay inhibitor released"),
+                    Err(e) => tracing::warn!(unit = HANDOVER_UNIT, error = %e, "cannot stop the handover unit; it ends by itself"),
+                }
+            });
+        })))
+    }
+
     async fn reload(&self) -> Result<(), ShutdownError> {
         let systemd = SystemdManager::new(&self.conn).await?;
         systemd
@@ -171,6 +325,20 @@ impl LogindPort for ZbusLogind {
             }
         });
         Ok(rx)
+    }
+}
+
+impl ZbusLogind {
+    /// logind lists the handover unit's delay inhibitor.
+    async fn handover_listed(&self) -> Result<bool, ShutdownError> {
+        Ok(self
+            .manager
+            .list_inhibitors()
+            .await?
+            .iter()
+            .any(|(what, who, _, mode, _, _)| {
+                who == HANDOVER_WHO && mode == "delay" && what.split(':').any(|w| w == "shutdown")
+            }))
     }
 }
 

@@ -17,7 +17,7 @@ use super::conditions::{report_armed, report_condition, report_unavailable};
 use super::core;
 use super::execute::execute;
 use super::keep::Keeper;
-use super::logind::{InhibitLock, LogindEvent};
+use super::logind::{self, InhibitLock, LogindEvent};
 use super::startup::{
     cancelled_meanwhile, logind_after_restart, preparing_for_shutdown, start_up, watch_going_down,
 };
@@ -51,6 +51,8 @@ pub struct ShutdownHost<L, C> {
     pub reclaimed: Option<std::os::fd::OwnedFd>,
     /// A stop's question, asked before the stop cancels anything.
     pub stop_questions: StopQuestions,
+    /// Handing the lock over to the next pod's agent.
+    pub handover: super::Handover,
 }
 
 /// Backoff between reconnects to the bus or logind: short, so the lock is
@@ -82,6 +84,7 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         keeper: host.keeper.clone(),
         taint_left: Default::default(),
         taint_cleanup: Default::default(),
+        handover: host.handover,
     });
     // A taint a previous process could not remove: removed from here on.
     if state::taint_left(&ctx.state_dir) {
@@ -194,7 +197,22 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
 
     /// Start-up: resume this boot's shutdown, report the one before the
     /// reboot, or find the host going down already.
-    async fn start(&mut self, reclaimed: Option<InhibitLock>) -> Stage {
+    async fn start(&mut self, mut reclaimed: Option<InhibitLock>) -> Stage {
+        // The lock the previous pod's agent handed over: held from here, as
+        // one taken back from the keeper (a shutdown begun meanwhile is
+        // resumed, logind waiting on it); released once this agent holds
+        // its own, or the policy wants none.
+        // (With a lock taken back from the keeper, the handover's goes.)
+        if self.ctx.handover.life.is_some()
+            && let Some(lock) = take_handover(&self.logind).await
+            && reclaimed.is_none()
+        {
+            tracing::info!(
+                unit = logind::HANDOVER_UNIT,
+                "took over the delay inhibitor the previous agent handed over"
+            );
+            reclaimed = Some(lock);
+        }
         // Holding a lock taken back from the keeper, the manager decides
         // (resume or not) before a stop may release it.
         if reclaimed.is_some() {
@@ -526,6 +544,10 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     token.cancel();
                     let _ = task.await;
                     ctx.in_progress.send_replace(false);
+                } else if let Some(life) = ctx.handover.wanted()
+                    && st.lock.is_some()
+                {
+                    hand_over(port, &st.cfg, life).await;
                 }
                 return Armed::Stop;
             }
@@ -786,4 +808,43 @@ fn spawn_shutdown<C: ClusterPort>(
         run.await
     });
     (token, task)
+}
+
+/// The handover unit's lock, when logind lists one (quietly `None` when
+/// logind cannot be asked: the unit then ends by itself).
+async fn take_handover<L: LogindConnector>(logind: &L) -> Option<InhibitLock> {
+    let take = async { logind.connect().await?.take_handover().await };
+    match timeout(CALL_TIMEOUT, take).await {
+        Ok(Ok(lock)) => lock,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "cannot look for a handed-over delay inhibitor");
+            None
+        }
+        Err(_) => {
+            tracing::debug!("logind did not say whether a handed-over delay inhibitor is held");
+            None
+        }
+    }
+}
+
+/// Leaves a delay inhibitor with the handover unit before this process's
+/// lock goes (a stop that is not an uninstall: most often a rollout, whose
+/// next pod takes it over). Said either way.
+async fn hand_over<P: LogindPort>(port: &P, cfg: &ShutdownConfig, life: Duration) {
+    match timeout(CALL_TIMEOUT, port.hand_over(&why(cfg), life)).await {
+        Ok(Ok(())) => tracing::info!(
+            unit = logind::HANDOVER_UNIT,
+            life = ?life,
+            "handed the delay inhibitor over for the next agent (the unit ends by itself after its life)"
+        ),
+        Ok(Err(e)) => tracing::warn!(
+            unit = logind::HANDOVER_UNIT,
+            error = %e,
+            "cannot hand the delay inhibitor over: the node has none until the next agent takes its own"
+        ),
+        Err(_) => tracing::warn!(
+            unit = logind::HANDOVER_UNIT,
+            "the handover unit did not hold a delay inhibitor in time: the node has none until the next agent takes its own"
+        ),
+    }
 }

@@ -83,6 +83,7 @@ struct Ctx<C> {
     pods: watch::Receiver<Option<Snapshot<Pod>>>,
     in_progress: watch::Sender<bool>,
     keeper: Keeper,
+    handover: Handover,
     /// nodeguard's shutdown taint is still on the Node after a cancel or a
     /// reboot (the API server did not take its removal in time): retried
     /// in the background every [`taint::TAINT_CLEANUP_EVERY`] until it goes, and
@@ -92,6 +93,26 @@ struct Ctx<C> {
     /// shutdown before its taint request, so an attempt in flight never
     /// removes the new shutdown's taint.
     taint_cleanup: tokio::sync::Mutex<()>,
+}
+
+/// Handing the delay inhibitor over between two pods of the agent (a
+/// rollout replaces the pod, keeper and all): `life` is the longest the
+/// handover unit holds it when no agent takes it (`None`: no handover, as
+/// in host mode, where systemd's file descriptor store keeps the lock
+/// across restarts); `retiring` is set when the agent goes away for good
+/// (an uninstall), so nothing is handed over then.
+#[derive(Clone, Debug, Default)]
+pub struct Handover {
+    pub life: Option<Duration>,
+    pub retiring: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Handover {
+    /// Hand over on this stop.
+    fn wanted(&self) -> Option<Duration> {
+        self.life
+            .filter(|_| !self.retiring.load(std::sync::atomic::Ordering::SeqCst))
+    }
 }
 
 /// Port: what shutdown does to the cluster.
@@ -126,6 +147,19 @@ pub trait LogindPort: Send + Sync + 'static {
     /// `PreparingForShutdown`: a shutdown is under way (between
     /// `PrepareForShutdown(true)` and the machine going down or a cancel).
     fn preparing_for_shutdown(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
+    /// Leaves a delay inhibitor with a host unit that outlives this pod
+    /// (for at most `life`), for the next pod's agent to take over; returns
+    /// once logind lists it.
+    fn hand_over(
+        &self,
+        why: &str,
+        life: Duration,
+    ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
+    /// The inhibitor a previous pod handed over, if logind lists it: a lock
+    /// whose release stops the handover unit.
+    fn take_handover(
+        &self,
+    ) -> impl Future<Output = Result<Option<InhibitLock>, ShutdownError>> + Send;
     /// Events from now on; the channel closes after [`LogindEvent::Gone`].
     fn events(
         &self,

@@ -61,6 +61,11 @@ struct LogindState {
     /// whose signal the agent does not get (`systemctl reboot` while it
     /// was between subscriptions).
     reboot_after_next_lock: bool,
+    /// The handover unit's inhibitor (its write end), while it runs.
+    handover: Option<OwnedFd>,
+    /// How many inhibitors were held, the unit's included, each time the
+    /// handover ended.
+    held_when_handover_ended: Vec<usize>,
 }
 
 #[derive(Clone, Default)]
@@ -128,6 +133,30 @@ impl LogindPort for FakeLogind {
             }
         });
         Ok(())
+    }
+    async fn hand_over(&self, why: &str, _life: Duration) -> Result<(), ShutdownError> {
+        // As the unit: a delay inhibitor of its own, which outlives the
+        // agent; a new one replaces an earlier one.
+        let (r, w) = pipe();
+        self.with(|s| {
+            s.locks.push((Instant::now(), Held(r)));
+            s.whys.push(format!("handover: {why}"));
+            s.handover = Some(w);
+        });
+        Ok(())
+    }
+    async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
+        if self.with(|s| s.handover.is_none()) {
+            return Ok(None);
+        }
+        let me = self.clone();
+        Ok(Some(InhibitLock::handed_over(move || {
+            let held = me.held();
+            me.with(|s| {
+                s.held_when_handover_ended.push(held);
+                s.handover = None;
+            });
+        })))
     }
     async fn events(&self) -> Result<mpsc::Receiver<LogindEvent>, ShutdownError> {
         let (tx, rx) = mpsc::channel(8);
@@ -396,6 +425,26 @@ fn rig_in(
     boot: &str,
     cluster_state: ClusterState,
 ) -> Rig {
+    rig_with(
+        state_dir,
+        logind,
+        cfg,
+        pods,
+        boot,
+        cluster_state,
+        Handover::default(),
+    )
+}
+
+fn rig_with(
+    state_dir: PathBuf,
+    logind: FakeLogind,
+    cfg: Option<ShutdownConfig>,
+    pods: Vec<(String, Arc<Pod>)>,
+    boot: &str,
+    cluster_state: ClusterState,
+    handover: Handover,
+) -> Rig {
     let mut registry = Registry::default();
     let (reporter, q) = Reporter::new(&ReportConfig::default(), &mut registry);
     let metrics = ShutdownMetrics::register(&mut registry);
@@ -422,6 +471,7 @@ fn rig_in(
             keeper: crate::shutdown::keep::Keeper::None,
             reclaimed: None,
             stop_questions,
+            handover,
         },
         cfg_rx,
         pods_rx,
@@ -2197,4 +2247,182 @@ async fn a_queued_signal_is_handled_before_a_stops_question() {
         r.stop.cancel();
         r.task.await.unwrap();
     }
+}
+
+fn handover_on() -> Handover {
+    Handover {
+        life: Some(Duration::from_secs(120)),
+        ..Default::default()
+    }
+}
+
+fn handover_held(l: &FakeLogind) -> bool {
+    l.with(|s| s.handover.is_some())
+}
+
+/// A rollout: the old pod's agent stops armed and leaves a lock with the
+/// handover unit before its own goes; the next agent takes its own first,
+/// then stops the unit. One lock is held throughout.
+#[tokio::test(start_paused = true)]
+async fn a_stop_hands_the_lock_over_and_the_next_agent_ends_the_handover() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let dir = tmp("handover");
+    let old = rig_with(
+        dir.clone(),
+        logind.clone(),
+        Some(config(&[(0, 5)])),
+        vec![],
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    assert_eq!(logind.held(), 1, "armed");
+    old.stop.cancel();
+    old.task.await.unwrap();
+    assert!(handover_held(&logind), "handed over on the stop");
+    assert_eq!(logind.held(), 1, "only the handover unit's lock now");
+    assert_eq!(logind.locks_taken(), 2);
+
+    let new = rig_with(
+        dir,
+        logind.clone(),
+        Some(config(&[(0, 5)])),
+        vec![],
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    assert_eq!(logind.locks_taken(), 3, "the new agent took its own");
+    assert!(!handover_held(&logind), "and then ended the handover");
+    assert_eq!(
+        logind.with(|s| s.held_when_handover_ended.clone()),
+        [2],
+        "its own lock was held before the unit's went"
+    );
+    assert_eq!(logind.held(), 1);
+    assert!(new.health.report().loops["shutdown"].synced);
+    new.stop.cancel();
+    new.task.await.unwrap();
+}
+
+/// An uninstall (the agent retiring) hands nothing over; neither does an
+/// agent without the handover (host mode).
+#[tokio::test(start_paused = true)]
+async fn a_retiring_agent_hands_nothing_over() {
+    for (name, handover) in [
+        ("handover-retire", {
+            let h = handover_on();
+            h.retiring.store(true, std::sync::atomic::Ordering::SeqCst);
+            h
+        }),
+        ("handover-off", Handover::default()),
+    ] {
+        let logind = FakeLogind::new(Duration::from_secs(60));
+        let r = rig_with(
+            tmp(name),
+            logind.clone(),
+            Some(config(&[(0, 5)])),
+            vec![],
+            "b1",
+            Default::default(),
+            handover,
+        );
+        ms(300).await;
+        assert_eq!(logind.held(), 1, "{name}: armed");
+        r.stop.cancel();
+        r.task.await.unwrap();
+        assert!(!handover_held(&logind), "{name}: nothing handed over");
+        assert_eq!(logind.held(), 0, "{name}");
+    }
+}
+
+/// The host began shutting down between the two pods: logind waits on the
+/// handover unit's lock, and the next agent runs the shutdown's groups
+/// from the start (it cannot take a new delay lock now), then ends the
+/// handover, as with a lock taken back from its keeper.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_between_two_pods_runs_its_groups_then_ends_the_handover() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let dir = tmp("handover-gap");
+    let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
+    let old = rig_with(
+        dir.clone(),
+        logind.clone(),
+        Some(config(&[(0, 5), (1000, 5)])),
+        pods.clone(),
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    old.stop.cancel();
+    old.task.await.unwrap();
+    assert!(handover_held(&logind));
+    // PrepareForShutdown(true) with no agent listening.
+    logind.with(|s| s.preparing = true);
+
+    let new = rig_with(
+        dir,
+        logind.clone(),
+        Some(config(&[(0, 5), (1000, 5)])),
+        pods,
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    // Its pod stays a while after its eviction: the group waits.
+    new.cluster.with(|s| s.lingering.insert("b/high".into()));
+    ms(300).await;
+    assert!(*new.in_progress.borrow(), "the shutdown's groups run");
+    assert!(handover_held(&logind), "logind waits on the unit meanwhile");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let evicted: Vec<String> = evictions(&new)
+        .into_iter()
+        .filter_map(|(_, c)| match c {
+            Call::Evict(k, _) | Call::Delete(k, _) => Some(k),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        evicted.contains(&"a/low".to_string()) && evicted.contains(&"b/high".to_string()),
+        "{evicted:?}"
+    );
+    assert!(
+        !handover_held(&logind),
+        "the handover ends with the shutdown's release"
+    );
+    assert_eq!(logind.held(), 0);
+    new.stop.cancel();
+    new.task.await.unwrap();
+}
+
+/// The next agent's policy wants no graceful shutdown: the handed-over lock
+/// goes as soon as that is known.
+#[tokio::test(start_paused = true)]
+async fn the_handover_ends_when_the_next_policy_wants_no_shutdown() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind
+        .hand_over("earlier agent", Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(logind.held(), 1);
+    let r = rig_with(
+        tmp("handover-off-policy"),
+        logind.clone(),
+        None,
+        vec![],
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    assert!(handover_held(&logind), "kept while the policy is not known");
+    r.config.send_replace(None);
+    ms(300).await;
+    assert!(!handover_held(&logind));
+    assert_eq!(logind.held(), 0);
+    r.stop.cancel();
+    r.task.await.unwrap();
 }

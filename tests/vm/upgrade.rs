@@ -177,22 +177,41 @@ fn canary_taints(node: &Node) -> Vec<String> {
         .collect()
 }
 
-/// The delay-inhibitor samples (seconds, nodeguard's delay locks held):
-/// the longest run without one, from the last sample that had one to the
-/// first that had one again, and how many such runs there were.
-fn longest_gap(samples: &str) -> (Option<f64>, usize, usize) {
-    let rows: Vec<(f64, u32)> = samples
+/// What the delay-inhibitor samples show (each: seconds, nodeguard's
+/// delay locks held, of which the handover unit's).
+struct Samples {
+    /// The longest run without one, from the last sample that had one to
+    /// the first that had one again.
+    longest_gap: Option<f64>,
+    /// How many such runs there were.
+    gaps: usize,
+    samples: usize,
+    /// How long the handover unit's lock was seen, first to last sample.
+    handover: Option<f64>,
+}
+
+fn read_samples(samples: &str) -> Samples {
+    let rows: Vec<(f64, u32, u32)> = samples
         .lines()
         .filter_map(|l| {
-            let (t, n) = l.split_once(' ')?;
-            Some((t.parse().ok()?, n.trim().parse().ok()?))
+            let mut f = l.split_whitespace();
+            Some((
+                f.next()?.parse().ok()?,
+                f.next()?.parse().ok()?,
+                f.next()?.parse().ok()?,
+            ))
         })
         .collect();
+    let handover_at: Vec<f64> = rows.iter().filter(|r| r.2 > 0).map(|r| r.0).collect();
+    let handover = match (handover_at.first(), handover_at.last()) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
     let mut longest: Option<f64> = None;
     let mut runs = 0;
     let mut last_held: Option<f64> = None;
     let mut in_gap = false;
-    for &(t, n) in &rows {
+    for &(t, n, _) in &rows {
         if n > 0 {
             if in_gap && let Some(from) = last_held {
                 let g = t - from;
@@ -205,7 +224,12 @@ fn longest_gap(samples: &str) -> (Option<f64>, usize, usize) {
             in_gap = true;
         }
     }
-    (longest, runs, rows.len())
+    Samples {
+        longest_gap: longest,
+        gaps: runs,
+        samples: rows.len(),
+        handover,
+    }
 }
 
 pub async fn from_previous(
@@ -364,7 +388,7 @@ pub async fn from_previous(
     // logind's delay inhibitors sampled in the guest from here to the end
     // of the rollout.
     vm.sh(&format!(
-        "cat > /run/e2e-inhibit-watch.sh <<'EOF'\nwhile :; do n=$(systemd-inhibit --list --no-pager --mode=delay | grep nodeguard | grep -c shutdown); echo \"$(date +%s.%N) $n\"; sleep 0.{SAMPLE_MS:03}; done\nEOF\nsystemd-run --unit=e2e-inhibit-watch -p StandardOutput=file:/run/e2e-inhibit-watch.log /bin/sh /run/e2e-inhibit-watch.sh"
+        "cat > /run/e2e-inhibit-watch.sh <<'EOF'\nwhile :; do l=$(systemd-inhibit --list --no-pager --mode=delay | grep nodeguard | grep shutdown); n=$(printf '%s' \"$l\" | grep -c nodeguard); h=$(printf '%s' \"$l\" | grep -c nodeguard-handover); echo \"$(date +%s.%N) $n $h\"; sleep 0.{SAMPLE_MS:03}; done\nEOF\nsystemd-run --unit=e2e-inhibit-watch -p StandardOutput=file:/run/e2e-inhibit-watch.log /bin/sh /run/e2e-inhibit-watch.sh"
     ))
     .await;
 
@@ -454,12 +478,34 @@ pub async fn from_previous(
     };
     let samples = vm.sh("cat /run/e2e-inhibit-watch.log").await;
     std::fs::write(dir.join("upgrade-inhibitor-samples.txt"), &samples).unwrap();
-    let (gap, gaps, n_samples) = longest_gap(&samples);
-    let gap = gap.expect("the delay inhibitor changed hands during the upgrade");
+    let seen = read_samples(&samples);
+    let n_samples = seen.samples;
+    // The old agent left a lock with the handover unit before its own went;
+    // the new one took its own before it stopped the unit: never none.
     assert_eq!(
-        gaps, 1,
-        "one handover, not {gaps} separate gaps (samples in upgrade-inhibitor-samples.txt)"
+        (seen.gaps, seen.longest_gap),
+        (0, None),
+        "the node was without a delay inhibitor of nodeguard's during the rollout (samples in upgrade-inhibitor-samples.txt)"
     );
+    let handover = seen.handover.expect(
+        "the handover unit's inhibitor never showed in logind's list (samples in upgrade-inhibitor-samples.txt)",
+    );
+    // And the unit is gone once the new agent holds its own.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = vm
+            .sh("systemctl is-active nodeguard-inhibitor-handover.service; systemd-inhibit --list --no-pager | grep -c nodeguard-handover; true")
+            .await;
+        let mut l = left.lines();
+        if l.next() != Some("active") && l.next() == Some("0") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the handover unit still runs 20 s after the new agent took its lock:\n{left}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     // The node after: conditions, taints and state files as they were.
     wait_condition(
@@ -597,11 +643,20 @@ pub async fn from_previous(
     delete_policy(admin, &canary).await;
     // Out with its hook, so the scenarios after this one start on a clean node.
     uninstall_with_hook(&release, &pods, "the upgraded release's pods gone").await;
+    // Going for good hands nothing over: no lock stays behind.
+    let left = vm
+        .sh("systemctl is-active nodeguard-inhibitor-handover.service; systemd-inhibit --list --no-pager | grep -c nodeguard; true")
+        .await;
+    assert_eq!(
+        left.lines().collect::<Vec<_>>(),
+        ["inactive", "0"],
+        "after helm uninstall, a delay inhibitor of nodeguard's is left on the node"
+    );
     drop(release);
     rows.pass(
         "kube-upgrade",
         format!(
-            "previous chart {previous} (its CRD without spec.{NEW_FIELD}, image by tag) installed with the default policy: inhibitor held, UpgradeCanary=True with its taint, spec.{NEW_FIELD} dropped from a plain create by its CRD; `helm upgrade --reset-then-reuse-values` to {} refused until the CRD is applied, naming README's command; after `helm show crds … | kubectl apply --server-side --force-conflicts`, the upgrade rolled the pod ({old_pod} → {new_pod} Ready {} after helm upgrade); logind's delay inhibitor absent for at most {gap:.2} s in one handover ({agent_part}; {n_samples} samples, one per `systemd-inhibit --list`); after the new agent re-wrote them, the {} owned conditions kept their status ({same_transition} their transition time, the monitors' all), the taints and {} state files kept; a policy using spec.{NEW_FIELD} stored, Accepted and in force (its taint turns /healthz 503)",
+            "previous chart {previous} (its CRD without spec.{NEW_FIELD}, image by tag) installed with the default policy: inhibitor held, UpgradeCanary=True with its taint, spec.{NEW_FIELD} dropped from a plain create by its CRD; `helm upgrade --reset-then-reuse-values` to {} refused until the CRD is applied, naming README's command; after `helm show crds … | kubectl apply --server-side --force-conflicts`, the upgrade rolled the pod ({old_pod} → {new_pod} Ready {} after helm upgrade); a delay inhibitor of nodeguard's held throughout ({n_samples} samples, one per `systemd-inhibit --list`): the handover unit's for {handover:.2} s, between the old agent's stop and the new agent's own lock ({agent_part}), then the unit stopped; after the new agent re-wrote them, the {} owned conditions kept their status ({same_transition} their transition time, the monitors' all), the taints and {} state files kept; a policy using spec.{NEW_FIELD} stored, Accepted and in force (its taint turns /healthz 503)",
             published.version,
             secs(new_ready),
             owned_before.len(),

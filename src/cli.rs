@@ -168,8 +168,11 @@ pub struct RunArgs {
     /// transient host unit (`nodeguard-inhibitor-handover.service`, the
     /// host's `systemd-inhibit`) for at most this long, so the node is not
     /// without one until the next agent holds its own; that agent stops
-    /// the unit. 0: no handover (a host service needs none: systemd's file
-    /// descriptor store keeps the lock across restarts).
+    /// the unit. 0: no handover (the default, and the host service's: there
+    /// a `systemctl restart` leaves the node without nodeguard's lock for
+    /// the restart's seconds, as the keeper holds a copy only during a
+    /// shutdown; set this in the unit to close that too). An agent finds
+    /// and ends a predecessor's unit whatever this is.
     #[arg(long, env = "NODEGUARD_INHIBITOR_HANDOVER_SECONDS", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub inhibitor_handover_seconds: u64,

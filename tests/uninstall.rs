@@ -262,6 +262,17 @@ async fn retiring_removes_what_nodeguard_put_on_the_node_and_an_ordinary_stop_do
     let reloads_before = peer.state.lock().unwrap().reloads;
     let (code, out) = retire(&instance, 60, true).await;
     assert_eq!(code, 0, "the hook succeeds:\n{out}");
+    // A handover unit a rollout may have left is stopped (none runs here:
+    // systemd says NoSuchUnit, which is no failure).
+    assert!(
+        peer.state
+            .lock()
+            .unwrap()
+            .stop_units
+            .iter()
+            .any(|u| u == nodeguard::shutdown::logind::HANDOVER_UNIT),
+        "the retiring agent did not stop the handover unit"
+    );
     assert!(out.contains("1 of 1 running agent(s) retired"), "{out}");
 
     let after = node_of(&admin, &node.name).await;

@@ -63,6 +63,16 @@ pub(super) async fn reload_logind(address: &Option<String>) -> Result<(), String
     logind.reload().await.map_err(|e| e.to_string())
 }
 
+/// Stops a handover unit an agent of a rollout left (an uninstall during
+/// a rollout): `true` when one ran.
+pub(super) async fn stop_handover(address: &Option<String>) -> Result<bool, String> {
+    let connector = ZbusConnector {
+        address: address.clone(),
+    };
+    let logind = connector.connect().await.map_err(|e| e.to_string())?;
+    logind.stop_handover().await.map_err(|e| e.to_string())
+}
+
 /// Removes the files of the state directory and of its `monitors` folder
 /// (nodeguard's own directory; folders it did not make stay): how many,
 /// and what could not be removed.

@@ -156,6 +156,24 @@ pub async fn clean_up(ctx: &RetireCtx) -> Retired {
         });
     }
     retired.drop_ins = drop_ins;
+    // A lock handed over by a rollout's agent, should the uninstall have
+    // come during one: nothing of nodeguard's holds a shutdown after it.
+    // (Quiet without a system bus: no graceful shutdown ran here.)
+    if ctx.system_bus_address.is_some()
+        || std::path::Path::new("/run/dbus/system_bus_socket").exists()
+    {
+        match host::stop_handover(&ctx.system_bus_address).await {
+            Ok(true) => tracing::info!(
+                unit = crate::shutdown::logind::HANDOVER_UNIT,
+                "retiring: stopped the delay inhibitor handed over during a rollout"
+            ),
+            Ok(false) => {}
+            Err(e) => retired.failures.push(format!(
+                "cannot stop {} ({e}): a delay inhibitor may be held until it ends by itself",
+                crate::shutdown::logind::HANDOVER_UNIT
+            )),
+        }
+    }
     // Last: the state records which taints are nodeguard's. Kept when a
     // taint could not be removed, so a retry (the container restarted)
     // still knows.

@@ -59,6 +59,15 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
                 return Ok((port, events, delay_max, Some(own)));
             }
             Err(e) => {
+                // Refused because a shutdown began since start-up (logind
+                // takes no new delay lock then): the handed-over lock is
+                // the one logind waits on, and the caller begins it.
+                if matches!(
+                    tokio::time::timeout(super::CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                    Ok(Ok(true))
+                ) {
+                    return Ok((port, events, delay_max, Some(lock)));
+                }
                 *reclaimed = Some(lock);
                 return Err((
                     "InhibitorRefused",

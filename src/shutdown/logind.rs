@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use zbus::proxy::CacheProperties;
 use zbus_systemd::login1::ManagerProxy as LoginManager;
 use zbus_systemd::systemd1::ManagerProxy as SystemdManager;
+use zbus_systemd::systemd1::{ServiceProxy, UnitProxy};
 
 use super::keep::{self, Keeper};
 use super::{LogindConnector, LogindPort, ShutdownError};
@@ -103,6 +104,13 @@ impl InhibitLock {
     pub fn is_handed_over(&self) -> bool {
         self.end.is_some()
     }
+
+    /// Lets go of a handed-over lock without stopping its unit: this
+    /// agent stops before it took one of its own, and the next agent takes
+    /// the unit's over as this one did.
+    pub fn leave(mut self) {
+        self.end = None;
+    }
 }
 
 impl Drop for InhibitLock {
@@ -194,11 +202,12 @@ impl LogindPort for ZbusLogind {
     async fn hand_over(&self, why: &str, life: Duration) -> Result<(), ShutdownError> {
         let systemd = SystemdManager::new(&self.conn).await?;
         // One holder at a time: an earlier one nobody took (a rollout
-        // whose next agent never armed) makes way. This process still
-        // holds its own lock, so the node is not without one meanwhile.
+        // whose next agent never armed) makes way, and a failed one is
+        // reset. This process still holds its own lock meanwhile.
         let _ = systemd
             .stop_unit(HANDOVER_UNIT.into(), "replace".into())
             .await;
+        let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
         let exec = vec![(
             SYSTEMD_INHIBIT.to_string(),
             vec![
@@ -223,50 +232,69 @@ impl LogindPort for ZbusLogind {
                 "ExecStart".to_string(),
                 zbus::OwnedVariant::try_from(zbus::Variant::from(exec))?,
             ),
-            (
-                "CollectMode".to_string(),
-                zbus::OwnedVariant::from(zbus::Str::from("inactive-or-failed")),
-            ),
         ];
         // The stopped unit may still be on its way out: a few tries.
         let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
         loop {
+            let props = props
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), v.try_clone()?)))
+                .collect::<Result<_, zbus::Error>>()?;
             match systemd
-                .start_transient_unit(
-                    HANDOVER_UNIT.into(),
-                    "replace".into(),
-                    props
-                        .iter()
-                        .map(|(k, v)| Ok((k.clone(), v.try_clone()?)))
-                        .collect::<Result<_, zbus::Error>>()?,
-                    vec![],
-                )
+                .start_transient_unit(HANDOVER_UNIT.into(), "replace".into(), props, vec![])
                 .await
             {
                 Ok(_) => break,
-                Err(e)
-                    if tokio::time::Instant::now() < deadline
-                        && e.to_string().contains("exists") =>
+                Err(zbus::Error::MethodError(name, ..))
+                    if name.as_str() == "org.freedesktop.systemd1.UnitExists"
+                        && tokio::time::Instant::now() < deadline =>
                 {
+                    let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Err(e) => return Err(e.into()),
             }
         }
-        // Only once logind lists its inhibitor may this process's go.
+        // Only once logind lists this unit's inhibitor (its main process's,
+        // not a stopping predecessor's) may this process's go.
+        let unit = systemd.get_unit(HANDOVER_UNIT.into()).await?;
+        let service = ServiceProxy::builder(&self.conn)
+            .path(unit.clone())
+            .cache_properties(CacheProperties::No)
+            .build()
+            .await?;
         while tokio::time::Instant::now() < deadline {
-            if self.handover_listed().await? {
+            let pid = service.main_pid().await.unwrap_or(0);
+            if pid != 0 && self.handover_listed(Some(pid)).await? {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // Why, as systemd says it (a host without /usr/bin/systemd-inhibit
+        // fails with exit status 203).
+        let state = async {
+            let u = UnitProxy::builder(&self.conn)
+                .path(unit)
+                .cache_properties(CacheProperties::No)
+                .build()
+                .await?;
+            Ok::<_, zbus::Error>(format!(
+                "{}, result {}, main process status {}",
+                u.active_state().await?,
+                service.result().await?,
+                service.exec_main_status().await?
+            ))
+        };
+        let state = state
+            .await
+            .unwrap_or_else(|e| format!("state unknown: {e}"));
         Err(ShutdownError::Conflict(format!(
-            "{HANDOVER_UNIT} did not hold a delay inhibitor within {HANDOVER_WAIT:?}"
+            "{HANDOVER_UNIT} ({SYSTEMD_INHIBIT} on the host) did not hold a delay inhibitor within {HANDOVER_WAIT:?}: {state}"
         )))
     }
 
     async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
-        if !self.handover_listed().await? {
+        if !self.handover_listed(None).await? {
             return Ok(None);
         }
         let conn = self.conn.clone();
@@ -329,15 +357,44 @@ impl LogindPort for ZbusLogind {
 }
 
 impl ZbusLogind {
-    /// logind lists the handover unit's delay inhibitor.
-    async fn handover_listed(&self) -> Result<bool, ShutdownError> {
+    /// Stops the handover unit, if one runs (an uninstall that came
+    /// during a rollout); `true` when one did.
+    pub async fn stop_handover(&self) -> Result<bool, ShutdownError> {
+        let systemd = SystemdManager::new(&self.conn).await?;
+        match systemd
+            .stop_unit(HANDOVER_UNIT.into(), "replace".into())
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(zbus::Error::MethodError(name, ..))
+                // No such unit, or no systemd on this bus (a test bus):
+                // nothing to stop.
+                if matches!(
+                    name.as_str(),
+                    "org.freedesktop.systemd1.NoSuchUnit"
+                        | "org.freedesktop.DBus.Error.ServiceUnknown"
+                        | "org.freedesktop.DBus.Error.NameHasNoOwner"
+                ) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// logind lists a delay inhibitor of the handover unit (of process
+    /// `pid`, when given).
+    async fn handover_listed(&self, pid: Option<u32>) -> Result<bool, ShutdownError> {
         Ok(self
             .manager
             .list_inhibitors()
             .await?
             .iter()
-            .any(|(what, who, _, mode, _, _)| {
-                who == HANDOVER_WHO && mode == "delay" && what.split(':').any(|w| w == "shutdown")
+            .any(|(what, who, _, mode, _, p)| {
+                who == HANDOVER_WHO
+                    && mode == "delay"
+                    && what.split(':').any(|w| w == "shutdown")
+                    && pid.is_none_or(|pid| *p == pid)
             }))
     }
 }

@@ -203,8 +203,9 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         // resumed, logind waiting on it); released once this agent holds
         // its own, or the policy wants none.
         // (With a lock taken back from the keeper, the handover's goes.)
-        if self.ctx.handover.life.is_some()
-            && let Some(lock) = take_handover(&self.logind).await
+        // Looked for even with the handover off here: a unit left by a
+        // predecessor that had it on goes once this agent decides.
+        if let Some(lock) = take_handover(&self.logind).await
             && reclaimed.is_none()
         {
             tracing::info!(
@@ -253,10 +254,12 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
                     cause: core::CancelCause::Logind,
                 }
             }
+            // Carried: once subscribed, logind is asked whether a shutdown
+            // began between this check and the subscription.
             None => Stage::Choose {
                 resume,
+                carried: reclaimed.is_some(),
                 lock: reclaimed,
-                carried: false,
             },
         }
     }
@@ -271,12 +274,18 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         carried: bool,
     ) -> Stage {
         // A lock carried into this pass is held until the armed loop
-        // answers.
-        self.questions.set(if lock.is_some() {
-            StopPhase::Holding
-        } else {
-            StopPhase::Free
-        });
+        // answers; a handed-over one only with a shutdown to resume (a
+        // stop otherwise leaves it to the next agent, see `let_go`).
+        self.questions.set(
+            if lock
+                .as_ref()
+                .is_some_and(|l| !l.is_handed_over() || resume.is_some())
+            {
+                StopPhase::Holding
+            } else {
+                StopPhase::Free
+            },
+        );
         let recorded = resume.as_ref().and_then(|r| r.plan.clone());
         let cfg = if let Some(c) = recorded {
             tracing::info!("resuming the shutdown with the plan it began with");
@@ -309,7 +318,10 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
                     tracing::debug!("graceful shutdown is off; waiting for a policy");
                 }
                 tokio::select! {
-                    _ = self.stop.cancelled() => return Stage::Stopped,
+                    _ = self.stop.cancelled() => {
+                        let_go(lock, &self.ctx.handover);
+                        return Stage::Stopped;
+                    }
                     r = self.config.changed() => {
                         if r.is_err() { return Stage::Stopped }
                         self.policy_known = true;
@@ -351,7 +363,10 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
                 report_unavailable(ctx, &mut self.failing_since, reason, &message);
                 self.handle.updated();
                 tokio::select! {
-                    _ = self.stop.cancelled() => return Stage::Stopped,
+                    _ = self.stop.cancelled() => {
+                        let_go(reclaimed, &self.ctx.handover);
+                        return Stage::Stopped;
+                    }
                     _ = sleep(self.backoff.next_delay()) => {}
                 }
                 return Stage::Choose {
@@ -519,6 +534,8 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     questions: &mut StopQuestions,
 ) -> Armed {
     let mark = ArmedMark::new(questions);
+    // The lock was handed over when a stop asked (the stop follows).
+    let mut handed_over = false;
     let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st));
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
@@ -546,6 +563,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     ctx.in_progress.send_replace(false);
                 } else if let Some(life) = ctx.handover.wanted()
                     && st.lock.is_some()
+                    && !handed_over
                 {
                     hand_over(port, &st.cfg, life).await;
                 }
@@ -671,6 +689,29 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     _ = stop.cancelled() => false,
                     r = timeout(CALL_TIMEOUT, port.preparing_for_shutdown()) => matches!(r, Ok(Ok(true))),
                 };
+                let mut preparing = preparing;
+                // The stop goes on: hand the lock over now, while still
+                // subscribed and holding this process's own, then ask once
+                // more (a shutdown begun during the handover is this
+                // agent's to run: the unit's lock then goes at once).
+                if !preparing
+                    && running.is_none()
+                    && !handed_over
+                    && st.lock.is_some()
+                    && let Some(life) = ctx.handover.wanted()
+                {
+                    handed_over = hand_over(port, &st.cfg, life).await;
+                    preparing = matches!(
+                        timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                        Ok(Ok(true))
+                    );
+                    if preparing && handed_over {
+                        if let Ok(Ok(Some(unit))) = timeout(CALL_TIMEOUT, port.take_handover()).await {
+                            drop(unit);
+                        }
+                        handed_over = false;
+                    }
+                }
                 if preparing {
                     tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
                     running = Some(begin_shutdown(ctx, st));
@@ -830,21 +871,47 @@ async fn take_handover<L: LogindConnector>(logind: &L) -> Option<InhibitLock> {
 /// Leaves a delay inhibitor with the handover unit before this process's
 /// lock goes (a stop that is not an uninstall: most often a rollout, whose
 /// next pod takes it over). Said either way.
-async fn hand_over<P: LogindPort>(port: &P, cfg: &ShutdownConfig, life: Duration) {
+/// `true` when handed over.
+async fn hand_over<P: LogindPort>(port: &P, cfg: &ShutdownConfig, life: Duration) -> bool {
     match timeout(CALL_TIMEOUT, port.hand_over(&why(cfg), life)).await {
-        Ok(Ok(())) => tracing::info!(
-            unit = logind::HANDOVER_UNIT,
-            life = ?life,
-            "handed the delay inhibitor over for the next agent (the unit ends by itself after its life)"
-        ),
-        Ok(Err(e)) => tracing::warn!(
-            unit = logind::HANDOVER_UNIT,
-            error = %e,
-            "cannot hand the delay inhibitor over: the node has none until the next agent takes its own"
-        ),
-        Err(_) => tracing::warn!(
-            unit = logind::HANDOVER_UNIT,
-            "the handover unit did not hold a delay inhibitor in time: the node has none until the next agent takes its own"
-        ),
+        Ok(Ok(())) => {
+            tracing::info!(
+                unit = logind::HANDOVER_UNIT,
+                life = ?life,
+                "handed the delay inhibitor over for the next agent (the unit ends by itself after its life)"
+            );
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(
+                unit = logind::HANDOVER_UNIT,
+                error = %e,
+                "cannot hand the delay inhibitor over: the node has none until the next agent takes its own"
+            );
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                unit = logind::HANDOVER_UNIT,
+                "the handover unit did not hold a delay inhibitor in time: the node has none until the next agent takes its own"
+            );
+            false
+        }
+    }
+}
+
+/// A stop before this agent took a lock of its own: a handed-over lock is
+/// left to the next agent (its unit keeps running), unless the agent goes
+/// for good; any other lock goes with it.
+fn let_go(lock: Option<InhibitLock>, handover: &super::Handover) {
+    match lock {
+        Some(l) if l.is_handed_over() && handover.wanted().is_some() => {
+            tracing::info!(
+                unit = logind::HANDOVER_UNIT,
+                "stopping before holding a delay inhibitor of its own: the handed-over one is left for the next agent"
+            );
+            l.leave();
+        }
+        other => drop(other),
     }
 }

@@ -97,10 +97,10 @@ struct Ctx<C> {
 
 /// Handing the delay inhibitor over between two pods of the agent (a
 /// rollout replaces the pod, keeper and all): `life` is the longest the
-/// handover unit holds it when no agent takes it (`None`: no handover, as
-/// in host mode, where systemd's file descriptor store keeps the lock
-/// across restarts); `retiring` is set when the agent goes away for good
-/// (an uninstall), so nothing is handed over then.
+/// handover unit holds it when no agent takes it (`None`: no handover, the
+/// host service's default; a keeper holds a copy only during a shutdown);
+/// `retiring` is set when the agent goes away for good (an uninstall), so
+/// nothing is handed over then.
 #[derive(Clone, Debug, Default)]
 pub struct Handover {
     pub life: Option<Duration>,

@@ -66,6 +66,8 @@ struct LogindState {
     /// How many inhibitors were held, the unit's included, each time the
     /// handover ended.
     held_when_handover_ended: Vec<usize>,
+    /// The host begins shutting down while the handover unit starts.
+    prepare_during_handover: bool,
 }
 
 #[derive(Clone, Default)]
@@ -138,11 +140,19 @@ impl LogindPort for FakeLogind {
         // As the unit: a delay inhibitor of its own, which outlives the
         // agent; a new one replaces an earlier one.
         let (r, w) = pipe();
-        self.with(|s| {
+        let signal = self.with(|s| {
             s.locks.push((Instant::now(), Held(r)));
             s.whys.push(format!("handover: {why}"));
             s.handover = Some(w);
+            if std::mem::take(&mut s.prepare_during_handover) {
+                s.preparing = true;
+                return s.signals.clone();
+            }
+            None
         });
+        if let Some(tx) = signal {
+            let _ = tx.try_send(LogindEvent::PrepareForShutdown(true));
+        }
         Ok(())
     }
     async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
@@ -1034,8 +1044,6 @@ async fn after_a_reboot_the_taint_goes_and_the_duration_is_reported() {
     r.task.await.unwrap();
 }
 
-/// Found on the e2e VM: after a reboot the agent starts before its first
-/// policy selection; the NodeRebooted report must survive that moment.
 /// The agent's first policy selection may come while the manager still
 /// asks logind at start-up. A selection without a shutdown section is then
 /// already in the channel when the manager first looks: it must count as
@@ -1064,6 +1072,8 @@ async fn a_policy_without_shutdown_selected_during_start_up_counts_as_known() {
     r.task.await.unwrap();
 }
 
+/// Found on the e2e VM: after a reboot the agent starts before its first
+/// policy selection; the NodeRebooted report must survive that moment.
 #[tokio::test(start_paused = true)]
 async fn the_reboot_report_stays_when_the_policy_arrives_after_start_up() {
     let (dir, pre) = shut_down_before_this_boot("reboot-late-policy", 6);
@@ -2425,4 +2435,138 @@ async fn the_handover_ends_when_the_next_policy_wants_no_shutdown() {
     assert_eq!(logind.held(), 0);
     r.stop.cancel();
     r.task.await.unwrap();
+}
+
+/// Found by review: a reboot asked for after the new agent's start-up look
+/// but before it subscribed (it waits for its first policy meanwhile). Its
+/// own delay lock is refused then; the handed-over lock is the one logind
+/// waits on, so the agent runs the groups on it instead of retrying.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_begun_before_the_next_agent_subscribed_runs_on_the_handed_over_lock() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind
+        .hand_over("previous agent", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let pods = vec![pod("a/low", 0, None)];
+    let r = rig_with(
+        tmp("handover-late-reboot"),
+        logind.clone(),
+        None,
+        pods,
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    // No agent subscribed yet: nobody gets the signal.
+    logind.with(|s| s.preparing = true);
+    r.config.send_replace(Some(config(&[(0, 5)])));
+    ms(300).await;
+    assert!(
+        evictions(&r)
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        "the groups run; calls: {:?}",
+        r.cluster.calls()
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(!handover_held(&logind), "released with the shutdown");
+    assert_eq!(logind.held(), 0);
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Found by review: the host begins shutting down while a stopping agent
+/// hands its lock over. The agent has not let its own go yet: it runs the
+/// shutdown (the stop waits for it), and the unit's lock goes at once.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_begun_during_the_handover_is_run_by_the_stopping_agent() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let pods = vec![pod("a/low", 0, None)];
+    let r = rig_with(
+        tmp("handover-during"),
+        logind.clone(),
+        Some(config(&[(0, 5)])),
+        pods,
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    assert_eq!(logind.held(), 1);
+    logind.with(|s| s.prepare_during_handover = true);
+    assert!(
+        r.stop_check.ask().await,
+        "the stop must wait for the shutdown begun during the handover"
+    );
+    assert!(!handover_held(&logind), "the unit's lock went at once");
+    ms(300).await;
+    assert!(
+        evictions(&r)
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low"))
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(logind.held(), 0, "released after the groups");
+    r.stop.cancel();
+    r.task.await.unwrap();
+    assert!(
+        !handover_held(&logind),
+        "nothing handed over after the shutdown"
+    );
+}
+
+/// Found by review: an agent with the handover off (turned off by value,
+/// or host mode) still ends a unit its predecessor left.
+#[tokio::test(start_paused = true)]
+async fn an_agent_without_the_handover_still_ends_a_predecessors_unit() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind
+        .hand_over("previous agent", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let r = rig_with(
+        tmp("handover-off-takes"),
+        logind.clone(),
+        Some(config(&[(0, 5)])),
+        vec![],
+        "b1",
+        Default::default(),
+        Handover::default(),
+    );
+    ms(300).await;
+    assert!(!handover_held(&logind));
+    assert_eq!(logind.held(), 1, "its own only");
+    r.stop.cancel();
+    r.task.await.unwrap();
+    assert!(!handover_held(&logind), "and hands nothing over");
+}
+
+/// Found by review: an agent stopped before its first policy, holding only
+/// the handed-over lock, stops at once (no 15 s wait for a decision) and
+/// leaves that lock to the next agent.
+#[tokio::test(start_paused = true)]
+async fn an_agent_stopped_before_its_first_policy_leaves_the_handover_to_the_next() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind
+        .hand_over("previous agent", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let r = rig_with(
+        tmp("handover-early-stop"),
+        logind.clone(),
+        None,
+        vec![],
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    let t0 = Instant::now();
+    assert!(!r.stop_check.ask().await);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    r.stop.cancel();
+    r.task.await.unwrap();
+    assert!(handover_held(&logind), "left for the next agent");
 }

@@ -154,6 +154,8 @@ pub struct LogindState {
     pub held_at_reloads: Vec<usize>,
     /// Units the systemd peer knows, by name.
     pub units: std::collections::BTreeMap<String, UnitState>,
+    /// Every `StopUnit` asked of the systemd peer, by unit name.
+    pub stop_units: Vec<String>,
     /// `PreparingForShutdown` is not answered before this moment (a
     /// logind slow to answer).
     pub answer_after: Option<std::time::Instant>,
@@ -379,6 +381,15 @@ impl LoginManager {
 
 struct SystemdManager(SharedLogind);
 
+/// systemd's own error names (the ones nodeguard tells apart).
+#[derive(Debug, zbus::DBusError)]
+#[zbus(prefix = "org.freedesktop.systemd1")]
+enum SystemdError {
+    #[zbus(error)]
+    ZBus(zbus::Error),
+    NoSuchUnit(String),
+}
+
 #[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
 impl SystemdManager {
     fn get_unit(&self, name: String) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
@@ -386,6 +397,25 @@ impl SystemdManager {
             Ok(zbus::OwnedObjectPath::try_from(unit_path(&name)).unwrap())
         } else {
             Err(zbus::fdo::Error::Failed(format!("Unit {name} not loaded.")))
+        }
+    }
+
+    /// As systemd: a unit not loaded is `NoSuchUnit`. Every call is
+    /// recorded (`LogindState::stop_units`).
+    fn stop_unit(
+        &self,
+        name: String,
+        _mode: String,
+    ) -> Result<zbus::OwnedObjectPath, SystemdError> {
+        let mut s = self.0.lock().unwrap();
+        s.stop_units.push(name.clone());
+        match s.units.get_mut(&name) {
+            Some(u) => {
+                u.active = "inactive".into();
+                u.sub = "dead".into();
+                Ok(zbus::OwnedObjectPath::try_from("/org/freedesktop/systemd1/job/1").unwrap())
+            }
+            None => Err(SystemdError::NoSuchUnit(format!("Unit {name} not loaded."))),
         }
     }
 

@@ -723,7 +723,7 @@ fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
         "host.logindDropIn.path=/run/systemd/logind.conf.d",
         "trust.commands={/opt/checks/disk}",
         "trust.repairUnits={containerd.service,kube*}",
-        "trust.maxInhibitDelaySeconds=55",
+        "trust.maxInhibitDelaySeconds=45",
     ]);
     assert_eq!(
         t.commands,
@@ -736,7 +736,7 @@ fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
     );
     assert_eq!(t.watchdog_devices, ["/dev/watchdog1"]);
     assert_eq!(t.logind_drop_in_dirs, ["/run/systemd/logind.conf.d"]);
-    assert_eq!(t.max_inhibit_delay_seconds, 55);
+    assert_eq!(t.max_inhibit_delay_seconds, 45);
     // A privileged pod (host.kmsg) sees every host device: without
     // host.watchdog no watchdog device is allowed.
     assert!(
@@ -766,10 +766,10 @@ fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
         "x",
         &chart(),
         "--set",
-        "trust.maxInhibitDelaySeconds=56",
+        "trust.maxInhibitDelaySeconds=46",
     ]);
     assert!(
-        !ok && err.contains("terminationGracePeriodSeconds (60) must be at least trust.maxInhibitDelaySeconds + 5 (61)"),
+        !ok && err.contains("terminationGracePeriodSeconds (60) must be at least trust.maxInhibitDelaySeconds + 15 (61)"),
         "{err}"
     );
 }

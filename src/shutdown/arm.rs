@@ -15,7 +15,10 @@ use super::{LogindConnector, LogindPort};
 use crate::report::EventKind;
 
 /// Connects to logind, subscribes, makes sure the inhibit delay suffices
-/// and takes the lock; on failure, the condition reason and message.
+/// and takes the lock; on failure, the condition reason and message. The
+/// last part is `true` when logind refused a lock because a shutdown has
+/// begun, and the lock returned is the handed-over one it waits on: the
+/// caller begins that shutdown.
 #[allow(clippy::type_complexity)]
 pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
     ctx: &Ctx<C>,
@@ -29,6 +32,7 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
         mpsc::Receiver<LogindEvent>,
         Duration,
         Option<InhibitLock>,
+        bool,
     ),
     (&'static str, String),
 > {
@@ -49,14 +53,14 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
     })?;
     if let Some(lock) = reclaimed.take() {
         if !(take_lock && lock.is_handed_over()) {
-            return Ok((port, events, delay_max, Some(lock)));
+            return Ok((port, events, delay_max, Some(lock), false));
         }
         // The handover unit's: this process's own first, then the unit
         // goes (the node is never without one). Kept on a refusal.
         match port.inhibit(&why(cfg)).await {
             Ok(own) => {
                 drop(lock);
-                return Ok((port, events, delay_max, Some(own)));
+                return Ok((port, events, delay_max, Some(own), false));
             }
             Err(e) => {
                 // Refused because a shutdown began since start-up (logind
@@ -66,7 +70,7 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
                     tokio::time::timeout(super::CALL_TIMEOUT, port.preparing_for_shutdown()).await,
                     Ok(Ok(true))
                 ) {
-                    return Ok((port, events, delay_max, Some(lock)));
+                    return Ok((port, events, delay_max, Some(lock), true));
                 }
                 *reclaimed = Some(lock);
                 return Err((
@@ -79,7 +83,7 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
         }
     }
     if !take_lock {
-        return Ok((port, events, delay_max, None));
+        return Ok((port, events, delay_max, None, false));
     }
     // Its copy goes to the keeper only once a shutdown starts: an agent
     // crash-looping while armed must not hold every shutdown of the node
@@ -89,7 +93,7 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
             "systemd-logind refused nodeguard's delay inhibitor ({e}); a shutdown would not wait for pods."
         ))
     })?;
-    Ok((port, events, delay_max, Some(lock)))
+    Ok((port, events, delay_max, Some(lock), false))
 }
 
 pub(super) fn why(cfg: &ShutdownConfig) -> String {

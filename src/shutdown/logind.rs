@@ -288,6 +288,12 @@ impl LogindPort for ZbusLogind {
         let state = state
             .await
             .unwrap_or_else(|e| format!("state unknown: {e}"));
+        // Said here; not left failed (`systemctl --failed`, a degraded
+        // system) until the next rollout.
+        let _ = systemd
+            .stop_unit(HANDOVER_UNIT.into(), "replace".into())
+            .await;
+        let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
         Err(ShutdownError::Conflict(format!(
             "{HANDOVER_UNIT} ({SYSTEMD_INHIBIT} on the host) did not hold a delay inhibitor within {HANDOVER_WAIT:?}: {state}"
         )))
@@ -358,14 +364,17 @@ impl LogindPort for ZbusLogind {
 
 impl ZbusLogind {
     /// Stops the handover unit, if one runs (an uninstall that came
-    /// during a rollout); `true` when one did.
+    /// during a rollout); `true` when one held a lock (a failed one is
+    /// only reset).
     pub async fn stop_handover(&self) -> Result<bool, ShutdownError> {
         let systemd = SystemdManager::new(&self.conn).await?;
-        match systemd
+        let held = self.handover_listed(None).await.unwrap_or(false);
+        let stopped = systemd
             .stop_unit(HANDOVER_UNIT.into(), "replace".into())
-            .await
-        {
-            Ok(_) => Ok(true),
+            .await;
+        let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
+        match stopped {
+            Ok(_) => Ok(held),
             Err(zbus::Error::MethodError(name, ..))
                 // No such unit, or no systemd on this bus (a test bus):
                 // nothing to stop.

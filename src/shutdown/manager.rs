@@ -349,7 +349,7 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         carried: bool,
     ) -> Stage {
         let ctx = &self.ctx;
-        let (port, events, delay_max, lock) = match connect_and_arm(
+        let (port, events, delay_max, lock, began) = match connect_and_arm(
             ctx,
             &self.logind,
             &cfg,
@@ -415,15 +415,18 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         if lock.is_some() {
             ctx.metrics.inhibitor_held.set(1);
         }
-        let fresh = carried
-            && resume.is_none()
-            && lock.is_some()
-            && matches!(
-                timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
-                Ok(Ok(true))
-            );
+        let fresh = began
+            || (carried
+                && resume.is_none()
+                && lock.is_some()
+                && matches!(
+                    timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+                    Ok(Ok(true))
+                ));
         if fresh {
-            tracing::warn!("a shutdown began while nodeguard reconnected to the restarted logind");
+            tracing::warn!(
+                "a shutdown began before nodeguard subscribed to logind (a restarted logind, or a lock taken over at start): the shutdown runs now"
+            );
         }
         if lock.is_some() && resume.is_none() && !fresh {
             tracing::info!(delay_max = ?delay_max, needed = ?cfg.needed_delay(), groups = cfg.groups.len(), "holding a logind delay inhibitor for shutdown");
@@ -534,8 +537,9 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     questions: &mut StopQuestions,
 ) -> Armed {
     let mark = ArmedMark::new(questions);
-    // The lock was handed over when a stop asked (the stop follows).
-    let mut handed_over = false;
+    // The lock was handed over (or tried) when a stop asked; the stop
+    // follows, and does not try again.
+    let mut handover_tried = false;
     let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st));
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
@@ -562,8 +566,8 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     let _ = task.await;
                     ctx.in_progress.send_replace(false);
                 } else if let Some(life) = ctx.handover.wanted()
-                    && st.lock.is_some()
-                    && !handed_over
+                    && st.lock.as_ref().is_some_and(|l| !l.is_handed_over())
+                    && !handover_tried
                 {
                     hand_over(port, &st.cfg, life).await;
                 }
@@ -684,32 +688,43 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     continue;
                 }
                 // A second signal while logind is asked stops at once.
-                let preparing = running.is_none() && tokio::select! {
-                    biased;
-                    _ = stop.cancelled() => false,
-                    r = timeout(CALL_TIMEOUT, port.preparing_for_shutdown()) => matches!(r, Ok(Ok(true))),
-                };
-                let mut preparing = preparing;
+                let mut interrupted = false;
+                let mut preparing = false;
+                if running.is_none() {
+                    tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => interrupted = true,
+                        r = timeout(CALL_TIMEOUT, port.preparing_for_shutdown()) => preparing = matches!(r, Ok(Ok(true))),
+                    }
+                }
                 // The stop goes on: hand the lock over now, while still
-                // subscribed and holding this process's own, then ask once
-                // more (a shutdown begun during the handover is this
-                // agent's to run: the unit's lock then goes at once).
+                // subscribed and holding this process's own (a handed-over
+                // one stays with its unit), then ask once more. A shutdown
+                // begun during the handover is this agent's to run, the
+                // unit's lock going at once; unless the stop no longer
+                // waits (a second signal, or its question gave up): then
+                // the unit keeps it for the next agent. At most three calls
+                // in all (`STOP_DECIDE_MAX` covers them).
                 if !preparing
+                    && !interrupted
                     && running.is_none()
-                    && !handed_over
-                    && st.lock.is_some()
+                    && !handover_tried
+                    && st.lock.as_ref().is_some_and(|l| !l.is_handed_over())
                     && let Some(life) = ctx.handover.wanted()
                 {
-                    handed_over = hand_over(port, &st.cfg, life).await;
-                    preparing = matches!(
-                        timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
-                        Ok(Ok(true))
-                    );
-                    if preparing && handed_over {
-                        if let Ok(Ok(Some(unit))) = timeout(CALL_TIMEOUT, port.take_handover()).await {
-                            drop(unit);
-                        }
-                        handed_over = false;
+                    handover_tried = true;
+                    let handed = hand_over(port, &st.cfg, life).await;
+                    if !stop.is_cancelled() && !answer.is_closed() {
+                        let again = async {
+                            if !matches!(port.preparing_for_shutdown().await, Ok(true)) {
+                                return false;
+                            }
+                            if handed && let Ok(Some(unit)) = port.take_handover().await {
+                                drop(unit);
+                            }
+                            true
+                        };
+                        preparing = timeout(CALL_TIMEOUT, again).await.unwrap_or(false);
                     }
                 }
                 if preparing {
@@ -886,14 +901,14 @@ async fn hand_over<P: LogindPort>(port: &P, cfg: &ShutdownConfig, life: Duration
             tracing::warn!(
                 unit = logind::HANDOVER_UNIT,
                 error = %e,
-                "cannot hand the delay inhibitor over: the node has none until the next agent takes its own"
+                "cannot hand the delay inhibitor over: unless a shutdown begins before this agent stops, the node has none until the next agent takes its own"
             );
             false
         }
         Err(_) => {
             tracing::warn!(
                 unit = logind::HANDOVER_UNIT,
-                "the handover unit did not hold a delay inhibitor in time: the node has none until the next agent takes its own"
+                "systemd or logind did not answer the handover in time: the unit may hold a lock (it ends by itself), or the node has none until the next agent takes its own"
             );
             false
         }

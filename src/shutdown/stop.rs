@@ -9,8 +9,9 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 /// The longest a stop waits for the manager to decide whether a shutdown
 /// is under way: a lock taken back from the keeper is held while the
 /// manager asks logind at start-up (5 s at most) and arms (logind's reload
-/// and poll, 2 s); an answer in the armed loop is one call (5 s at most).
-const STOP_DECIDE_MAX: Duration = Duration::from_secs(15);
+/// and poll, 2 s); an answer in the armed loop is at most three calls of
+/// 5 s (logind asked, the lock handed over, logind asked again).
+const STOP_DECIDE_MAX: Duration = Duration::from_secs(20);
 
 /// Where the manager stands, for a stop's question.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +74,7 @@ impl StopCheck {
     /// `node_shutdown` is true). `false` at once when the manager holds no
     /// inhibitor (nothing to delay; a shutdown resumed without a lock is not
     /// waited for, logind is not waiting for it either), and after
-    /// `STOP_DECIDE_MAX` (15 s) when it cannot decide.
+    /// `STOP_DECIDE_MAX` (20 s) when it cannot decide.
     pub async fn ask(&self) -> bool {
         let deadline = Instant::now() + STOP_DECIDE_MAX;
         let mut phase = self.phase.clone();

@@ -68,6 +68,10 @@ struct LogindState {
     held_when_handover_ended: Vec<usize>,
     /// The host begins shutting down while the handover unit starts.
     prepare_during_handover: bool,
+    /// Cancelled while the handover unit starts (a second signal).
+    cancel_during_handover: Option<CancellationToken>,
+    /// PreparingForShutdown answers this many more times, then fails.
+    preparing_answers_left: Option<usize>,
 }
 
 #[derive(Clone, Default)]
@@ -122,7 +126,17 @@ impl LogindPort for FakeLogind {
         Ok(InhibitLock::new(w))
     }
     async fn preparing_for_shutdown(&self) -> Result<bool, ShutdownError> {
-        if self.with(|s| s.preparing_fails) {
+        if self.with(|s| {
+            s.preparing_fails
+                || match &mut s.preparing_answers_left {
+                    Some(0) => true,
+                    Some(n) => {
+                        *n -= 1;
+                        false
+                    }
+                    None => false,
+                }
+        }) {
             return Err(ShutdownError::Conflict("logind did not answer".into()));
         }
         Ok(self.with(|s| s.preparing))
@@ -144,6 +158,9 @@ impl LogindPort for FakeLogind {
             s.locks.push((Instant::now(), Held(r)));
             s.whys.push(format!("handover: {why}"));
             s.handover = Some(w);
+            if let Some(t) = s.cancel_during_handover.take() {
+                t.cancel();
+            }
             if std::mem::take(&mut s.prepare_during_handover) {
                 s.preparing = true;
                 return s.signals.clone();
@@ -2569,4 +2586,78 @@ async fn an_agent_stopped_before_its_first_policy_leaves_the_handover_to_the_nex
     r.stop.cancel();
     r.task.await.unwrap();
     assert!(handover_held(&logind), "left for the next agent");
+}
+
+/// Found by the second review: a second signal during the handover. The
+/// stop no longer waits, so a shutdown begun meanwhile is not this agent's
+/// to start (the stop would cancel it at once): the unit keeps its lock for
+/// the next agent, which runs the shutdown.
+#[tokio::test(start_paused = true)]
+async fn a_second_signal_during_the_handover_leaves_the_shutdown_to_the_unit() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let r = rig_with(
+        tmp("handover-second-signal"),
+        logind.clone(),
+        Some(config(&[(0, 5)])),
+        vec![pod("a/low", 0, None)],
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    logind.with(|s| {
+        s.prepare_during_handover = true;
+        s.cancel_during_handover = Some(r.stop.clone());
+    });
+    let _ = r.stop_check.ask().await;
+    r.task.await.unwrap();
+    assert!(
+        handover_held(&logind),
+        "the unit keeps the lock logind waits on"
+    );
+    assert!(
+        !r.cluster
+            .calls()
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(..) | Call::Delete(..))),
+        "no shutdown begun and cut short"
+    );
+}
+
+/// Found by the second review: logind refused the next agent's own lock as
+/// a shutdown had begun, and then did not answer: the shutdown is begun on
+/// the handed-over lock all the same (the refusal's own answer said so).
+#[tokio::test(start_paused = true)]
+async fn a_refused_lock_with_a_shutdown_under_way_begins_it_without_asking_again() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    logind
+        .hand_over("previous agent", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let r = rig_with(
+        tmp("handover-refused-silent"),
+        logind.clone(),
+        None,
+        vec![pod("a/low", 0, None)],
+        "b1",
+        Default::default(),
+        handover_on(),
+    );
+    ms(300).await;
+    logind.with(|s| {
+        s.preparing = true;
+        // The refusal's question answers; every later one fails.
+        s.preparing_answers_left = Some(1);
+    });
+    r.config.send_replace(Some(config(&[(0, 5)])));
+    ms(300).await;
+    assert!(
+        evictions(&r)
+            .iter()
+            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        "the groups run; calls: {:?}",
+        r.cluster.calls()
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
 }

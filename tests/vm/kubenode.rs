@@ -808,7 +808,7 @@ async fn install(
         },
         // The scenarios' wider groups need more than the chart's 32 s.
         "trust": {"maxInhibitDelaySeconds": kubework::KUBE_NEEDED_DELAY_SECS},
-        "terminationGracePeriodSeconds": kubework::KUBE_NEEDED_DELAY_SECS + 5,
+        "terminationGracePeriodSeconds": kubework::KUBE_NEEDED_DELAY_SECS + 15,
         "defaultPolicy": {"enabled": true, "spec": spec},
     });
     let values_file = dir.join("values.json");

@@ -10,6 +10,7 @@ use tokio::time::sleep;
 use super::ClusterPort;
 use super::core;
 use super::logind::{self, InhibitLock, LogindEvent};
+use super::startup::shutdown_under_way;
 use super::{Ctx, ShutdownConfig, ShutdownError};
 use super::{LogindConnector, LogindPort};
 use crate::report::EventKind;
@@ -66,10 +67,7 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
                 // Refused because a shutdown began since start-up (logind
                 // takes no new delay lock then): the handed-over lock is
                 // the one logind waits on, and the caller begins it.
-                if matches!(
-                    tokio::time::timeout(super::CALL_TIMEOUT, port.preparing_for_shutdown()).await,
-                    Ok(Ok(true))
-                ) {
+                if shutdown_under_way(&port).await {
                     return Ok((port, events, delay_max, Some(lock), true));
                 }
                 *reclaimed = Some(lock);

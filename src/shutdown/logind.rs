@@ -204,10 +204,7 @@ impl LogindPort for ZbusLogind {
         // One holder at a time: an earlier one nobody took (a rollout
         // whose next agent never armed) makes way, and a failed one is
         // reset. This process still holds its own lock meanwhile.
-        let _ = systemd
-            .stop_unit(HANDOVER_UNIT.into(), "replace".into())
-            .await;
-        let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
+        let _ = clear_handover_unit(&systemd).await;
         let exec = vec![(
             SYSTEMD_INHIBIT.to_string(),
             vec![
@@ -290,10 +287,7 @@ impl LogindPort for ZbusLogind {
             .unwrap_or_else(|e| format!("state unknown: {e}"));
         // Said here; not left failed (`systemctl --failed`, a degraded
         // system) until the next rollout.
-        let _ = systemd
-            .stop_unit(HANDOVER_UNIT.into(), "replace".into())
-            .await;
-        let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
+        let _ = clear_handover_unit(&systemd).await;
         Err(ShutdownError::Conflict(format!(
             "{HANDOVER_UNIT} ({SYSTEMD_INHIBIT} on the host) did not hold a delay inhibitor within {HANDOVER_WAIT:?}: {state}"
         )))
@@ -362,6 +356,16 @@ impl LogindPort for ZbusLogind {
     }
 }
 
+/// Stops the handover unit and resets it should it have failed (so no
+/// `systemctl --failed` entry stays); the stop's answer.
+async fn clear_handover_unit(systemd: &SystemdManager<'_>) -> zbus::Result<()> {
+    let stopped = systemd
+        .stop_unit(HANDOVER_UNIT.into(), "replace".into())
+        .await;
+    let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
+    stopped.map(drop)
+}
+
 impl ZbusLogind {
     /// Stops the handover unit, if one runs (an uninstall that came
     /// during a rollout); `true` when one held a lock (a failed one is
@@ -369,11 +373,7 @@ impl ZbusLogind {
     pub async fn stop_handover(&self) -> Result<bool, ShutdownError> {
         let systemd = SystemdManager::new(&self.conn).await?;
         let held = self.handover_listed(None).await.unwrap_or(false);
-        let stopped = systemd
-            .stop_unit(HANDOVER_UNIT.into(), "replace".into())
-            .await;
-        let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
-        match stopped {
+        match clear_handover_unit(&systemd).await {
             Ok(_) => Ok(held),
             Err(zbus::Error::MethodError(name, ..))
                 // No such unit, or no systemd on this bus (a test bus):

@@ -19,7 +19,8 @@ use super::execute::execute;
 use super::keep::Keeper;
 use super::logind::{self, InhibitLock, LogindEvent};
 use super::startup::{
-    cancelled_meanwhile, logind_after_restart, preparing_for_shutdown, start_up, watch_going_down,
+    cancelled_meanwhile, logind_after_restart, preparing_for_shutdown, shutdown_under_way,
+    start_up, watch_going_down,
 };
 use super::state::{self, ShutdownRecord};
 use super::stop::{ArmedMark, StopPhase, StopQuestions};
@@ -416,13 +417,7 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
             ctx.metrics.inhibitor_held.set(1);
         }
         let fresh = began
-            || (carried
-                && resume.is_none()
-                && lock.is_some()
-                && matches!(
-                    timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
-                    Ok(Ok(true))
-                ));
+            || (carried && resume.is_none() && lock.is_some() && shutdown_under_way(&port).await);
         if fresh {
             tracing::warn!(
                 "a shutdown began before nodeguard subscribed to logind (a restarted logind, or a lock taken over at start): the shutdown runs now"
@@ -565,10 +560,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     token.cancel();
                     let _ = task.await;
                     ctx.in_progress.send_replace(false);
-                } else if let Some(life) = ctx.handover.wanted()
-                    && st.lock.as_ref().is_some_and(|l| !l.is_handed_over())
-                    && !handover_tried
-                {
+                } else if let Some(life) = handover_due(&ctx.handover, st, handover_tried) {
                     hand_over(port, &st.cfg, life).await;
                 }
                 return Armed::Stop;
@@ -708,9 +700,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                 if !preparing
                     && !interrupted
                     && running.is_none()
-                    && !handover_tried
-                    && st.lock.as_ref().is_some_and(|l| !l.is_handed_over())
-                    && let Some(life) = ctx.handover.wanted()
+                    && let Some(life) = handover_due(&ctx.handover, st, handover_tried)
                 {
                     handover_tried = true;
                     let handed = hand_over(port, &st.cfg, life).await;
@@ -913,6 +903,15 @@ async fn hand_over<P: LogindPort>(port: &P, cfg: &ShutdownConfig, life: Duration
             false
         }
     }
+}
+
+/// How long the handover unit is to hold the lock, when this stop hands
+/// it over: the handover is on and not retiring, this process holds a lock
+/// of its own (a handed-over one stays with its unit), and no handover was
+/// tried yet.
+fn handover_due(handover: &super::Handover, st: &ArmedState<'_>, tried: bool) -> Option<Duration> {
+    let own = st.lock.as_ref().is_some_and(|l| !l.is_handed_over());
+    handover.wanted().filter(|_| own && !tried)
 }
 
 /// A stop before this agent took a lock of its own: a handed-over lock is

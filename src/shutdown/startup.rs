@@ -165,6 +165,15 @@ pub(super) async fn preparing_for_shutdown<L: LogindConnector>(logind: &L) -> Op
     }
 }
 
+/// On a connection already made: logind says, within `CALL_TIMEOUT`, that
+/// a shutdown is under way (`false` also when it does not answer).
+pub(super) async fn shutdown_under_way<P: LogindPort>(port: &P) -> bool {
+    matches!(
+        timeout(CALL_TIMEOUT, port.preparing_for_shutdown()).await,
+        Ok(Ok(true))
+    )
+}
+
 /// A new connection to logind and its `PreparingForShutdown`, within
 /// `CALL_TIMEOUT`.
 async fn ask_logind<L: LogindConnector>(logind: &L) -> Result<(L::Port, bool), String> {

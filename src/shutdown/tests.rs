@@ -2276,6 +2276,40 @@ async fn a_queued_signal_is_handled_before_a_stops_question() {
     }
 }
 
+/// A rig for the handover's tests: boot "b1", an empty cluster.
+fn handover_rig(
+    state_dir: PathBuf,
+    logind: &FakeLogind,
+    cfg: Option<ShutdownConfig>,
+    pods: Vec<(String, Arc<Pod>)>,
+    handover: Handover,
+) -> Rig {
+    rig_with(
+        state_dir,
+        logind.clone(),
+        cfg,
+        pods,
+        "b1",
+        Default::default(),
+        handover,
+    )
+}
+
+/// A handover unit a previous agent left, holding its lock.
+async fn predecessors_unit(logind: &FakeLogind) {
+    logind
+        .hand_over("previous agent", Duration::from_secs(120))
+        .await
+        .unwrap();
+}
+
+/// The shutdown asked for `key`'s eviction.
+fn evicted(r: &Rig, key: &str) -> bool {
+    evictions(r)
+        .iter()
+        .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == key))
+}
+
 fn handover_on() -> Handover {
     Handover {
         life: Some(Duration::from_secs(120)),
@@ -2294,13 +2328,11 @@ fn handover_held(l: &FakeLogind) -> bool {
 async fn a_stop_hands_the_lock_over_and_the_next_agent_ends_the_handover() {
     let logind = FakeLogind::new(Duration::from_secs(60));
     let dir = tmp("handover");
-    let old = rig_with(
+    let old = handover_rig(
         dir.clone(),
-        logind.clone(),
+        &logind,
         Some(config(&[(0, 5)])),
         vec![],
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2311,15 +2343,7 @@ async fn a_stop_hands_the_lock_over_and_the_next_agent_ends_the_handover() {
     assert_eq!(logind.held(), 1, "only the handover unit's lock now");
     assert_eq!(logind.locks_taken(), 2);
 
-    let new = rig_with(
-        dir,
-        logind.clone(),
-        Some(config(&[(0, 5)])),
-        vec![],
-        "b1",
-        Default::default(),
-        handover_on(),
-    );
+    let new = handover_rig(dir, &logind, Some(config(&[(0, 5)])), vec![], handover_on());
     ms(300).await;
     assert_eq!(logind.locks_taken(), 3, "the new agent took its own");
     assert!(!handover_held(&logind), "and then ended the handover");
@@ -2347,13 +2371,11 @@ async fn a_retiring_agent_hands_nothing_over() {
         ("handover-off", Handover::default()),
     ] {
         let logind = FakeLogind::new(Duration::from_secs(60));
-        let r = rig_with(
+        let r = handover_rig(
             tmp(name),
-            logind.clone(),
+            &logind,
             Some(config(&[(0, 5)])),
             vec![],
-            "b1",
-            Default::default(),
             handover,
         );
         ms(300).await;
@@ -2374,13 +2396,11 @@ async fn a_shutdown_between_two_pods_runs_its_groups_then_ends_the_handover() {
     let logind = FakeLogind::new(Duration::from_secs(60));
     let dir = tmp("handover-gap");
     let pods = vec![pod("a/low", 0, None), pod("b/high", 1000, None)];
-    let old = rig_with(
+    let old = handover_rig(
         dir.clone(),
-        logind.clone(),
+        &logind,
         Some(config(&[(0, 5), (1000, 5)])),
         pods.clone(),
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2390,13 +2410,11 @@ async fn a_shutdown_between_two_pods_runs_its_groups_then_ends_the_handover() {
     // PrepareForShutdown(true) with no agent listening.
     logind.with(|s| s.preparing = true);
 
-    let new = rig_with(
+    let new = handover_rig(
         dir,
-        logind.clone(),
+        &logind,
         Some(config(&[(0, 5), (1000, 5)])),
         pods,
-        "b1",
-        Default::default(),
         handover_on(),
     );
     // Its pod stays a while after its eviction: the group waits.
@@ -2430,18 +2448,13 @@ async fn a_shutdown_between_two_pods_runs_its_groups_then_ends_the_handover() {
 #[tokio::test(start_paused = true)]
 async fn the_handover_ends_when_the_next_policy_wants_no_shutdown() {
     let logind = FakeLogind::new(Duration::from_secs(60));
-    logind
-        .hand_over("earlier agent", Duration::from_secs(120))
-        .await
-        .unwrap();
+    predecessors_unit(&logind).await;
     assert_eq!(logind.held(), 1);
-    let r = rig_with(
+    let r = handover_rig(
         tmp("handover-off-policy"),
-        logind.clone(),
+        &logind,
         None,
         vec![],
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2461,18 +2474,13 @@ async fn the_handover_ends_when_the_next_policy_wants_no_shutdown() {
 #[tokio::test(start_paused = true)]
 async fn a_shutdown_begun_before_the_next_agent_subscribed_runs_on_the_handed_over_lock() {
     let logind = FakeLogind::new(Duration::from_secs(60));
-    logind
-        .hand_over("previous agent", Duration::from_secs(120))
-        .await
-        .unwrap();
+    predecessors_unit(&logind).await;
     let pods = vec![pod("a/low", 0, None)];
-    let r = rig_with(
+    let r = handover_rig(
         tmp("handover-late-reboot"),
-        logind.clone(),
+        &logind,
         None,
         pods,
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2481,9 +2489,7 @@ async fn a_shutdown_begun_before_the_next_agent_subscribed_runs_on_the_handed_ov
     r.config.send_replace(Some(config(&[(0, 5)])));
     ms(300).await;
     assert!(
-        evictions(&r)
-            .iter()
-            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        evicted(&r, "a/low"),
         "the groups run; calls: {:?}",
         r.cluster.calls()
     );
@@ -2501,13 +2507,11 @@ async fn a_shutdown_begun_before_the_next_agent_subscribed_runs_on_the_handed_ov
 async fn a_shutdown_begun_during_the_handover_is_run_by_the_stopping_agent() {
     let logind = FakeLogind::new(Duration::from_secs(60));
     let pods = vec![pod("a/low", 0, None)];
-    let r = rig_with(
+    let r = handover_rig(
         tmp("handover-during"),
-        logind.clone(),
+        &logind,
         Some(config(&[(0, 5)])),
         pods,
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2519,11 +2523,7 @@ async fn a_shutdown_begun_during_the_handover_is_run_by_the_stopping_agent() {
     );
     assert!(!handover_held(&logind), "the unit's lock went at once");
     ms(300).await;
-    assert!(
-        evictions(&r)
-            .iter()
-            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low"))
-    );
+    assert!(evicted(&r, "a/low"));
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(logind.held(), 0, "released after the groups");
     r.stop.cancel();
@@ -2539,17 +2539,12 @@ async fn a_shutdown_begun_during_the_handover_is_run_by_the_stopping_agent() {
 #[tokio::test(start_paused = true)]
 async fn an_agent_without_the_handover_still_ends_a_predecessors_unit() {
     let logind = FakeLogind::new(Duration::from_secs(60));
-    logind
-        .hand_over("previous agent", Duration::from_secs(120))
-        .await
-        .unwrap();
-    let r = rig_with(
+    predecessors_unit(&logind).await;
+    let r = handover_rig(
         tmp("handover-off-takes"),
-        logind.clone(),
+        &logind,
         Some(config(&[(0, 5)])),
         vec![],
-        "b1",
-        Default::default(),
         Handover::default(),
     );
     ms(300).await;
@@ -2566,17 +2561,12 @@ async fn an_agent_without_the_handover_still_ends_a_predecessors_unit() {
 #[tokio::test(start_paused = true)]
 async fn an_agent_stopped_before_its_first_policy_leaves_the_handover_to_the_next() {
     let logind = FakeLogind::new(Duration::from_secs(60));
-    logind
-        .hand_over("previous agent", Duration::from_secs(120))
-        .await
-        .unwrap();
-    let r = rig_with(
+    predecessors_unit(&logind).await;
+    let r = handover_rig(
         tmp("handover-early-stop"),
-        logind.clone(),
+        &logind,
         None,
         vec![],
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2595,13 +2585,11 @@ async fn an_agent_stopped_before_its_first_policy_leaves_the_handover_to_the_nex
 #[tokio::test(start_paused = true)]
 async fn a_second_signal_during_the_handover_leaves_the_shutdown_to_the_unit() {
     let logind = FakeLogind::new(Duration::from_secs(60));
-    let r = rig_with(
+    let r = handover_rig(
         tmp("handover-second-signal"),
-        logind.clone(),
+        &logind,
         Some(config(&[(0, 5)])),
         vec![pod("a/low", 0, None)],
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2630,17 +2618,12 @@ async fn a_second_signal_during_the_handover_leaves_the_shutdown_to_the_unit() {
 #[tokio::test(start_paused = true)]
 async fn a_refused_lock_with_a_shutdown_under_way_begins_it_without_asking_again() {
     let logind = FakeLogind::new(Duration::from_secs(60));
-    logind
-        .hand_over("previous agent", Duration::from_secs(120))
-        .await
-        .unwrap();
-    let r = rig_with(
+    predecessors_unit(&logind).await;
+    let r = handover_rig(
         tmp("handover-refused-silent"),
-        logind.clone(),
+        &logind,
         None,
         vec![pod("a/low", 0, None)],
-        "b1",
-        Default::default(),
         handover_on(),
     );
     ms(300).await;
@@ -2652,9 +2635,7 @@ async fn a_refused_lock_with_a_shutdown_under_way_begins_it_without_asking_again
     r.config.send_replace(Some(config(&[(0, 5)])));
     ms(300).await;
     assert!(
-        evictions(&r)
-            .iter()
-            .any(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/low")),
+        evicted(&r, "a/low"),
         "the groups run; calls: {:?}",
         r.cluster.calls()
     );

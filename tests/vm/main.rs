@@ -495,12 +495,9 @@ async fn boot_node(
             break;
         }
         if Instant::now() > deadline {
-            let journal = vm
-                .exec("journalctl -b --no-pager -u nodeguard | tail -40")
-                .await;
             panic!(
-                "the agent on {node} did not announce policy {policy} within 120 s; journal:\n{}",
-                journal.stdout
+                "the agent on {node} did not announce policy {policy} within 120 s; status and journal:\n{}",
+                unit_report(&mut vm).await
             );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -509,12 +506,9 @@ async fn boot_node(
     // The annotation alone may be left from an earlier boot.
     while vm.exec("systemctl is-active nodeguard").await.stdout.trim() != "active" {
         if Instant::now() > deadline {
-            let journal = vm
-                .exec("systemctl status --no-pager nodeguard; journalctl -b --no-pager -u nodeguard | tail -60")
-                .await;
             panic!(
                 "the nodeguard unit on {node} did not become active within 120 s; status and journal:\n{}",
-                journal.stdout
+                unit_report(&mut vm).await
             );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -526,6 +520,16 @@ async fn boot_node(
         secs(ready)
     );
     (vm, booted, ready)
+}
+
+/// The agent unit's status and the end of this boot's journal, for a
+/// failure message.
+async fn unit_report(vm: &mut Vm) -> String {
+    vm.exec(
+        "systemctl status --no-pager nodeguard; journalctl -b --no-pager -u nodeguard | tail -60",
+    )
+    .await
+    .stdout
 }
 
 /// Saves what an operator would look at: the node, its Events, the journal.

@@ -86,6 +86,25 @@ pub enum Command {
         #[command(flatten)]
         log: LogArgs,
     },
+    /// The handover unit's process (run by systemd from the copy the
+    /// stopping agent left in its state directory; see
+    /// `--host-state-dir`): holds a delay inhibitor for shutdown until the
+    /// next agent stops it or `--seconds` pass, and records when a shutdown
+    /// that begins meanwhile began.
+    #[command(hide = true)]
+    HandoverHold {
+        /// The state directory (as the host sees it).
+        #[arg(long)]
+        state_dir: PathBuf,
+        /// The longest it holds the lock.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        seconds: u64,
+        /// logind's `why` for the lock.
+        #[arg(long, default_value = "nodeguard: between two agent pods")]
+        why: String,
+        #[command(flatten)]
+        log: LogArgs,
+    },
     /// Ask every agent of a release to remove what it put on its node, and
     /// wait until each running one has (the chart's pre-delete hook, run by
     /// `helm uninstall`). A node whose agent did not answer in time, or
@@ -176,6 +195,17 @@ pub struct RunArgs {
     #[arg(long, env = "NODEGUARD_INHIBITOR_HANDOVER_SECONDS", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub inhibitor_handover_seconds: u64,
+
+    /// Where `--state-dir` is on the host (the chart's `host.stateDir.path`;
+    /// a host service: the same path). With it, the handover unit runs this
+    /// binary, copied to `<state-dir>/handover/nodeguard`, which also
+    /// records a shutdown that begins before the next agent takes over, so
+    /// that agent plans it from when it began. Without it, or when the copy
+    /// cannot run (a state directory mounted `noexec`), the unit runs the
+    /// host's `systemd-inhibit`, and such a shutdown is planned from when
+    /// the next agent finds it.
+    #[arg(long, env = "NODEGUARD_HOST_STATE_DIR")]
+    pub host_state_dir: Option<PathBuf>,
 
     #[command(flatten)]
     pub trust: TrustArgs,

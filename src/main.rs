@@ -60,6 +60,27 @@ fn main() -> ExitCode {
                 .with_context(|| format!("cannot serve {}", socket.display()))
                 .map(|()| ExitCode::SUCCESS)
         }
+        Command::HandoverHold {
+            state_dir,
+            seconds,
+            why,
+            log,
+        } => {
+            init_logging(log.log_format);
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")
+                .and_then(|rt| {
+                    rt.block_on(nodeguard::shutdown::holder::hold(
+                        &state_dir,
+                        std::time::Duration::from_secs(seconds),
+                        &why,
+                    ))
+                    .context("the handover's delay inhibitor")
+                })
+                .map(|()| ExitCode::SUCCESS)
+        }
         Command::Version => {
             println!("{}", nodeguard::version_string());
             Ok(ExitCode::SUCCESS)
@@ -121,6 +142,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.keeper = keeper;
         config.handover.life = (args.inhibitor_handover_seconds > 0)
             .then(|| std::time::Duration::from_secs(args.inhibitor_handover_seconds));
+        config.handover.host_state_dir = args.host_state_dir.clone();
         let retiring_flag = config.handover.retiring.clone();
         *config.reclaimed_inhibitor.lock().unwrap() = reclaimed;
         if let Ok(ns) = std::env::var("POD_NAMESPACE")

@@ -1251,6 +1251,15 @@ struct AgentProcess {
 
 impl AgentProcess {
     fn start(s: &Setup, state: &std::path::Path, keeper: Option<&std::path::Path>) -> Self {
+        Self::start_with(s, state, keeper, &[])
+    }
+
+    fn start_with(
+        s: &Setup,
+        state: &std::path::Path,
+        keeper: Option<&std::path::Path>,
+        extra: &[std::ffi::OsString],
+    ) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -1271,6 +1280,7 @@ impl AgentProcess {
         if let Some(k) = keeper {
             cmd.arg("--inhibitor-keeper").arg(k);
         }
+        cmd.args(extra);
         AgentProcess {
             process: Killed(cmd.spawn().unwrap()),
             listen,
@@ -2360,5 +2370,196 @@ async fn stop_with_logind_gone(after: Duration) {
         "stopped {took:?} after the signal"
     );
     force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}
+
+/// Issue 35's review: a shutdown that begins between two agent pods of a
+/// rollout (the handover unit holding the lock) was planned by the next
+/// agent from when it found it, so logind's window, running since the
+/// signal, ended before the last group's. Now the handover unit runs the
+/// agent's own binary (copied into the state directory), which records
+/// when the shutdown began and the plan in force; the next agent resumes
+/// it from there. Two agent processes and the unit's process (started by
+/// the test bus's systemd, for real) over the private bus.
+#[tokio::test]
+async fn a_shutdown_begun_between_two_agents_is_planned_from_when_it_began() {
+    let s = setup_with(
+        "between",
+        // 2 s more than the plan needs (6 + 6 + the 2 s margin): logind's
+        // window, running from the signal, is what binds.
+        Duration::from_secs(16),
+        serde_json::json!([
+            {"priority": 0, "gracePeriodSeconds": 6},
+            {"priority": 1000, "gracePeriodSeconds": 6},
+        ]),
+        false,
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    ensure_priority_class(&s.admin, "nodeguard-test-mid", 1000).await;
+    let (low, mid) = (unique_name("low"), unique_name("mid"));
+    for (name, class) in [(&low, "nodeguard-test-low"), (&mid, "nodeguard-test-mid")] {
+        running_pod(&s.admin, &s.node.name, name, class, serde_json::json!({})).await;
+    }
+    let state = TempDir::new("state");
+    // The test's host is this machine: the state directory is where it is.
+    let handover: Vec<std::ffi::OsString> = vec![
+        "--inhibitor-handover-seconds=60".into(),
+        format!("--host-state-dir={}", state.path.display()).into(),
+    ];
+    let first = AgentProcess::start_with(&s, &state.path, None, &handover);
+    first.ready().await;
+    first.terminate();
+    let mut first = first;
+    let status = first.exited(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status:?}");
+    let started = s.peer.state.lock().unwrap().started.clone();
+    assert!(
+        started.iter().any(
+            |(unit, argv)| unit == "nodeguard-inhibitor-handover.service"
+                && argv.get(1).map(String::as_str) == Some("handover-hold")
+        ),
+        "the handover unit runs nodeguard's holder: {started:?}"
+    );
+    assert_eq!(
+        s.peer.inhibitor_modes(),
+        vec![(
+            "shutdown".to_string(),
+            "nodeguard-handover".to_string(),
+            "delay".to_string()
+        )],
+        "only the unit's lock is held between the two agents"
+    );
+
+    s.peer.prepare_for_shutdown(true).await;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut second = AgentProcess::start_with(&s, &state.path, None, &handover);
+    let pods: Api<Pod> = Api::namespaced(s.admin.clone(), TEST_NAMESPACE);
+    let evicted = |name: String| {
+        let pods = pods.clone();
+        async move {
+            pods.get(&name)
+                .await
+                .unwrap()
+                .metadata
+                .deletion_timestamp
+                .is_some()
+        }
+    };
+    eventually(Duration::from_secs(20), "the mid group evicted", || {
+        evicted(mid.clone())
+    })
+    .await;
+    let mid_evicted = t0.elapsed();
+    assert!(evicted(low.clone()).await, "the low group evicted first");
+    eventually(
+        Duration::from_secs(20),
+        "every delay inhibitor released after the last group",
+        || std::future::ready(s.peer.held() == 0),
+    )
+    .await;
+    let released = t0.elapsed();
+    let resumed = node_event(&s.admin, &s.node.name, "ShutdownResumed")
+        .await
+        .and_then(|e| e.note)
+        .unwrap_or_default();
+    eprintln!("mid evicted {mid_evicted:?}, released {released:?} after the signal; {resumed}");
+    // Planned from the signal, logind's 16 s end 16 s after it: low's
+    // window is what is left before mid's 6 s and the 2 s margin, so mid
+    // comes at about 8 s and the lock goes at about 14 s. Planned from when
+    // the second agent found it (5 s later), mid would come at 11 s and the
+    // lock go at 17 s, after logind went on.
+    assert!(
+        mid_evicted >= Duration::from_secs(7) && mid_evicted < Duration::from_secs(10),
+        "mid evicted {mid_evicted:?} after the signal (planned from the second agent's start?)"
+    );
+    assert!(
+        released < Duration::from_millis(15_500),
+        "released {released:?} after the signal, logind's window being 16 s"
+    );
+    assert!(
+        resumed.contains("restarted 5.") || resumed.contains("restarted 6."),
+        "the second agent says how far into the shutdown it came: {resumed:?}"
+    );
+    // The unit's process ended: the second agent stopped it.
+    assert!(
+        s.peer.state.lock().unwrap().processes.is_empty(),
+        "the holder still runs"
+    );
+    second.kill();
+    force_delete(&s.admin, &[&low, &mid]).await;
+    s.cleanup().await;
+}
+
+/// The same handover where the copied holder cannot run (a state directory
+/// mounted `noexec` on the host, here a host path with nothing there): the
+/// unit fails to start it, and the host's `systemd-inhibit` holds the lock
+/// instead, so the node is still never without one between the two agents.
+#[tokio::test]
+async fn a_holder_that_cannot_run_falls_back_to_systemd_inhibit() {
+    let s = setup_with(
+        "holder-noexec",
+        Duration::from_secs(30),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
+        false,
+    )
+    .await;
+    let state = TempDir::new("state");
+    let nowhere = TempDir::new("noexec");
+    let handover: Vec<std::ffi::OsString> = vec![
+        "--inhibitor-handover-seconds=60".into(),
+        format!(
+            "--host-state-dir={}",
+            nowhere.path.join("missing").display()
+        )
+        .into(),
+    ];
+    let mut first = AgentProcess::start_with(&s, &state.path, None, &handover);
+    first.ready().await;
+    first.terminate();
+    let status = first.exited(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status:?}");
+    let started: Vec<String> = s
+        .peer
+        .state
+        .lock()
+        .unwrap()
+        .started
+        .iter()
+        .map(|(_, argv)| argv[..2].join(" "))
+        .collect();
+    assert_eq!(
+        started,
+        vec!["nodeguard handover-hold", "systemd-inhibit --what=shutdown"],
+        "the holder first, then systemd-inhibit"
+    );
+    assert_eq!(
+        s.peer.inhibitor_modes(),
+        vec![(
+            "shutdown".to_string(),
+            "nodeguard-handover".to_string(),
+            "delay".to_string()
+        )],
+        "systemd-inhibit holds the lock between the two agents"
+    );
+    let mut second = AgentProcess::start_with(&s, &state.path, None, &handover);
+    second.ready().await;
+    eventually(
+        Duration::from_secs(10),
+        "the second agent's own lock, and the unit's ended",
+        || {
+            std::future::ready(
+                s.peer.inhibitor_modes()
+                    == vec![(
+                        "shutdown".to_string(),
+                        "nodeguard".to_string(),
+                        "delay".to_string(),
+                    )],
+            )
+        },
+    )
+    .await;
+    second.kill();
     s.cleanup().await;
 }

@@ -73,14 +73,16 @@ pub(super) async fn stop_handover(address: &Option<String>) -> Result<bool, Stri
     logind.stop_handover().await.map_err(|e| e.to_string())
 }
 
-/// Removes the files of the state directory and of its `monitors` folder
-/// (nodeguard's own directory; folders it did not make stay): how many,
-/// and what could not be removed.
+/// Removes the files of the state directory and of its `monitors` and
+/// `handover` folders (nodeguard's own directory; folders it did not make
+/// stay): how many, and what could not be removed.
 pub(super) fn clear_state(state_dir: &Path) -> (usize, Vec<String>) {
     let mut removed = 0;
     let mut failed = Vec::new();
     let monitors = state_dir.join("monitors");
-    for dir in [monitors.as_path(), state_dir] {
+    // The handover unit's copy of the binary.
+    let handover = state_dir.join("handover");
+    for dir in [monitors.as_path(), handover.as_path(), state_dir] {
         let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
         };
@@ -95,6 +97,7 @@ pub(super) fn clear_state(state_dir: &Path) -> (usize, Vec<String>) {
         }
     }
     let _ = std::fs::remove_dir(&monitors);
+    let _ = std::fs::remove_dir(&handover);
     (removed, failed)
 }
 
@@ -148,9 +151,12 @@ mod tests {
         std::fs::create_dir_all(dir.join("other")).unwrap();
         std::fs::write(dir.join("shutdown-state.json"), "{}").unwrap();
         std::fs::write(dir.join("monitors/kernel.json"), "{}").unwrap();
+        std::fs::create_dir_all(dir.join("handover")).unwrap();
+        std::fs::write(dir.join("handover/nodeguard"), "binary").unwrap();
         std::fs::write(dir.join("other/keep"), "x").unwrap();
-        assert_eq!(clear_state(&dir), (2, vec![]));
+        assert_eq!(clear_state(&dir), (3, vec![]));
         assert!(!dir.join("monitors").exists());
+        assert!(!dir.join("handover").exists(), "the handover's binary goes");
         assert!(
             dir.join("other/keep").exists(),
             "folders it did not make stay"

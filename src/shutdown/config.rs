@@ -15,6 +15,9 @@ pub enum ShutdownError {
     Api(#[from] kube::Error),
     #[error("conflicting updates to {0}; gave up after retries")]
     Conflict(String),
+    /// The host (systemd, logind) did not do what the handover needs.
+    #[error("{0}")]
+    Host(String),
     #[error("the API server throttles requests (429: {0})")]
     Throttled(String),
     #[error(transparent)]

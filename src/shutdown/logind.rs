@@ -183,114 +183,49 @@ impl LogindPort for ZbusLogind {
     }
 
     async fn inhibit(&self, why: &str) -> Result<InhibitLock, ShutdownError> {
-        let fd = self
-            .manager
-            .inhibit(
-                "shutdown".into(),
-                "nodeguard".into(),
-                why.into(),
-                "delay".into(),
-            )
-            .await?;
-        Ok(InhibitLock::new(fd.into()))
+        self.inhibit_as("nodeguard", why).await
     }
 
     async fn preparing_for_shutdown(&self) -> Result<bool, ShutdownError> {
         Ok(self.manager.preparing_for_shutdown().await?)
     }
 
-    async fn hand_over(&self, why: &str, life: Duration) -> Result<(), ShutdownError> {
+    async fn hand_over(
+        &self,
+        why: &str,
+        life: Duration,
+        holder: Option<super::holder::HolderCommand>,
+    ) -> Result<(), ShutdownError> {
         let systemd = SystemdManager::new(&self.conn).await?;
         // One holder at a time: an earlier one nobody took (a rollout
         // whose next agent never armed) makes way, and a failed one is
         // reset. This process still holds its own lock meanwhile.
         let _ = clear_handover_unit(&systemd).await;
-        let exec = vec![(
-            SYSTEMD_INHIBIT.to_string(),
-            vec![
-                "systemd-inhibit".to_string(),
-                "--what=shutdown".into(),
-                "--mode=delay".into(),
-                format!("--who={HANDOVER_WHO}"),
-                format!("--why={why}"),
-                "sleep".into(),
-                life.as_secs().max(1).to_string(),
-            ],
-            false,
-        )];
-        let props = [
-            (
-                "Description".to_string(),
-                zbus::OwnedVariant::from(zbus::Str::from(
-                    "nodeguard: the delay inhibitor between two agent pods",
-                )),
-            ),
-            (
-                "ExecStart".to_string(),
-                zbus::OwnedVariant::try_from(zbus::Variant::from(exec))?,
-            ),
-        ];
-        // The stopped unit may still be on its way out: a few tries.
-        let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
-        loop {
-            let props = props
-                .iter()
-                .map(|(k, v)| Ok((k.clone(), v.try_clone()?)))
-                .collect::<Result<_, zbus::Error>>()?;
-            match systemd
-                .start_transient_unit(HANDOVER_UNIT.into(), "replace".into(), props, vec![])
+        if let Some(h) = holder {
+            let path = h.binary.display().to_string();
+            match self
+                .run_holder(&systemd, &path, h.argv(why, life), HANDOVER_WAIT)
                 .await
             {
-                Ok(_) => break,
-                Err(zbus::Error::MethodError(name, ..))
-                    if name.as_str() == "org.freedesktop.systemd1.UnitExists"
-                        && tokio::time::Instant::now() < deadline =>
-                {
-                    let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => return Err(e.into()),
+                Ok(()) => return Ok(()),
+                Err(e) => tracing::warn!(
+                    unit = HANDOVER_UNIT,
+                    error = %e,
+                    "the handover unit could not run nodeguard's holder (a state directory mounted noexec?); the host's systemd-inhibit holds the lock instead, and a shutdown that begins before the next agent takes over is planned from when that agent finds it"
+                ),
             }
         }
-        // Only once logind lists this unit's inhibitor (its main process's,
-        // not a stopping predecessor's) may this process's go.
-        let unit = systemd.get_unit(HANDOVER_UNIT.into()).await?;
-        let service = ServiceProxy::builder(&self.conn)
-            .path(unit.clone())
-            .cache_properties(CacheProperties::No)
-            .build()
-            .await?;
-        while tokio::time::Instant::now() < deadline {
-            let pid = service.main_pid().await.unwrap_or(0);
-            if pid != 0 && self.handover_listed(Some(pid)).await? {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        // Why, as systemd says it (a host without /usr/bin/systemd-inhibit
-        // fails with exit status 203).
-        let state = async {
-            let u = UnitProxy::builder(&self.conn)
-                .path(unit)
-                .cache_properties(CacheProperties::No)
-                .build()
-                .await?;
-            Ok::<_, zbus::Error>(format!(
-                "{}, result {}, main process status {}",
-                u.active_state().await?,
-                service.result().await?,
-                service.exec_main_status().await?
-            ))
-        };
-        let state = state
+        let argv = vec![
+            "systemd-inhibit".to_string(),
+            "--what=shutdown".into(),
+            "--mode=delay".into(),
+            format!("--who={HANDOVER_WHO}"),
+            format!("--why={why}"),
+            "sleep".into(),
+            life.as_secs().max(1).to_string(),
+        ];
+        self.run_holder(&systemd, SYSTEMD_INHIBIT, argv, HANDOVER_WAIT)
             .await
-            .unwrap_or_else(|e| format!("state unknown: {e}"));
-        // Said here; not left failed (`systemctl --failed`, a degraded
-        // system) until the next rollout.
-        let _ = clear_handover_unit(&systemd).await;
-        Err(ShutdownError::Conflict(format!(
-            "{HANDOVER_UNIT} ({SYSTEMD_INHIBIT} on the host) did not hold a delay inhibitor within {HANDOVER_WAIT:?}: {state}"
-        )))
     }
 
     async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
@@ -367,6 +302,109 @@ async fn clear_handover_unit(systemd: &SystemdManager<'_>) -> zbus::Result<()> {
 }
 
 impl ZbusLogind {
+    /// Starts the handover unit running `path` with `argv`, and waits until
+    /// logind lists the delay inhibitor of its main process (not a stopping
+    /// predecessor's). A unit that fails or ends first, or is not listed
+    /// within `wait`, is said (as systemd says it) and cleared.
+    async fn run_holder(
+        &self,
+        systemd: &SystemdManager<'_>,
+        path: &str,
+        argv: Vec<String>,
+        wait: Duration,
+    ) -> Result<(), ShutdownError> {
+        let exec = vec![(path.to_string(), argv, false)];
+        let props = [
+            (
+                "Description".to_string(),
+                zbus::OwnedVariant::from(zbus::Str::from(
+                    "nodeguard: the delay inhibitor between two agent pods",
+                )),
+            ),
+            (
+                "ExecStart".to_string(),
+                zbus::OwnedVariant::try_from(zbus::Variant::from(exec))?,
+            ),
+        ];
+        // The stopped unit may still be on its way out: a few tries.
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let props = props
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), v.try_clone()?)))
+                .collect::<Result<_, zbus::Error>>()?;
+            match systemd
+                .start_transient_unit(HANDOVER_UNIT.into(), "replace".into(), props, vec![])
+                .await
+            {
+                Ok(_) => break,
+                Err(zbus::Error::MethodError(name, ..))
+                    if name.as_str() == "org.freedesktop.systemd1.UnitExists"
+                        && tokio::time::Instant::now() < deadline =>
+                {
+                    let _ = systemd.reset_failed_unit(HANDOVER_UNIT.into()).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let unit_path = systemd.get_unit(HANDOVER_UNIT.into()).await?;
+        let service = ServiceProxy::builder(&self.conn)
+            .path(unit_path.clone())
+            .cache_properties(CacheProperties::No)
+            .build()
+            .await?;
+        let unit = UnitProxy::builder(&self.conn)
+            .path(unit_path)
+            .cache_properties(CacheProperties::No)
+            .build()
+            .await?;
+        while tokio::time::Instant::now() < deadline {
+            let pid = service.main_pid().await.unwrap_or(0);
+            if pid != 0 && self.handover_listed(Some(pid)).await? {
+                return Ok(());
+            }
+            // Failed to start (a missing or non-executable file: systemd's
+            // exit status 203) or ended: no use waiting.
+            if matches!(
+                unit.active_state().await.as_deref(),
+                Ok("failed" | "inactive")
+            ) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Why, as systemd says it (a host without the program fails with
+        // exit status 203).
+        let state = async {
+            Ok::<_, zbus::Error>(format!(
+                "{}, result {}, main process status {}",
+                unit.active_state().await?,
+                service.result().await?,
+                service.exec_main_status().await?
+            ))
+        };
+        let state = state
+            .await
+            .unwrap_or_else(|e| format!("state unknown: {e}"));
+        // Said here; not left failed (`systemctl --failed`, a degraded
+        // system) until the next rollout.
+        let _ = clear_handover_unit(systemd).await;
+        Err(ShutdownError::Host(format!(
+            "{HANDOVER_UNIT} ({path} on the host) did not hold a delay inhibitor within {wait:?}: {state}"
+        )))
+    }
+
+    /// Takes a delay inhibitor for shutdown as `who` (the handover unit's
+    /// holder takes it as [`HANDOVER_WHO`]).
+    pub async fn inhibit_as(&self, who: &str, why: &str) -> Result<InhibitLock, ShutdownError> {
+        let fd = self
+            .manager
+            .inhibit("shutdown".into(), who.into(), why.into(), "delay".into())
+            .await?;
+        Ok(InhibitLock::new(fd.into()))
+    }
+
     /// Stops the handover unit, if one runs (an uninstall that came
     /// during a rollout); `true` when one held a lock (a failed one is
     /// only reset).

@@ -344,7 +344,7 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
     /// armed loop.
     async fn arm(
         &mut self,
-        cfg: ShutdownConfig,
+        mut cfg: ShutdownConfig,
         mut resume: Option<ShutdownRecord>,
         mut reclaimed: Option<InhibitLock>,
         carried: bool,
@@ -416,8 +416,25 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         if lock.is_some() {
             ctx.metrics.inhibitor_held.set(1);
         }
-        let fresh = began
+        let mut fresh = began
             || (carried && resume.is_none() && lock.is_some() && shutdown_under_way(&port).await);
+        // Begun between two agents, after this one read the state at
+        // start: the handover unit's holder recorded when (and the plan in
+        // force then), so it is resumed from there, not begun anew.
+        if fresh
+            && resume.is_none()
+            && let Ok(Some(r)) = state::load(&ctx.state_dir)
+            && state::on_start(Some(&r), &ctx.boot_id, Some(true)) == state::OnStart::Resume
+        {
+            tracing::warn!(
+                "a shutdown began between the previous agent and this one (recorded by the handover unit): resuming it from when it began"
+            );
+            if let Some(plan) = r.plan.clone() {
+                cfg = plan;
+            }
+            resume = Some(r);
+            fresh = false;
+        }
         if fresh {
             tracing::warn!(
                 "a shutdown began before nodeguard subscribed to logind (a restarted logind, or a lock taken over at start): the shutdown runs now"
@@ -561,7 +578,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     let _ = task.await;
                     ctx.in_progress.send_replace(false);
                 } else if let Some(life) = handover_due(&ctx.handover, st, handover_tried) {
-                    hand_over(port, &st.cfg, life).await;
+                    hand_over(ctx, port, &st.cfg, life).await;
                 }
                 return Armed::Stop;
             }
@@ -703,7 +720,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     && let Some(life) = handover_due(&ctx.handover, st, handover_tried)
                 {
                     handover_tried = true;
-                    let handed = hand_over(port, &st.cfg, life).await;
+                    let handed = hand_over(ctx, port, &st.cfg, life).await;
                     if !stop.is_cancelled() && !answer.is_closed() {
                         let again = async {
                             if !matches!(port.preparing_for_shutdown().await, Ok(true)) {
@@ -873,12 +890,58 @@ async fn take_handover<L: LogindConnector>(logind: &L) -> Option<InhibitLock> {
     }
 }
 
+/// How long a handover may take: the holder's start (3 s at most), then,
+/// should it fail, `systemd-inhibit`'s (3 s at most). With the stop's two
+/// questions to logind (`CALL_TIMEOUT` each) within `STOP_DECIDE_MAX`.
+const HANDOVER_CALL_TIMEOUT: Duration = Duration::from_secs(8);
+
 /// Leaves a delay inhibitor with the handover unit before this process's
 /// lock goes (a stop that is not an uninstall: most often a rollout, whose
 /// next pod takes it over). Said either way.
 /// `true` when handed over.
-async fn hand_over<P: LogindPort>(port: &P, cfg: &ShutdownConfig, life: Duration) -> bool {
-    match timeout(CALL_TIMEOUT, port.hand_over(&why(cfg), life)).await {
+async fn hand_over<C, P: LogindPort>(
+    ctx: &Arc<Ctx<C>>,
+    port: &P,
+    cfg: &ShutdownConfig,
+    life: Duration,
+) -> bool {
+    let holder = match &ctx.handover.host_state_dir {
+        Some(host) => {
+            let source = ctx
+                .handover
+                .holder_source
+                .clone()
+                .unwrap_or_else(|| "/proc/self/exe".into());
+            let (dir, host, boot, plan) = (
+                ctx.state_dir.clone(),
+                host.clone(),
+                ctx.boot_id.clone(),
+                cfg.clone(),
+            );
+            let prepared = tokio::task::spawn_blocking(move || {
+                super::holder::prepare(&source, &dir, &host, &boot, &plan)
+            })
+            .await;
+            match prepared {
+                Ok(Ok(h)) => Some(h),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot copy nodeguard's holder into the state directory; the handover uses the host's systemd-inhibit");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the holder's copy failed; the handover uses the host's systemd-inhibit");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    match timeout(
+        HANDOVER_CALL_TIMEOUT,
+        port.hand_over(&why(cfg), life, holder),
+    )
+    .await
+    {
         Ok(Ok(())) => {
             tracing::info!(
                 unit = logind::HANDOVER_UNIT,

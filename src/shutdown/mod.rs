@@ -35,6 +35,7 @@ mod conditions;
 mod config;
 pub mod core;
 mod execute;
+pub mod holder;
 pub mod keep;
 pub mod logind;
 mod manager;
@@ -100,11 +101,17 @@ struct Ctx<C> {
 /// handover unit holds it when no agent takes it (`None`: no handover, the
 /// host service's default; a keeper holds a copy only during a shutdown);
 /// `retiring` is set when the agent goes away for good (an uninstall), so
-/// nothing is handed over then.
+/// nothing is handed over then. With `host_state_dir` (where the state
+/// directory is on the host), the unit runs this binary, copied there
+/// ([`holder`]), which records a shutdown that begins before the next agent
+/// takes over; otherwise, or when that fails, the host's `systemd-inhibit`.
 #[derive(Clone, Debug, Default)]
 pub struct Handover {
     pub life: Option<Duration>,
     pub retiring: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub host_state_dir: Option<PathBuf>,
+    /// The binary copied for the unit (`None`: this process's own).
+    pub holder_source: Option<PathBuf>,
 }
 
 impl Handover {
@@ -149,11 +156,13 @@ pub trait LogindPort: Send + Sync + 'static {
     fn preparing_for_shutdown(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
     /// Leaves a delay inhibitor with a host unit that outlives this pod
     /// (for at most `life`), for the next pod's agent to take over; returns
-    /// once logind lists it.
+    /// once logind lists it. The unit runs `holder` when given and it
+    /// holds the lock, otherwise the host's `systemd-inhibit`.
     fn hand_over(
         &self,
         why: &str,
         life: Duration,
+        holder: Option<holder::HolderCommand>,
     ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
     /// The inhibitor a previous pod handed over, if logind lists it: a lock
     /// whose release stops the handover unit.

@@ -150,7 +150,12 @@ impl LogindPort for FakeLogind {
         });
         Ok(())
     }
-    async fn hand_over(&self, why: &str, _life: Duration) -> Result<(), ShutdownError> {
+    async fn hand_over(
+        &self,
+        why: &str,
+        _life: Duration,
+        _holder: Option<super::holder::HolderCommand>,
+    ) -> Result<(), ShutdownError> {
         // As the unit: a delay inhibitor of its own, which outlives the
         // agent; a new one replaces an earlier one.
         let (r, w) = pipe();
@@ -2298,7 +2303,7 @@ fn handover_rig(
 /// A handover unit a previous agent left, holding its lock.
 async fn predecessors_unit(logind: &FakeLogind) {
     logind
-        .hand_over("previous agent", Duration::from_secs(120))
+        .hand_over("previous agent", Duration::from_secs(120), None)
         .await
         .unwrap();
 }

@@ -93,6 +93,8 @@ pub struct Inhibitor {
     pub who: String,
     pub why: String,
     pub mode: String,
+    /// The caller's process, as the bus says it (logind lists it).
+    pub pid: u32,
     read_end: OwnedFd,
     /// When the client closed its descriptor, as a thread blocked on the
     /// pipe saw it (wall clock, to compare with the API server's times).
@@ -156,6 +158,13 @@ pub struct LogindState {
     pub units: std::collections::BTreeMap<String, UnitState>,
     /// Every `StopUnit` asked of the systemd peer, by unit name.
     pub stop_units: Vec<String>,
+    /// The processes of transient units the systemd peer started (for
+    /// real, on this bus), by unit name.
+    pub processes: std::collections::BTreeMap<String, Child>,
+    /// Every `StartTransientUnit`: the unit and its `ExecStart` argv.
+    pub started: Vec<(String, Vec<String>)>,
+    /// The bus's address, given to the processes it starts.
+    pub bus_address: String,
     /// `PreparingForShutdown` is not answered before this moment (a
     /// logind slow to answer).
     pub answer_after: Option<std::time::Instant>,
@@ -173,6 +182,10 @@ pub struct UnitState {
     pub restarts: u32,
     /// KillUnit calls for it.
     pub kills: u32,
+    /// Its main process (a transient unit's).
+    pub main_pid: u32,
+    /// How that process ended (203: it could not run, as systemd says).
+    pub exit_status: i32,
     /// Their (whom, signal).
     pub signals: Vec<(String, i32)>,
 }
@@ -209,10 +222,9 @@ struct UnitIface(SharedLogind, String);
 impl UnitIface {
     #[zbus(property, name = "ActiveState")]
     fn active_state(&self) -> String {
-        self.0
-            .lock()
-            .unwrap()
-            .units
+        let mut s = self.0.lock().unwrap();
+        s.refresh(&self.1);
+        s.units
             .get(&self.1)
             .map(|u| u.active.clone())
             .unwrap_or_default()
@@ -258,6 +270,27 @@ struct ServiceIface(SharedLogind, String);
 
 #[zbus::interface(name = "org.freedesktop.systemd1.Service")]
 impl ServiceIface {
+    #[zbus(property, name = "MainPID")]
+    fn main_pid(&self) -> u32 {
+        let mut s = self.0.lock().unwrap();
+        s.refresh(&self.1);
+        s.units.get(&self.1).map(|u| u.main_pid).unwrap_or(0)
+    }
+    #[zbus(property, name = "Result")]
+    fn result(&self) -> String {
+        let mut s = self.0.lock().unwrap();
+        s.refresh(&self.1);
+        match s.units.get(&self.1) {
+            Some(u) if u.active == "failed" => "exit-code".into(),
+            _ => "success".into(),
+        }
+    }
+    #[zbus(property, name = "ExecMainStatus")]
+    fn exec_main_status(&self) -> i32 {
+        let mut s = self.0.lock().unwrap();
+        s.refresh(&self.1);
+        s.units.get(&self.1).map(|u| u.exit_status).unwrap_or(0)
+    }
     #[zbus(property, name = "NRestarts")]
     fn n_restarts(&self) -> u32 {
         self.0
@@ -271,6 +304,46 @@ impl ServiceIface {
 }
 
 impl LogindState {
+    /// A transient unit whose process ended is inactive (exit 0) or failed,
+    /// as systemd shows it.
+    fn refresh(&mut self, name: &str) {
+        let Some(child) = self.processes.get_mut(name) else {
+            return;
+        };
+        if let Ok(Some(status)) = child.try_wait() {
+            self.processes.remove(name);
+            if let Some(u) = self.units.get_mut(name) {
+                u.active = if status.success() {
+                    "inactive"
+                } else {
+                    "failed"
+                }
+                .into();
+                u.exit_status = status.code().unwrap_or(-1);
+                u.sub = if status.success() { "dead" } else { "failed" }.into();
+                u.main_pid = 0;
+            }
+        }
+    }
+
+    /// SIGTERM to a transient unit's process, as systemd's stop sends it,
+    /// and the wait for its end (SIGKILL after 5 s).
+    fn stop_process(&mut self, name: &str) {
+        if let Some(mut child) = self.processes.remove(name) {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while child.try_wait().ok().flatten().is_none() {
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
     pub fn held(&self) -> usize {
         self.inhibitors.iter().filter(|i| !i.released()).count()
     }
@@ -310,11 +383,22 @@ struct LoginManager(SharedLogind);
 impl LoginManager {
     async fn inhibit(
         &self,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
         what: String,
         who: String,
         why: String,
         mode: String,
     ) -> zbus::fdo::Result<zbus::OwnedFd> {
+        // As logind: the caller's pid, from the bus.
+        let pid = match header.sender() {
+            Some(sender) => zbus::fdo::DBusProxy::new(conn)
+                .await?
+                .get_connection_unix_process_id(sender.clone().into())
+                .await
+                .unwrap_or(0),
+            None => 0,
+        };
         // As logind: no new delay lock for an operation already under way.
         if mode == "delay" && what.contains("shutdown") && self.0.lock().unwrap().preparing {
             return Err(zbus::fdo::Error::Failed(
@@ -333,6 +417,7 @@ impl LoginManager {
             who,
             why,
             mode,
+            pid,
             read_end: r,
             released_at: Default::default(),
         };
@@ -355,7 +440,7 @@ impl LoginManager {
                     i.why.clone(),
                     i.mode.clone(),
                     0,
-                    0,
+                    i.pid,
                 )
             })
             .collect()
@@ -388,6 +473,7 @@ enum SystemdError {
     #[zbus(error)]
     ZBus(zbus::Error),
     NoSuchUnit(String),
+    UnitExists(String),
 }
 
 #[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
@@ -409,14 +495,94 @@ impl SystemdManager {
     ) -> Result<zbus::OwnedObjectPath, SystemdError> {
         let mut s = self.0.lock().unwrap();
         s.stop_units.push(name.clone());
+        s.stop_process(&name);
         match s.units.get_mut(&name) {
             Some(u) => {
                 u.active = "inactive".into();
                 u.sub = "dead".into();
+                u.main_pid = 0;
                 Ok(zbus::OwnedObjectPath::try_from("/org/freedesktop/systemd1/job/1").unwrap())
             }
             None => Err(SystemdError::NoSuchUnit(format!("Unit {name} not loaded."))),
         }
+    }
+
+    /// As systemd for a transient service: its `ExecStart` runs for real
+    /// (on this bus), its main process is the one started; a unit of the
+    /// name still active is `UnitExists`.
+    async fn start_transient_unit(
+        &self,
+        #[zbus(object_server)] server: &zbus::ObjectServer,
+        name: String,
+        _mode: String,
+        properties: Vec<(String, zbus::OwnedVariant)>,
+        _aux: Vec<(String, Vec<(String, zbus::OwnedVariant)>)>,
+    ) -> Result<zbus::OwnedObjectPath, SystemdError> {
+        let exec = properties
+            .into_iter()
+            .find(|(k, _)| k == "ExecStart")
+            .and_then(|(_, v)| Vec::<(String, Vec<String>, bool)>::try_from(v).ok())
+            .and_then(|mut e| e.pop())
+            .ok_or_else(|| SystemdError::NoSuchUnit("no ExecStart".into()))?;
+        let fresh = {
+            let mut s = self.0.lock().unwrap();
+            s.refresh(&name);
+            if s.units
+                .get(&name)
+                .is_some_and(|u| u.active == "active" || u.active == "failed")
+            {
+                return Err(SystemdError::UnitExists(format!(
+                    "Unit {name} was already loaded"
+                )));
+            }
+            let spawned = Command::new(&exec.0)
+                .args(&exec.1[1..])
+                .env("DBUS_SYSTEM_BUS_ADDRESS", &s.bus_address)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn();
+            s.started.push((name.clone(), exec.1.clone()));
+            let fresh = !s.units.contains_key(&name);
+            let unit = s.units.entry(name.clone()).or_default();
+            match spawned {
+                Ok(child) => {
+                    unit.active = "active".into();
+                    unit.sub = "running".into();
+                    unit.main_pid = child.id();
+                    unit.started_usec = now_usec();
+                    s.processes.insert(name.clone(), child);
+                }
+                // As systemd: a program that cannot run fails the unit
+                // (status 203/EXEC), after the start job itself worked.
+                Err(_) => {
+                    unit.active = "failed".into();
+                    unit.sub = "failed".into();
+                    unit.main_pid = 0;
+                    unit.exit_status = 203;
+                }
+            }
+            fresh
+        };
+        if fresh {
+            let _ = server
+                .at(unit_path(&name), UnitIface(self.0.clone(), name.clone()))
+                .await;
+            let _ = server
+                .at(unit_path(&name), ServiceIface(self.0.clone(), name.clone()))
+                .await;
+        }
+        Ok(zbus::OwnedObjectPath::try_from("/org/freedesktop/systemd1/job/2").unwrap())
+    }
+
+    fn reset_failed_unit(&self, name: String) -> zbus::fdo::Result<()> {
+        let mut s = self.0.lock().unwrap();
+        if let Some(u) = s.units.get_mut(&name)
+            && u.active == "failed"
+        {
+            u.active = "inactive".into();
+            u.sub = "dead".into();
+        }
+        Ok(())
     }
 
     fn kill_unit(&self, name: String, whom: String, signal: i32) -> zbus::fdo::Result<()> {
@@ -451,6 +617,17 @@ pub struct LogindPeer {
     address: String,
 }
 
+impl Drop for LogindPeer {
+    /// The transient units' processes end with the peer.
+    fn drop(&mut self) {
+        let mut s = self.state.lock().unwrap();
+        let names: Vec<String> = s.processes.keys().cloned().collect();
+        for n in names {
+            s.stop_process(&n);
+        }
+    }
+}
+
 impl LogindPeer {
     pub async fn start(
         address: &str,
@@ -460,6 +637,7 @@ impl LogindPeer {
         let state: SharedLogind = Arc::new(Mutex::new(LogindState {
             delay_max_usec: delay_max.as_micros() as u64,
             drop_in_dir: drop_in_dir.map(Path::to_path_buf),
+            bus_address: address.to_string(),
             ..Default::default()
         }));
         let systemd = zbus::connection::Builder::address(address)

@@ -506,6 +506,18 @@ pub async fn from_previous(
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The unit ran the agent's own binary (copied to the state directory),
+    // which would have recorded a shutdown begun meanwhile, and ended when
+    // the new agent stopped it.
+    let holder_log = vm
+        .sh("journalctl -b -u nodeguard-inhibitor-handover.service -o cat --no-pager | tail -20; ls -l /var/lib/nodeguard/handover/")
+        .await;
+    let _ = std::fs::write(dir.join("upgrade-handover-unit.log"), &holder_log);
+    assert!(
+        holder_log.contains("holding the delay inhibitor for the next agent")
+            && holder_log.contains("stopped (the next agent holds its own delay inhibitor)"),
+        "the handover unit did not run nodeguard's holder from /var/lib/nodeguard/handover:\n{holder_log}"
+    );
 
     // The node after: conditions, taints and state files as they were.
     wait_condition(
@@ -645,18 +657,18 @@ pub async fn from_previous(
     uninstall_with_hook(&release, &pods, "the upgraded release's pods gone").await;
     // Going for good hands nothing over: no lock stays behind.
     let left = vm
-        .sh("systemctl is-active nodeguard-inhibitor-handover.service; systemd-inhibit --list --no-pager | grep -c nodeguard; true")
+        .sh("systemctl is-active nodeguard-inhibitor-handover.service; systemd-inhibit --list --no-pager | grep -c nodeguard; test -e /var/lib/nodeguard/handover && echo holder-left || echo holder-gone")
         .await;
     assert_eq!(
         left.lines().collect::<Vec<_>>(),
-        ["inactive", "0"],
-        "after helm uninstall, a delay inhibitor of nodeguard's is left on the node"
+        ["inactive", "0", "holder-gone"],
+        "after helm uninstall, a delay inhibitor of nodeguard's (or the handover's binary) is left on the node"
     );
     drop(release);
     rows.pass(
         "kube-upgrade",
         format!(
-            "previous chart {previous} (its CRD without spec.{NEW_FIELD}, image by tag) installed with the default policy: inhibitor held, UpgradeCanary=True with its taint, spec.{NEW_FIELD} dropped from a plain create by its CRD; `helm upgrade --reset-then-reuse-values` to {} refused until the CRD is applied, naming README's command; after `helm show crds … | kubectl apply --server-side --force-conflicts`, the upgrade rolled the pod ({old_pod} → {new_pod} Ready {} after helm upgrade); a delay inhibitor of nodeguard's held throughout ({n_samples} samples, one per `systemd-inhibit --list`): the handover unit's for {handover:.2} s, between the old agent's stop and the new agent's own lock ({agent_part}), then the unit stopped; after the new agent re-wrote them, the {} owned conditions kept their status ({same_transition} their transition time, the monitors' all), the taints and {} state files kept; a policy using spec.{NEW_FIELD} stored, Accepted and in force (its taint turns /healthz 503)",
+            "previous chart {previous} (its CRD without spec.{NEW_FIELD}, image by tag) installed with the default policy: inhibitor held, UpgradeCanary=True with its taint, spec.{NEW_FIELD} dropped from a plain create by its CRD; `helm upgrade --reset-then-reuse-values` to {} refused until the CRD is applied, naming README's command; after `helm show crds … | kubectl apply --server-side --force-conflicts`, the upgrade rolled the pod ({old_pod} → {new_pod} Ready {} after helm upgrade); a delay inhibitor of nodeguard's held throughout ({n_samples} samples, one per `systemd-inhibit --list`): the handover unit's (nodeguard's holder from the state directory) for {handover:.2} s, between the old agent's stop and the new agent's own lock ({agent_part}), then the unit stopped; after the new agent re-wrote them, the {} owned conditions kept their status ({same_transition} their transition time, the monitors' all), the taints and {} state files kept; a policy using spec.{NEW_FIELD} stored, Accepted and in force (its taint turns /healthz 503)",
             published.version,
             secs(new_ready),
             owned_before.len(),

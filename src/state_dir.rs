@@ -27,7 +27,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> std::io::Result
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp"));
+    // Per process: the handover unit's holder writes in the same folder.
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -172,7 +173,11 @@ mod tests {
         // A directory in the way: the rename fails, the temporary file goes.
         std::fs::create_dir_all(dir.join("sub/blocked/x")).unwrap();
         assert!(write_atomic(&dir.join("sub/blocked"), b"three", false).is_err());
-        assert!(!dir.join("sub/.blocked.tmp").exists());
+        assert_eq!(
+            std::fs::read_dir(dir.join("sub")).unwrap().count(),
+            2,
+            "the temporary file goes (state.json and blocked stay)"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -2409,6 +2409,7 @@ async fn a_shutdown_begun_between_two_agents_is_planned_from_when_it_began() {
     ];
     let first = AgentProcess::start_with(&s, &state.path, None, &handover);
     first.ready().await;
+    holder_copied(&state.path).await;
     first.terminate();
     let mut first = first;
     let status = first.exited(Duration::from_secs(20)).await;
@@ -2517,6 +2518,7 @@ async fn a_holder_that_cannot_run_falls_back_to_systemd_inhibit() {
     ];
     let mut first = AgentProcess::start_with(&s, &state.path, None, &handover);
     first.ready().await;
+    holder_copied(&state.path).await;
     first.terminate();
     let status = first.exited(Duration::from_secs(20)).await;
     assert!(status.success(), "{status:?}");
@@ -2562,4 +2564,17 @@ async fn a_holder_that_cannot_run_falls_back_to_systemd_inhibit() {
     .await;
     second.kill();
     s.cleanup().await;
+}
+
+/// The agent's copy of itself for the handover unit is in place (made in
+/// the background from its start; the debug binary is large).
+async fn holder_copied(state: &std::path::Path) {
+    let size = std::fs::metadata(env!("CARGO_BIN_EXE_nodeguard"))
+        .unwrap()
+        .len();
+    let copy = state.join("handover/nodeguard");
+    eventually(Duration::from_secs(30), "the holder copied", || {
+        std::future::ready(std::fs::metadata(&copy).is_ok_and(|m| m.len() == size))
+    })
+    .await;
 }

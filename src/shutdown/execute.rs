@@ -60,7 +60,9 @@ pub(super) async fn execute<C: ClusterPort>(
 ) -> ShutdownRecord {
     let now_wall = ctx.clock.now();
     let now_monotonic = ctx.clock.monotonic();
-    let start = if resume {
+    // A resumed shutdown, or one found under way with its start known (the
+    // handover unit's note): timed from when it began.
+    let start = if resume || record.started_at.is_some() {
         Instant::now() - resumed_after(&ctx, &record, now_wall, now_monotonic)
     } else {
         Instant::now()

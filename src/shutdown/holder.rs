@@ -2,32 +2,39 @@
 //! agent's binary, copied into the state directory on the host, run by
 //! systemd between two agent pods. It holds a delay inhibitor of its own
 //! and, should the host begin shutting down before the next agent has
-//! taken over, writes the shutdown record the way an agent does when a
-//! shutdown begins: this boot, the plan the stopping agent had, and when
-//! it began (wall clock and `CLOCK_MONOTONIC`). The next agent then resumes
-//! that shutdown from when it began, not from when it found it, so
-//! logind's window is not overrun by the time the rollout took.
+//! taken over, writes [`BEGAN_FILE`]: this boot, the plan the stopping
+//! agent had, and when the shutdown began (wall clock and
+//! `CLOCK_MONOTONIC`). The agent adopts it ([`adopt`]) as its shutdown
+//! record, so it resumes that shutdown from when it began, not from when it
+//! found it, and logind's window is not overrun by the time the rollout
+//! took. Only the agent writes the shutdown record itself.
 //!
-//! The stopping agent writes [`PLAN_FILE`] (a record with this boot and its
-//! plan, no start) before it starts the unit; the holder fills in the start.
-//! A record of this boot's shutdown already there (the next agent saw the
-//! signal itself) is left as it is.
+//! The agent copies its binary once armed ([`install`]), and writes
+//! [`PLAN_FILE`] (this boot and its plan) when it hands over.
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::ShutdownConfig;
 use super::logind::{HANDOVER_WHO, LogindEvent, ZbusConnector};
-use super::state::{self, OnStart, ShutdownRecord};
+use super::state::{self, ShutdownRecord};
 use super::{LogindConnector, LogindPort, ShutdownError};
+use crate::state_dir::StateWrites;
 
 /// The plan the holder records should a shutdown begin: written by the
 /// stopping agent beside the shutdown record.
 pub const PLAN_FILE: &str = "shutdown-handover-plan.json";
 
-/// Where the stopping agent copies its binary for the unit, under the
-/// state directory.
-pub const BINARY: &str = "handover/nodeguard";
+/// What the holder writes when a shutdown begins (removed on a cancel);
+/// the agent adopts it as its shutdown record.
+pub const BEGAN_FILE: &str = "shutdown-handover-began.json";
+
+/// The folder, under the state directory, of the agent's copy for the unit.
+pub const DIR: &str = "handover";
+
+/// The copy's name in [`DIR`].
+pub const BINARY: &str = "nodeguard";
 
 /// What the handover unit runs: the binary's path and the state directory,
 /// both as the host sees them.
@@ -38,6 +45,13 @@ pub struct HolderCommand {
 }
 
 impl HolderCommand {
+    pub fn new(host_state_dir: &Path) -> Self {
+        HolderCommand {
+            binary: host_state_dir.join(DIR).join(BINARY),
+            state_dir: host_state_dir.to_path_buf(),
+        }
+    }
+
     /// The unit's argv (argv[0] first).
     pub fn argv(&self, why: &str, life: Duration) -> Vec<String> {
         vec![
@@ -50,67 +64,102 @@ impl HolderCommand {
     }
 }
 
-/// Readies the holder for a handover: the binary at `source` copied to
-/// `state_dir`/[`BINARY`] (unless the same bytes are there already; a new
-/// file is renamed into place, so a holder still running keeps its own)
-/// and the plan written. `state_dir` is this process's view of the state
-/// directory, `host_state_dir` the host's.
-pub fn prepare(
-    source: &Path,
-    state_dir: &Path,
-    host_state_dir: &Path,
-    boot_id: &str,
-    plan: &ShutdownConfig,
-) -> std::io::Result<HolderCommand> {
-    let target = state_dir.join(BINARY);
-    let bytes = std::fs::read(source)?;
-    if std::fs::read(&target).ok().as_deref() != Some(&bytes[..]) {
-        let tmp = target.with_extension("new");
-        std::fs::create_dir_all(target.parent().unwrap_or(state_dir))?;
-        let _ = std::fs::remove_file(&tmp);
-        {
-            use std::io::Write;
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o755)
-                .open(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
+/// Whether `a` and `b` hold the same bytes (read in chunks: the binary is
+/// megabytes, the agent's memory limit small).
+fn same_bytes(a: &Path, b: &Path) -> std::io::Result<bool> {
+    let (mut fa, mut fb) = (std::fs::File::open(a)?, std::fs::File::open(b)?);
+    if fa.metadata()?.len() != fb.metadata()?.len() {
+        return Ok(false);
+    }
+    let (mut ba, mut bb) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+    loop {
+        let n = fa.read(&mut ba)?;
+        if n == 0 {
+            return Ok(true);
         }
-        if let Err(e) = std::fs::rename(&tmp, &target) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
+        fb.read_exact(&mut bb[..n])?;
+        if ba[..n] != bb[..n] {
+            return Ok(false);
         }
     }
+}
+
+/// Copies the binary at `source` to `state_dir`/[`DIR`]/[`BINARY`] for the
+/// handover unit, unless the same bytes are there already. A new copy is
+/// renamed into place (a holder still running keeps its own file); a
+/// [`DIR`] that is not a plain directory of root's (a link planted in the
+/// host path) is refused. Done once the agent is armed, not when it stops.
+pub fn install(source: &Path, state_dir: &Path) -> std::io::Result<()> {
+    let dir = state_dir.join(DIR);
+    match std::fs::create_dir(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    {
+        use std::os::unix::fs::MetadataExt;
+        if !meta.is_dir() || meta.uid() != std::fs::metadata(state_dir)?.uid() {
+            return Err(std::io::Error::other(format!(
+                "{} is not a directory of the state directory's owner (a link?): not used",
+                dir.display()
+            )));
+        }
+    }
+    let target = dir.join(BINARY);
+    if std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_file()) && same_bytes(source, &target)?
+    {
+        return Ok(());
+    }
+    let tmp = dir.join(format!(".{BINARY}.{}.tmp", std::process::id()));
+    let result = (|| {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::remove_file(&tmp);
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o755)
+            .open(&tmp)?;
+        std::io::copy(&mut std::fs::File::open(source)?, &mut out)?;
+        out.flush()?;
+        out.sync_all()?;
+        drop(out);
+        std::fs::rename(&tmp, &target)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Removes the copy (the handover off, or no host path for it).
+pub fn uninstall(state_dir: &Path) {
+    let dir = state_dir.join(DIR);
+    let _ = std::fs::remove_file(dir.join(BINARY));
+    let _ = std::fs::remove_dir(&dir);
+}
+
+/// The plan for the holder, written when the agent hands over (small,
+/// synced).
+pub fn write_plan(state_dir: &Path, boot_id: &str, plan: &ShutdownConfig) -> std::io::Result<()> {
     let template = ShutdownRecord {
         boot_id: boot_id.to_string(),
         plan: Some(plan.clone()),
         ..Default::default()
     };
     let json = serde_json::to_vec_pretty(&template).expect("a record serializes");
-    crate::state_dir::write_atomic(&state_dir.join(PLAN_FILE), &json, true)?;
-    Ok(HolderCommand {
-        binary: host_state_dir.join(BINARY),
-        state_dir: host_state_dir.to_path_buf(),
-    })
+    crate::state_dir::write_atomic(&state_dir.join(PLAN_FILE), &json, true)
 }
 
-/// Records that a shutdown began now, unless a record of this boot's
-/// shutdown is there already. `true` when written.
+/// The holder's note that a shutdown began now: the stopping agent's plan
+/// (without it, unreadable or another boot's, the next agent plans with
+/// its policy), this boot, the start.
 pub fn record_began(
     state_dir: &Path,
     boot_id: &str,
     now: jiff::Timestamp,
     monotonic: Duration,
-) -> Result<bool, ShutdownError> {
-    let current = state::load(state_dir).ok().flatten();
-    if state::on_start(current.as_ref(), boot_id, Some(true)) == OnStart::Resume {
-        return Ok(false);
-    }
-    // The stopping agent's plan; without it (unreadable), the next agent
-    // plans with its policy, still from this start.
+) -> std::io::Result<()> {
     let mut record = std::fs::read(state_dir.join(PLAN_FILE))
         .ok()
         .and_then(|b| serde_json::from_slice::<ShutdownRecord>(&b).ok())
@@ -119,32 +168,69 @@ pub fn record_began(
     record.boot_id = boot_id.to_string();
     record.started_at = Some(now);
     record.started_monotonic_ms = Some(monotonic.as_millis() as u64);
+    record.ended_at = None;
+    record.groups_done.clear();
     let json = serde_json::to_vec_pretty(&record).expect("a record serializes");
-    crate::state_dir::write_atomic(&super::state_file(state_dir), &json, true).map_err(
-        |source| ShutdownError::State {
-            path: super::state_file(state_dir),
-            source,
-        },
-    )?;
-    Ok(true)
+    crate::state_dir::write_atomic(&state_dir.join(BEGAN_FILE), &json, true)
+}
+
+/// The holder's note goes with a cancel: that shutdown is over.
+pub fn record_cancelled(state_dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(state_dir.join(BEGAN_FILE)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Takes the holder's note, if any, into the shutdown record: a shutdown
+/// of this boot began while only the handover unit held the lock. A
+/// record of a shutdown that began at or after it (this agent saw the
+/// signal itself) is kept; an older one (a shutdown cancelled meanwhile)
+/// is replaced. Returns the record of the shutdown under way, when there
+/// was a note of this boot; a note of another boot is dropped.
+pub fn adopt(state_dir: &Path, boot_id: &str, writes: &StateWrites) -> Option<ShutdownRecord> {
+    let path = state_dir.join(BEGAN_FILE);
+    let bytes = std::fs::read(&path).ok()?;
+    let began = serde_json::from_slice::<ShutdownRecord>(&bytes)
+        .ok()
+        .filter(|r| r.boot_id == boot_id && r.started_at.is_some());
+    let adopted = began.map(|began| {
+        let current = state::load(state_dir).ok().flatten().filter(|r| {
+            r.boot_id == boot_id
+                && r.started_at.is_some()
+                && r.ended_at.is_none()
+                && r.started_monotonic_ms >= began.started_monotonic_ms
+        });
+        match current {
+            Some(own) => own,
+            None => {
+                tracing::warn!(
+                    began = ?began.started_at,
+                    "a shutdown began between the previous agent and this one: the handover unit recorded when, and it goes on from there"
+                );
+                state::save(writes, state_dir, &began);
+                began
+            }
+        }
+    });
+    let _ = writes.remove(&path);
+    adopted
 }
 
 /// The holder's life: subscribe to `PrepareForShutdown`, take the delay
 /// inhibitor, then hold it until `life` is over or a stop (SIGTERM from
-/// systemd when the next agent stops the unit), recording a shutdown that
-/// begins meanwhile. Logs to stderr (the unit's journal).
+/// systemd when the next agent stops the unit), noting a shutdown that
+/// begins meanwhile. A restart of logind or the bus keeps the lock (logind
+/// takes its inhibitors back from /run) and the holder subscribes again.
+/// Logs to stderr (the unit's journal).
 pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), ShutdownError> {
-    let port = ZbusConnector { address: None }.connect().await?;
+    let connector = ZbusConnector { address: None };
+    let port = connector.connect().await?;
     // Subscribed before the lock is taken: no signal can fall between.
     let mut events = port.events().await?;
     let _lock = port.inhibit_as(HANDOVER_WHO, why).await?;
     let boot_id = state::current_boot_id();
     tracing::info!(life = ?life, "holding the delay inhibitor for the next agent");
-    if port.preparing_for_shutdown().await.unwrap_or(false) {
-        // Begun before this process subscribed: the stopping agent asked
-        // logind after it started this unit, and runs it itself.
-        tracing::warn!("the host is already shutting down; the stopping agent runs the shutdown");
-    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| ShutdownError::Host(format!("cannot handle SIGTERM: {e}")))?;
     let end = tokio::time::sleep(life);
@@ -162,18 +248,34 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
             e = events.recv() => match e {
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     match record_began(state_dir, &boot_id, jiff::Timestamp::now(), crate::clock::system_monotonic()) {
-                        Ok(true) => tracing::warn!("PrepareForShutdown(true) between two agents: recorded when it began, for the next agent to plan from"),
-                        Ok(false) => tracing::info!("PrepareForShutdown(true): this boot's shutdown is on record already"),
-                        Err(e) => tracing::error!(error = %e, "PrepareForShutdown(true): cannot record when it began; the next agent plans from when it finds it"),
+                        Ok(()) => tracing::warn!("PrepareForShutdown(true) between two agents: noted when it began, for the next agent to plan from"),
+                        Err(e) => tracing::error!(error = %e, "PrepareForShutdown(true): cannot note when it began; the next agent plans from when it finds it"),
                     }
                 }
                 Some(LogindEvent::PrepareForShutdown(false)) => {
-                    tracing::info!("PrepareForShutdown(false): the shutdown was cancelled (the next agent reports it)");
+                    tracing::info!("PrepareForShutdown(false): the shutdown was cancelled");
+                    if let Err(e) = record_cancelled(state_dir) {
+                        tracing::error!(error = %e, "cannot remove the note of the cancelled shutdown");
+                    }
                 }
                 Some(LogindEvent::Gone) | None => {
-                    return Err(ShutdownError::Host(
-                        "systemd-logind or the system bus went away: the delay inhibitor went with it".into(),
-                    ));
+                    tracing::warn!("systemd-logind or the system bus went away; the lock is kept, subscribing again");
+                    let mut wait = Duration::from_millis(500);
+                    events = loop {
+                        tokio::select! {
+                            _ = &mut end => return Ok(()),
+                            _ = term.recv() => return Ok(()),
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                        let again = async { connector.connect().await?.events().await };
+                        match again.await {
+                            Ok(ev) => break ev,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "not back yet");
+                                wait = (wait * 2).min(Duration::from_secs(5));
+                            }
+                        }
+                    };
                 }
             }
         }
@@ -205,108 +307,137 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_binary_is_copied_once_and_the_plan_written() {
-        let dir = scratch("prepare");
-        let src = dir.join("source");
-        std::fs::write(&src, b"binary one").unwrap();
-        let cmd = prepare(
-            &src,
-            &dir,
-            Path::new("/var/lib/nodeguard"),
-            "boot-1",
-            &plan(),
+    fn writes() -> StateWrites {
+        let mut registry = prometheus_client::registry::Registry::default();
+        StateWrites::new(
+            crate::report::Reporter::new(&crate::report::ReportConfig::default(), &mut registry).0,
         )
-        .unwrap();
-        assert_eq!(
-            cmd.binary,
-            Path::new("/var/lib/nodeguard/handover/nodeguard")
-        );
-        assert_eq!(std::fs::read(dir.join(BINARY)).unwrap(), b"binary one");
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(dir.join(BINARY))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o755);
-        let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
-        let first = ino(&dir.join(BINARY));
-        prepare(&src, &dir, Path::new("/h"), "boot-1", &plan()).unwrap();
-        assert_eq!(
-            ino(&dir.join(BINARY)),
-            first,
-            "the same bytes are not written again"
-        );
-        std::fs::write(&src, b"binary two").unwrap();
-        prepare(&src, &dir, Path::new("/h"), "boot-1", &plan()).unwrap();
-        assert_eq!(std::fs::read(dir.join(BINARY)).unwrap(), b"binary two");
-        assert_ne!(ino(&dir.join(BINARY)), first, "a new binary is a new file");
-        let template: ShutdownRecord =
-            serde_json::from_slice(&std::fs::read(dir.join(PLAN_FILE)).unwrap()).unwrap();
-        assert_eq!(template.boot_id, "boot-1");
-        assert_eq!(template.plan, Some(plan()));
-        assert!(template.started_at.is_none());
-        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn ts(s: i64) -> jiff::Timestamp {
+        jiff::Timestamp::from_second(s).unwrap()
     }
 
     #[test]
-    fn a_shutdown_between_two_agents_is_recorded_with_its_start_and_plan() {
+    fn the_binary_is_copied_once_and_a_link_refused() {
+        let dir = scratch("install");
+        let src = dir.join("source");
+        std::fs::write(&src, b"binary one").unwrap();
+        install(&src, &dir).unwrap();
+        let target = dir.join(DIR).join(BINARY);
+        assert_eq!(std::fs::read(&target).unwrap(), b"binary one");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&target).unwrap().permissions().mode() & 0o777,
+            0o755
+        );
+        let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+        let first = ino(&target);
+        install(&src, &dir).unwrap();
+        assert_eq!(ino(&target), first, "the same bytes are not written again");
+        std::fs::write(&src, b"binary two").unwrap();
+        install(&src, &dir).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"binary two");
+        assert_ne!(ino(&target), first, "a new binary is a new file");
+        assert_eq!(
+            std::fs::read_dir(dir.join(DIR)).unwrap().count(),
+            1,
+            "no temporary file left"
+        );
+        uninstall(&dir);
+        assert!(!dir.join(DIR).exists());
+        // A link planted where the folder goes is not followed.
+        let elsewhere = scratch("install-elsewhere");
+        std::os::unix::fs::symlink(&elsewhere, dir.join(DIR)).unwrap();
+        assert!(install(&src, &dir).is_err());
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        assert_eq!(
+            HolderCommand::new(Path::new("/var/lib/nodeguard")).binary,
+            Path::new("/var/lib/nodeguard/handover/nodeguard")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(&elsewhere).unwrap();
+    }
+
+    #[test]
+    fn a_shutdown_between_two_agents_is_noted_and_adopted_with_its_start_and_plan() {
         let dir = scratch("record");
-        prepare(
-            &std::env::current_exe().unwrap(),
+        write_plan(&dir, "boot-1", &plan()).unwrap();
+        record_began(
             &dir,
-            Path::new("/h"),
             "boot-1",
-            &plan(),
+            ts(1_800_000_000),
+            Duration::from_millis(123_456),
         )
         .unwrap();
-        let at = jiff::Timestamp::from_second(1_800_000_000).unwrap();
-        assert!(record_began(&dir, "boot-1", at, Duration::from_millis(123_456)).unwrap());
-        let r = state::load(&dir).unwrap().unwrap();
-        assert_eq!(r.boot_id, "boot-1");
-        assert_eq!(r.started_at, Some(at));
+        assert!(
+            state::load(&dir).unwrap().is_none(),
+            "only the agent writes the record"
+        );
+        let r = adopt(&dir, "boot-1", &writes()).unwrap();
+        assert_eq!(r.started_at, Some(ts(1_800_000_000)));
         assert_eq!(r.started_monotonic_ms, Some(123_456));
         assert_eq!(r.plan, Some(plan()));
         assert!(
             !r.taint_answered,
-            "the next agent sets the taint and waits for it"
+            "the agent sets the taint and waits for it"
         );
-        // The next agent's own record (or this one) is not overwritten.
-        let later = jiff::Timestamp::from_second(1_800_000_100).unwrap();
-        assert!(!record_began(&dir, "boot-1", later, Duration::from_millis(999_999)).unwrap());
-        assert_eq!(state::load(&dir).unwrap().unwrap().started_at, Some(at));
+        assert_eq!(state::load(&dir).unwrap(), Some(r));
+        assert!(!dir.join(BEGAN_FILE).exists(), "the note is taken");
+        assert!(adopt(&dir, "boot-1", &writes()).is_none(), "once");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
-    fn an_earlier_boots_or_finished_record_is_replaced_and_a_stale_plan_ignored() {
-        let dir = scratch("replace");
-        let old = ShutdownRecord {
-            boot_id: "boot-0".into(),
-            started_at: Some(jiff::Timestamp::from_second(1_700_000_000).unwrap()),
-            ended_at: Some(jiff::Timestamp::from_second(1_700_000_030).unwrap()),
+    fn the_agents_own_newer_record_is_kept_an_older_one_replaced() {
+        let dir = scratch("newer");
+        let own = ShutdownRecord {
+            boot_id: "boot-1".into(),
+            started_at: Some(ts(1_800_000_001)),
+            started_monotonic_ms: Some(200_000),
+            groups_done: vec![0],
             ..Default::default()
         };
-        std::fs::write(
-            super::super::state_file(&dir),
-            serde_json::to_vec(&old).unwrap(),
+        state::save(&writes(), &dir, &own);
+        record_began(
+            &dir,
+            "boot-1",
+            ts(1_800_000_000),
+            Duration::from_millis(199_000),
         )
         .unwrap();
-        // A plan left by a handover of the previous boot.
-        let stale = ShutdownRecord {
-            boot_id: "boot-0".into(),
-            plan: Some(plan()),
-            ..Default::default()
-        };
-        std::fs::write(dir.join(PLAN_FILE), serde_json::to_vec(&stale).unwrap()).unwrap();
-        let at = jiff::Timestamp::from_second(1_800_000_000).unwrap();
-        assert!(record_began(&dir, "boot-1", at, Duration::from_secs(5)).unwrap());
-        let r = state::load(&dir).unwrap().unwrap();
-        assert_eq!(
-            (r.boot_id.as_str(), r.started_at, r.ended_at),
-            ("boot-1", Some(at), None)
-        );
-        assert_eq!(r.plan, None, "another boot's plan is not this shutdown's");
+        assert_eq!(adopt(&dir, "boot-1", &writes()), Some(own.clone()));
+        assert_eq!(state::load(&dir).unwrap(), Some(own));
+        // A record of a shutdown before it (cancelled, never closed) is not
+        // the one under way.
+        record_began(
+            &dir,
+            "boot-1",
+            ts(1_800_000_100),
+            Duration::from_millis(300_000),
+        )
+        .unwrap();
+        let r = adopt(&dir, "boot-1", &writes()).unwrap();
+        assert_eq!(r.started_monotonic_ms, Some(300_000));
+        assert!(r.groups_done.is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_cancel_removes_the_note_and_another_boots_note_or_plan_counts_for_nothing() {
+        let dir = scratch("cancel");
+        record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap();
+        record_cancelled(&dir).unwrap();
+        record_cancelled(&dir).unwrap();
+        assert!(adopt(&dir, "boot-1", &writes()).is_none());
+        // The previous boot's plan is not this shutdown's.
+        write_plan(&dir, "boot-0", &plan()).unwrap();
+        record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap();
+        assert_eq!(adopt(&dir, "boot-1", &writes()).unwrap().plan, None);
+        // A note of the previous boot is dropped, nothing adopted.
+        record_began(&dir, "boot-0", ts(1_700_000_000), Duration::from_secs(5)).unwrap();
+        assert!(adopt(&dir, "boot-1", &writes()).is_none());
+        assert!(!dir.join(BEGAN_FILE).exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -139,8 +139,43 @@ pub const HANDOVER_WHO: &str = "nodeguard-handover";
 /// The host's `systemd-inhibit`, which the handover unit runs.
 const SYSTEMD_INHIBIT: &str = "/usr/bin/systemd-inhibit";
 
-/// How long the handover may take to show in logind's list.
-const HANDOVER_WAIT: Duration = Duration::from_secs(3);
+/// How long the handover may take to show in logind's list, both tries
+/// (within the manager's `CALL_TIMEOUT`, so a stop's question keeps its
+/// bound).
+const HANDOVER_WAIT: Duration = Duration::from_millis(4200);
+
+/// Of which nodeguard's holder may take this much; the host's
+/// `systemd-inhibit` the rest.
+const HOLDER_WAIT: Duration = Duration::from_millis(2800);
+
+/// The holder runs as root on the host: no more than it needs (the system
+/// bus's socket, its state directory).
+fn holder_sandbox(h: &super::holder::HolderCommand) -> Vec<(String, zbus::OwnedVariant)> {
+    let b = |v: bool| zbus::OwnedVariant::from(v);
+    let s = |v: &str| zbus::OwnedVariant::from(zbus::Str::from(v.to_string()));
+    let list = |v: Vec<String>| {
+        zbus::OwnedVariant::try_from(zbus::Variant::from(v)).expect("a string array is a variant")
+    };
+    vec![
+        ("NoNewPrivileges".into(), b(true)),
+        (
+            "CapabilityBoundingSet".into(),
+            zbus::OwnedVariant::from(0u64),
+        ),
+        ("ProtectSystem".into(), s("strict")),
+        (
+            "ReadWritePaths".into(),
+            list(vec![h.state_dir.display().to_string()]),
+        ),
+        ("ProtectHome".into(), s("yes")),
+        ("PrivateTmp".into(), b(true)),
+        ("PrivateNetwork".into(), b(true)),
+        ("RestrictAddressFamilies".into(), {
+            zbus::OwnedVariant::try_from(zbus::Variant::from((false, vec!["AF_UNIX".to_string()])))
+                .expect("(bas) is a variant")
+        }),
+    ]
+}
 
 /// Connects to the system bus at `address` (`DBUS_SYSTEM_BUS_ADDRESS`), or
 /// the default system bus.
@@ -201,17 +236,23 @@ impl LogindPort for ZbusLogind {
         // whose next agent never armed) makes way, and a failed one is
         // reset. This process still holds its own lock meanwhile.
         let _ = clear_handover_unit(&systemd).await;
+        let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
         if let Some(h) = holder {
             let path = h.binary.display().to_string();
+            let wait =
+                HOLDER_WAIT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             match self
-                .run_holder(&systemd, &path, h.argv(why, life), HANDOVER_WAIT)
+                .run_holder(&systemd, &path, h.argv(why, life), holder_sandbox(&h), wait)
                 .await
             {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    tracing::info!(unit = HANDOVER_UNIT, holder = %path, "the handover unit holds the delay inhibitor (nodeguard's holder: a shutdown begun before the next agent takes over is noted with its start)");
+                    return Ok(());
+                }
                 Err(e) => tracing::warn!(
                     unit = HANDOVER_UNIT,
                     error = %e,
-                    "the handover unit could not run nodeguard's holder (a state directory mounted noexec?); the host's systemd-inhibit holds the lock instead, and a shutdown that begins before the next agent takes over is planned from when that agent finds it"
+                    "the handover unit could not hold the lock with nodeguard's copy; trying the host's systemd-inhibit (without it, a shutdown that begins before the next agent takes over is planned from when that agent finds it)"
                 ),
             }
         }
@@ -224,8 +265,15 @@ impl LogindPort for ZbusLogind {
             "sleep".into(),
             life.as_secs().max(1).to_string(),
         ];
-        self.run_holder(&systemd, SYSTEMD_INHIBIT, argv, HANDOVER_WAIT)
-            .await
+        let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+        self.run_holder(&systemd, SYSTEMD_INHIBIT, argv, Vec::new(), wait)
+            .await?;
+        tracing::info!(
+            unit = HANDOVER_UNIT,
+            holder = SYSTEMD_INHIBIT,
+            "the handover unit holds the delay inhibitor (the host's systemd-inhibit)"
+        );
+        Ok(())
     }
 
     async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
@@ -311,10 +359,28 @@ impl ZbusLogind {
         systemd: &SystemdManager<'_>,
         path: &str,
         argv: Vec<String>,
+        extra: Vec<(String, zbus::OwnedVariant)>,
+        wait: Duration,
+    ) -> Result<(), ShutdownError> {
+        let result = self.start_and_wait(systemd, path, argv, extra, wait).await;
+        if result.is_err() {
+            // Said in the error; not left running (it would block the next
+            // try) nor failed (`systemctl --failed`, a degraded system).
+            let _ = clear_handover_unit(systemd).await;
+        }
+        result
+    }
+
+    async fn start_and_wait(
+        &self,
+        systemd: &SystemdManager<'_>,
+        path: &str,
+        argv: Vec<String>,
+        extra: Vec<(String, zbus::OwnedVariant)>,
         wait: Duration,
     ) -> Result<(), ShutdownError> {
         let exec = vec![(path.to_string(), argv, false)];
-        let props = [
+        let mut props = vec![
             (
                 "Description".to_string(),
                 zbus::OwnedVariant::from(zbus::Str::from(
@@ -326,6 +392,7 @@ impl ZbusLogind {
                 zbus::OwnedVariant::try_from(zbus::Variant::from(exec))?,
             ),
         ];
+        props.extend(extra);
         // The stopped unit may still be on its way out: a few tries.
         let deadline = tokio::time::Instant::now() + wait;
         loop {
@@ -359,37 +426,37 @@ impl ZbusLogind {
             .cache_properties(CacheProperties::No)
             .build()
             .await?;
+        // Only once logind lists this unit's inhibitor (its main process's,
+        // not a stopping predecessor's) may this process's go.
         while tokio::time::Instant::now() < deadline {
             let pid = service.main_pid().await.unwrap_or(0);
             if pid != 0 && self.handover_listed(Some(pid)).await? {
                 return Ok(());
             }
             // Failed to start (a missing or non-executable file: systemd's
-            // exit status 203) or ended: no use waiting.
-            if matches!(
-                unit.active_state().await.as_deref(),
-                Ok("failed" | "inactive")
-            ) {
+            // exit status 203) or ended in failure: no use waiting. Not
+            // "inactive": the start job may still be queued.
+            if unit.active_state().await.as_deref() == Ok("failed") {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        // Why, as systemd says it (a host without the program fails with
-        // exit status 203).
+        // Why, as systemd says it.
         let state = async {
+            let status = service.exec_main_status().await?;
             Ok::<_, zbus::Error>(format!(
-                "{}, result {}, main process status {}",
+                "{}, result {}, main process status {status}{}",
                 unit.active_state().await?,
                 service.result().await?,
-                service.exec_main_status().await?
+                match status {
+                    203 => " (the program could not be run: missing, or on a noexec mount)",
+                    _ => "",
+                }
             ))
         };
         let state = state
             .await
             .unwrap_or_else(|e| format!("state unknown: {e}"));
-        // Said here; not left failed (`systemctl --failed`, a degraded
-        // system) until the next rollout.
-        let _ = clear_handover_unit(systemd).await;
         Err(ShutdownError::Host(format!(
             "{HANDOVER_UNIT} ({path} on the host) did not hold a delay inhibitor within {wait:?}: {state}"
         )))

@@ -86,7 +86,9 @@ pub async fn run_shutdown_manager<L: LogindConnector, C: ClusterPort>(
         taint_left: Default::default(),
         taint_cleanup: Default::default(),
         handover: host.handover,
+        holder_ready: Arc::new(watch::Sender::new(None)),
     });
+    install_holder(&ctx);
     // A taint a previous process could not remove: removed from here on.
     if state::taint_left(&ctx.state_dir) {
         tracing::info!(
@@ -224,6 +226,10 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         // once it has decided for the policy in force: armed (the delay
         // inhibitor held), off, or unavailable and reported. A restarted
         // agent that says it is ready therefore protects the next shutdown.
+        // A shutdown begun while only the handover unit held the lock: its
+        // note becomes the record start-up reads, so it is resumed from
+        // when it began.
+        let _ = adopt(&self.ctx);
         let (mut resume, last, going_down) = start_up(&self.ctx, &self.logind).await;
         self.last = last;
         if resume.is_none() && going_down.is_none() && reclaimed.is_some() {
@@ -231,13 +237,16 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
             // before it wrote its record: logind still waits on the
             // reclaimed lock, and will not say PrepareForShutdown again.
             if preparing_for_shutdown(&self.logind).await == Some(true) {
-                tracing::warn!(
-                    "the host is shutting down and the previous process left no record: starting the shutdown's groups now"
-                );
-                resume = Some(ShutdownRecord {
-                    boot_id: self.ctx.boot_id.clone(),
-                    ..Default::default()
-                });
+                // Noted by the handover unit since start-up read the state?
+                resume = Some(adopt(&self.ctx).unwrap_or_else(|| {
+                    tracing::warn!(
+                        "the host is shutting down and the previous process left no record: starting the shutdown's groups now"
+                    );
+                    ShutdownRecord {
+                        boot_id: self.ctx.boot_id.clone(),
+                        ..Default::default()
+                    }
+                }));
             }
         }
         match going_down {
@@ -423,12 +432,8 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         // force then), so it is resumed from there, not begun anew.
         if fresh
             && resume.is_none()
-            && let Ok(Some(r)) = state::load(&ctx.state_dir)
-            && state::on_start(Some(&r), &ctx.boot_id, Some(true)) == state::OnStart::Resume
+            && let Some(r) = adopt(ctx)
         {
-            tracing::warn!(
-                "a shutdown began between the previous agent and this one (recorded by the handover unit): resuming it from when it began"
-            );
             if let Some(plan) = r.plan.clone() {
                 cfg = plan;
             }
@@ -699,6 +704,9 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                 // A second signal while logind is asked stops at once.
                 let mut interrupted = false;
                 let mut preparing = false;
+                // When logind was last asked and said no: the earliest a
+                // shutdown found later can have begun.
+                let asked_at = Instant::now();
                 if running.is_none() {
                     tokio::select! {
                         biased;
@@ -709,36 +717,51 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                 // The stop goes on: hand the lock over now, while still
                 // subscribed and holding this process's own (a handed-over
                 // one stays with its unit), then ask once more. A shutdown
-                // begun during the handover is this agent's to run, the
-                // unit's lock going at once; unless the stop no longer
-                // waits (a second signal, or its question gave up): then
-                // the unit keeps it for the next agent. At most three calls
-                // in all (`STOP_DECIDE_MAX` covers them).
+                // begun during the handover is this agent's to run, from
+                // when it began (the unit's note, or the last "no"); the
+                // unit's lock goes once the stop waits for it. Unless the
+                // stop no longer waits (a second signal, or its question
+                // gave up): then the unit keeps the lock and its note for
+                // the next agent. At most three calls in all
+                // (`STOP_DECIDE_MAX` covers them).
+                let mut handed = false;
+                let mut during_handover = false;
                 if !preparing
                     && !interrupted
                     && running.is_none()
                     && let Some(life) = handover_due(&ctx.handover, st, handover_tried)
                 {
                     handover_tried = true;
-                    let handed = hand_over(ctx, port, &st.cfg, life).await;
+                    handed = hand_over(ctx, port, &st.cfg, life).await;
                     if !stop.is_cancelled() && !answer.is_closed() {
-                        let again = async {
-                            if !matches!(port.preparing_for_shutdown().await, Ok(true)) {
-                                return false;
-                            }
-                            if handed && let Ok(Some(unit)) = port.take_handover().await {
-                                drop(unit);
-                            }
-                            true
-                        };
-                        preparing = timeout(CALL_TIMEOUT, again).await.unwrap_or(false);
+                        let again = async { matches!(port.preparing_for_shutdown().await, Ok(true)) };
+                        during_handover = timeout(CALL_TIMEOUT, again).await.unwrap_or(false)
+                            && !stop.is_cancelled()
+                            && !answer.is_closed();
                     }
                 }
-                if preparing {
+                if during_handover {
+                    let record = adopt(ctx).unwrap_or_else(|| began_at(ctx, asked_at));
+                    tracing::warn!(
+                        began_before = ?Instant::now().saturating_duration_since(asked_at),
+                        noted = handed,
+                        "the host began shutting down during the inhibitor's handover: the shutdown runs first, from when it began"
+                    );
+                    *st.last = None;
+                    running = Some(spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false));
+                } else if preparing {
                     tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
                     running = Some(begin_shutdown(ctx, st));
                 }
-                let _ = answer.send(*ctx.in_progress.borrow());
+                let answered = answer.send(*ctx.in_progress.borrow()).is_ok();
+                // The stop now waits for the shutdown: the unit's lock may go.
+                if during_handover
+                    && handed
+                    && answered
+                    && let Ok(Ok(Some(unit))) = timeout(CALL_TIMEOUT, port.take_handover()).await
+                {
+                    drop(unit);
+                }
             }
         }
     }
@@ -825,6 +848,18 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
 }
 
 /// A shutdown logind has just begun: a new record, the lock handed to it.
+/// A record of a shutdown that began at `since` (by this process's clock),
+/// for one found under way later without a note of its start.
+fn began_at<C>(ctx: &Ctx<C>, since: Instant) -> ShutdownRecord {
+    let ago = Instant::now().saturating_duration_since(since);
+    ShutdownRecord {
+        boot_id: ctx.boot_id.clone(),
+        started_at: Some(ctx.clock.at(since)),
+        started_monotonic_ms: Some(ctx.clock.monotonic().saturating_sub(ago).as_millis() as u64),
+        ..Default::default()
+    }
+}
+
 fn begin_shutdown<C: ClusterPort>(ctx: &Arc<Ctx<C>>, st: &mut ArmedState<'_>) -> Running {
     *st.last = None;
     let record = ShutdownRecord {
@@ -890,10 +925,47 @@ async fn take_handover<L: LogindConnector>(logind: &L) -> Option<InhibitLock> {
     }
 }
 
-/// How long a handover may take: the holder's start (3 s at most), then,
-/// should it fail, `systemd-inhibit`'s (3 s at most). With the stop's two
-/// questions to logind (`CALL_TIMEOUT` each) within `STOP_DECIDE_MAX`.
-const HANDOVER_CALL_TIMEOUT: Duration = Duration::from_secs(8);
+/// The handover unit's note of a shutdown begun between two agents, taken
+/// into the record ([`super::holder::adopt`]).
+fn adopt<C>(ctx: &Ctx<C>) -> Option<ShutdownRecord> {
+    super::holder::adopt(&ctx.state_dir, &ctx.boot_id, &ctx.state_writes)
+}
+
+/// Copies this binary into the state directory for the handover unit, in
+/// the background (once per process; the same bytes are only compared),
+/// when the agent hands over with a host path for it; otherwise removes a
+/// copy an earlier configuration left.
+fn install_holder<C: Send + Sync + 'static>(ctx: &Arc<Ctx<C>>) {
+    let dir = ctx.state_dir.clone();
+    let wanted = ctx.handover.life.is_some() && ctx.handover.host_state_dir.is_some();
+    let source = ctx
+        .handover
+        .holder_source
+        .clone()
+        .unwrap_or_else(|| "/proc/self/exe".into());
+    let ready = ctx.holder_ready.clone();
+    tokio::task::spawn_blocking(move || {
+        if !wanted {
+            super::holder::uninstall(&dir);
+            ready.send_replace(Some(false));
+            return;
+        }
+        match super::holder::install(&source, &dir) {
+            Ok(()) => {
+                tracing::debug!(dir = %dir.display(), "nodeguard's holder in place for the inhibitor's handover");
+                ready.send_replace(Some(true));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %dir.display(), "cannot copy nodeguard's holder into the state directory; a handover uses the host's systemd-inhibit");
+                ready.send_replace(Some(false));
+            }
+        }
+    });
+}
+
+/// How long a stop waits for the holder's copy still being made (within
+/// the handover's `CALL_TIMEOUT`, beside `logind::HANDOVER_WAIT`).
+const HOLDER_COPY_WAIT: Duration = Duration::from_millis(500);
 
 /// Leaves a delay inhibitor with the handover unit before this process's
 /// lock goes (a stop that is not an uninstall: most often a rollout, whose
@@ -905,43 +977,44 @@ async fn hand_over<C, P: LogindPort>(
     cfg: &ShutdownConfig,
     life: Duration,
 ) -> bool {
-    let holder = match &ctx.handover.host_state_dir {
-        Some(host) => {
-            let source = ctx
-                .handover
-                .holder_source
-                .clone()
-                .unwrap_or_else(|| "/proc/self/exe".into());
-            let (dir, host, boot, plan) = (
-                ctx.state_dir.clone(),
-                host.clone(),
-                ctx.boot_id.clone(),
-                cfg.clone(),
-            );
-            let prepared = tokio::task::spawn_blocking(move || {
-                super::holder::prepare(&source, &dir, &host, &boot, &plan)
-            })
-            .await;
-            match prepared {
-                Ok(Ok(h)) => Some(h),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "cannot copy nodeguard's holder into the state directory; the handover uses the host's systemd-inhibit");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "the holder's copy failed; the handover uses the host's systemd-inhibit");
-                    None
+    // The plan and the unit's start share one bound: a state directory
+    // that hangs cannot hold the stop's question.
+    let handover = async {
+        // A stop soon after the start may find the copy under way.
+        let ready = match &ctx.handover.host_state_dir {
+            Some(_) => {
+                let mut rx = ctx.holder_ready.subscribe();
+                matches!(
+                    timeout(HOLDER_COPY_WAIT, rx.wait_for(Option::is_some)).await,
+                    Ok(Ok(r)) if *r == Some(true)
+                )
+            }
+            None => false,
+        };
+        let holder = match &ctx.handover.host_state_dir {
+            Some(host) if ready => {
+                let (dir, boot, plan) = (ctx.state_dir.clone(), ctx.boot_id.clone(), cfg.clone());
+                let written = tokio::task::spawn_blocking(move || {
+                    super::holder::write_plan(&dir, &boot, &plan)
+                })
+                .await;
+                match written {
+                    Ok(Ok(())) => Some(super::holder::HolderCommand::new(host)),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
+                        None
+                    }
                 }
             }
-        }
-        None => None,
+            _ => None,
+        };
+        port.hand_over(&why(cfg), life, holder).await
     };
-    match timeout(
-        HANDOVER_CALL_TIMEOUT,
-        port.hand_over(&why(cfg), life, holder),
-    )
-    .await
-    {
+    match timeout(CALL_TIMEOUT, handover).await {
         Ok(Ok(())) => {
             tracing::info!(
                 unit = logind::HANDOVER_UNIT,

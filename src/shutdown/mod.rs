@@ -94,6 +94,10 @@ struct Ctx<C> {
     /// shutdown before its taint request, so an attempt in flight never
     /// removes the new shutdown's taint.
     taint_cleanup: tokio::sync::Mutex<()>,
+    /// Whether the handover unit's copy of this binary is in the state
+    /// directory (`None`: being copied, in the background from the start,
+    /// [`holder::install`]).
+    holder_ready: std::sync::Arc<watch::Sender<Option<bool>>>,
 }
 
 /// Handing the delay inhibitor over between two pods of the agent (a

@@ -70,6 +70,9 @@ struct LogindState {
     prepare_during_handover: bool,
     /// Cancelled while the handover unit starts (a second signal).
     cancel_during_handover: Option<CancellationToken>,
+    /// How long the handover unit takes to start (the signal, when
+    /// `prepare_during_handover`, comes at its beginning).
+    handover_takes: Duration,
     /// PreparingForShutdown answers this many more times, then fails.
     preparing_answers_left: Option<usize>,
 }
@@ -175,6 +178,7 @@ impl LogindPort for FakeLogind {
         if let Some(tx) = signal {
             let _ = tx.try_send(LogindEvent::PrepareForShutdown(true));
         }
+        tokio::time::sleep(self.with(|s| s.handover_takes)).await;
         Ok(())
     }
     async fn take_handover(&self) -> Result<Option<InhibitLock>, ShutdownError> {
@@ -2526,6 +2530,7 @@ async fn a_shutdown_begun_during_the_handover_is_run_by_the_stopping_agent() {
         r.stop_check.ask().await,
         "the stop must wait for the shutdown begun during the handover"
     );
+    ms(300).await;
     assert!(!handover_held(&logind), "the unit's lock went at once");
     ms(300).await;
     assert!(evicted(&r, "a/low"));
@@ -2643,6 +2648,64 @@ async fn a_refused_lock_with_a_shutdown_under_way_begins_it_without_asking_again
         evicted(&r, "a/low"),
         "the groups run; calls: {:?}",
         r.cluster.calls()
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Found by the third review: a shutdown begun while the stopping agent
+/// hands over (a slow systemd: the unit took 4 s to hold its lock) was run
+/// from when the agent asked logind again, so logind's window, running
+/// since the signal, ended before the last group's. It now runs from the
+/// last moment logind said no (the holder's note, when it has one).
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_begun_during_a_slow_handover_is_timed_from_before_it() {
+    // 12 s: exactly the plan (5 + 5 + the 2 s margin).
+    let logind = FakeLogind::new(Duration::from_secs(12));
+    let r = handover_rig(
+        tmp("handover-slow"),
+        &logind,
+        Some(config(&[(0, 5), (1000, 5)])),
+        vec![pod("a/low", 0, None), pod("a/high", 1000, None)],
+        handover_on(),
+    );
+    ms(300).await;
+    // Terminating pods stay for their grace (no kubelet here).
+    r.cluster.with(|s| {
+        s.lingering.insert("a/low".into());
+        s.lingering.insert("a/high".into());
+    });
+    logind.with(|s| {
+        s.prepare_during_handover = true;
+        s.handover_takes = Duration::from_secs(4);
+    });
+    let t0 = Instant::now();
+    assert!(r.stop_check.ask().await, "the stop waits for the shutdown");
+    let high = loop {
+        if let Some((t, _)) = r
+            .cluster
+            .calls()
+            .into_iter()
+            .find(|(_, c)| matches!(c, Call::Evict(k, _) if k == "a/high"))
+        {
+            break t;
+        }
+        ms(100).await;
+        assert!(t0.elapsed() < Duration::from_secs(30), "high never evicted");
+    };
+    let released = released_after(&r, t0).await;
+    let asked = t0 - r.cluster.start;
+    // From the signal (at t0): low's window is what is left before high's
+    // 5 s and the margin, so high at 5 s, the release at 10 s. From the
+    // second question (4 s later) they came at 9 and 14 s.
+    assert!(
+        high - asked < Duration::from_millis(5500),
+        "high evicted {:?} after the signal",
+        high - asked
+    );
+    assert!(
+        released <= Duration::from_millis(10_500),
+        "released {released:?} after the signal, logind's window 12 s"
     );
     r.stop.cancel();
     r.task.await.unwrap();

@@ -159,8 +159,11 @@ fn holder_sandbox(h: &super::holder::HolderCommand) -> Vec<(String, zbus::OwnedV
     vec![
         ("NoNewPrivileges".into(), b(true)),
         (
+            // CAP_SYS_BOOT only: logind lets a caller with it take a
+            // shutdown inhibitor without asking polkit (which a host may
+            // not have).
             "CapabilityBoundingSet".into(),
-            zbus::OwnedVariant::from(0u64),
+            zbus::OwnedVariant::from(1u64 << 22),
         ),
         ("ProtectSystem".into(), s("strict")),
         (

@@ -184,8 +184,9 @@ pub struct RunArgs {
 
     /// On a stop that is not an uninstall (most often a rollout, which
     /// replaces the pod and its keeper), leave a delay inhibitor with a
-    /// transient host unit (`nodeguard-inhibitor-handover.service`, the
-    /// host's `systemd-inhibit`) for at most this long, so the node is not
+    /// transient host unit (`nodeguard-inhibitor-handover.service`: this
+    /// binary with `--host-state-dir`, else the host's `systemd-inhibit`)
+    /// for at most this long, so the node is not
     /// without one until the next agent holds its own; that agent stops
     /// the unit. 0: no handover (the default, and the host service's: there
     /// a `systemctl restart` leaves the node without nodeguard's lock for
@@ -204,7 +205,7 @@ pub struct RunArgs {
     /// cannot run (a state directory mounted `noexec`), the unit runs the
     /// host's `systemd-inhibit`, and such a shutdown is planned from when
     /// the next agent finds it.
-    #[arg(long, env = "NODEGUARD_HOST_STATE_DIR")]
+    #[arg(long, env = "NODEGUARD_HOST_STATE_DIR", value_parser = absolute_path)]
     pub host_state_dir: Option<PathBuf>,
 
     #[command(flatten)]
@@ -297,6 +298,16 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line, for log collectors.
     Json,
+}
+
+/// A path the host's systemd can use as it is: absolute.
+fn absolute_path(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if p.is_absolute() {
+        Ok(p)
+    } else {
+        Err(format!("{s:?} is not an absolute path"))
+    }
 }
 
 #[cfg(test)]

@@ -61,6 +61,9 @@ pub(super) async fn connect_and_arm<L: LogindConnector, C: ClusterPort>(
         match port.inhibit(&why(cfg)).await {
             Ok(own) => {
                 drop(lock);
+                // The handover is over: a holder on its way out notes
+                // nothing more (this process sees a shutdown itself now).
+                super::holder::forget(&ctx.state_dir, &ctx.state_writes);
                 return Ok((port, events, delay_max, Some(own), false));
             }
             Err(e) => {

@@ -9,8 +9,10 @@
 //! found it, and logind's window is not overrun by the time the rollout
 //! took. Only the agent writes the shutdown record itself.
 //!
-//! The agent copies its binary once armed ([`install`]), and writes
-//! [`PLAN_FILE`] (this boot and its plan) when it hands over.
+//! The agent copies its binary in the background when it starts
+//! ([`install`]), and writes [`PLAN_FILE`] (this boot and its plan) when it
+//! hands over; the agent that takes over removes both files once it holds
+//! its own lock ([`forget`]).
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -88,7 +90,7 @@ fn same_bytes(a: &Path, b: &Path) -> std::io::Result<bool> {
 /// handover unit, unless the same bytes are there already. A new copy is
 /// renamed into place (a holder still running keeps its own file); a
 /// [`DIR`] that is not a plain directory of root's (a link planted in the
-/// host path) is refused. Done once the agent is armed, not when it stops.
+/// host path) is refused. Done when the agent starts, not when it stops.
 pub fn install(source: &Path, state_dir: &Path) -> std::io::Result<()> {
     let dir = state_dir.join(DIR);
     match std::fs::create_dir(&dir) {
@@ -107,8 +109,11 @@ pub fn install(source: &Path, state_dir: &Path) -> std::io::Result<()> {
         }
     }
     let target = dir.join(BINARY);
-    if std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_file()) && same_bytes(source, &target)?
-    {
+    let in_place = std::fs::symlink_metadata(&target).is_ok_and(|m| {
+        use std::os::unix::fs::PermissionsExt;
+        m.is_file() && m.permissions().mode() & 0o7777 == 0o755
+    });
+    if in_place && same_bytes(source, &target)? {
         return Ok(());
     }
     let tmp = dir.join(format!(".{BINARY}.{}.tmp", std::process::id()));
@@ -151,27 +156,44 @@ pub fn write_plan(state_dir: &Path, boot_id: &str, plan: &ShutdownConfig) -> std
     crate::state_dir::write_atomic(&state_dir.join(PLAN_FILE), &json, true)
 }
 
-/// The holder's note that a shutdown began now: the stopping agent's plan
-/// (without it, unreadable or another boot's, the next agent plans with
-/// its policy), this boot, the start.
+/// The holder's note that a shutdown began now: the stopping agent's plan,
+/// this boot, the start. Only while the handover's plan of this boot is
+/// there (`false` otherwise): the agent that took over removes it, so a
+/// holder on its way out notes nothing that agent does not see itself.
 pub fn record_began(
     state_dir: &Path,
     boot_id: &str,
     now: jiff::Timestamp,
     monotonic: Duration,
-) -> std::io::Result<()> {
-    let mut record = std::fs::read(state_dir.join(PLAN_FILE))
+) -> std::io::Result<bool> {
+    let Some(mut record) = std::fs::read(state_dir.join(PLAN_FILE))
         .ok()
         .and_then(|b| serde_json::from_slice::<ShutdownRecord>(&b).ok())
         .filter(|r| r.boot_id == boot_id)
-        .unwrap_or_default();
+    else {
+        return Ok(false);
+    };
     record.boot_id = boot_id.to_string();
     record.started_at = Some(now);
     record.started_monotonic_ms = Some(monotonic.as_millis() as u64);
     record.ended_at = None;
     record.groups_done.clear();
     let json = serde_json::to_vec_pretty(&record).expect("a record serializes");
-    crate::state_dir::write_atomic(&state_dir.join(BEGAN_FILE), &json, true)
+    crate::state_dir::write_atomic(&state_dir.join(BEGAN_FILE), &json, true)?;
+    Ok(true)
+}
+
+/// The handover is over (the next agent holds its own lock): its plan and
+/// any note go.
+pub fn forget(state_dir: &Path, writes: &StateWrites) {
+    let _ = writes.remove(&state_dir.join(PLAN_FILE));
+    let _ = writes.remove(&state_dir.join(BEGAN_FILE));
+}
+
+/// A note that can no longer be of a shutdown under way (a new handover
+/// begins, a shutdown was cancelled, no handed-over lock at start) goes.
+pub fn forget_note(state_dir: &Path, writes: &StateWrites) {
+    let _ = writes.remove(&state_dir.join(BEGAN_FILE));
 }
 
 /// The holder's note goes with a cancel: that shutdown is over.
@@ -183,23 +205,31 @@ pub fn record_cancelled(state_dir: &Path) -> std::io::Result<()> {
 }
 
 /// Takes the holder's note, if any, into the shutdown record: a shutdown
-/// of this boot began while only the handover unit held the lock. A
-/// record of a shutdown that began at or after it (this agent saw the
-/// signal itself) is kept; an older one (a shutdown cancelled meanwhile)
-/// is replaced. Returns the record of the shutdown under way, when there
-/// was a note of this boot; a note of another boot is dropped.
+/// of this boot began while only the handover unit held the lock. The
+/// agent's own record of this boot is kept when it is of a shutdown not
+/// finished, or finished after the note's start (the same shutdown, seen
+/// by the agent itself); an older one is replaced, and a corrupt one left
+/// for start-up to report. Returns the record of the shutdown under way,
+/// when there was a note of this boot; a note of another boot is dropped.
 pub fn adopt(state_dir: &Path, boot_id: &str, writes: &StateWrites) -> Option<ShutdownRecord> {
     let path = state_dir.join(BEGAN_FILE);
     let bytes = std::fs::read(&path).ok()?;
     let began = serde_json::from_slice::<ShutdownRecord>(&bytes)
         .ok()
         .filter(|r| r.boot_id == boot_id && r.started_at.is_some());
+    let own = match std::fs::read(super::state_file(state_dir)) {
+        Ok(b) => match serde_json::from_slice::<ShutdownRecord>(&b) {
+            Ok(r) => Some(r),
+            // Start-up moves it aside and says so; the note waits.
+            Err(_) => return None,
+        },
+        Err(_) => None,
+    };
     let adopted = began.map(|began| {
-        let current = state::load(state_dir).ok().flatten().filter(|r| {
+        let current = own.filter(|r| {
             r.boot_id == boot_id
                 && r.started_at.is_some()
-                && r.ended_at.is_none()
-                && r.started_monotonic_ms >= began.started_monotonic_ms
+                && r.ended_at.is_none_or(|end| Some(end) >= began.started_at)
         });
         match current {
             Some(own) => own,
@@ -230,6 +260,9 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
     let mut events = port.events().await?;
     let _lock = port.inhibit_as(HANDOVER_WHO, why).await?;
     let boot_id = state::current_boot_id();
+    // A note left from before (a holder stopped as it wrote) is not of
+    // this handover.
+    let _ = record_cancelled(state_dir);
     tracing::info!(life = ?life, "holding the delay inhibitor for the next agent");
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| ShutdownError::Host(format!("cannot handle SIGTERM: {e}")))?;
@@ -248,7 +281,8 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
             e = events.recv() => match e {
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     match record_began(state_dir, &boot_id, jiff::Timestamp::now(), crate::clock::system_monotonic()) {
-                        Ok(()) => tracing::warn!("PrepareForShutdown(true) between two agents: noted when it began, for the next agent to plan from"),
+                        Ok(true) => tracing::warn!("PrepareForShutdown(true) between two agents: noted when it began, for the next agent to plan from"),
+                        Ok(false) => tracing::info!("PrepareForShutdown(true): the next agent holds its own lock already and sees it itself"),
                         Err(e) => tracing::error!(error = %e, "PrepareForShutdown(true): cannot note when it began; the next agent plans from when it finds it"),
                     }
                 }
@@ -363,13 +397,15 @@ mod tests {
     fn a_shutdown_between_two_agents_is_noted_and_adopted_with_its_start_and_plan() {
         let dir = scratch("record");
         write_plan(&dir, "boot-1", &plan()).unwrap();
-        record_began(
-            &dir,
-            "boot-1",
-            ts(1_800_000_000),
-            Duration::from_millis(123_456),
-        )
-        .unwrap();
+        assert!(
+            record_began(
+                &dir,
+                "boot-1",
+                ts(1_800_000_000),
+                Duration::from_millis(123_456)
+            )
+            .unwrap()
+        );
         assert!(
             state::load(&dir).unwrap().is_none(),
             "only the agent writes the record"
@@ -389,27 +425,49 @@ mod tests {
     }
 
     #[test]
-    fn the_agents_own_newer_record_is_kept_an_older_one_replaced() {
-        let dir = scratch("newer");
-        let own = ShutdownRecord {
+    fn the_agents_own_record_of_the_same_shutdown_is_kept_an_earlier_finished_one_replaced() {
+        let dir = scratch("own");
+        write_plan(&dir, "boot-1", &plan()).unwrap();
+        // Not finished (the agent runs it, or was killed running it; its
+        // start may be the earlier, by the last "no"): kept.
+        let running = ShutdownRecord {
             boot_id: "boot-1".into(),
-            started_at: Some(ts(1_800_000_001)),
-            started_monotonic_ms: Some(200_000),
+            started_at: Some(ts(1_799_999_999)),
+            started_monotonic_ms: Some(199_000),
             groups_done: vec![0],
             ..Default::default()
         };
-        state::save(&writes(), &dir, &own);
+        state::save(&writes(), &dir, &running);
         record_began(
             &dir,
             "boot-1",
             ts(1_800_000_000),
-            Duration::from_millis(199_000),
+            Duration::from_millis(200_000),
         )
         .unwrap();
-        assert_eq!(adopt(&dir, "boot-1", &writes()), Some(own.clone()));
-        assert_eq!(state::load(&dir).unwrap(), Some(own));
-        // A record of a shutdown before it (cancelled, never closed) is not
-        // the one under way.
+        assert_eq!(adopt(&dir, "boot-1", &writes()), Some(running.clone()));
+        assert_eq!(state::load(&dir).unwrap(), Some(running.clone()));
+        // Finished after the note's start: the same shutdown, kept.
+        let done = ShutdownRecord {
+            ended_at: Some(ts(1_800_000_010)),
+            ..running.clone()
+        };
+        state::save(&writes(), &dir, &done);
+        record_began(
+            &dir,
+            "boot-1",
+            ts(1_800_000_000),
+            Duration::from_millis(200_000),
+        )
+        .unwrap();
+        assert_eq!(adopt(&dir, "boot-1", &writes()), Some(done));
+        // Finished before it: an earlier shutdown, replaced.
+        let earlier = ShutdownRecord {
+            ended_at: Some(ts(1_799_999_000)),
+            started_at: Some(ts(1_799_998_990)),
+            ..running
+        };
+        state::save(&writes(), &dir, &earlier);
         record_began(
             &dir,
             "boot-1",
@@ -419,25 +477,50 @@ mod tests {
         .unwrap();
         let r = adopt(&dir, "boot-1", &writes()).unwrap();
         assert_eq!(r.started_monotonic_ms, Some(300_000));
-        assert!(r.groups_done.is_empty());
+        assert!(r.groups_done.is_empty() && r.ended_at.is_none());
+        // A corrupt record is left for start-up to report; the note waits.
+        std::fs::write(super::super::state_file(&dir), "{not json").unwrap();
+        record_began(
+            &dir,
+            "boot-1",
+            ts(1_800_000_200),
+            Duration::from_millis(400_000),
+        )
+        .unwrap();
+        assert!(adopt(&dir, "boot-1", &writes()).is_none());
+        assert!(dir.join(BEGAN_FILE).exists());
+        assert_eq!(
+            std::fs::read_to_string(super::super::state_file(&dir)).unwrap(),
+            "{not json"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
-    fn a_cancel_removes_the_note_and_another_boots_note_or_plan_counts_for_nothing() {
+    fn no_note_without_this_handovers_plan_and_none_kept_past_a_cancel_or_a_boot() {
         let dir = scratch("cancel");
-        record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap();
+        // No plan (the next agent took over and removed it): no note.
+        assert!(!record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap());
+        assert!(!dir.join(BEGAN_FILE).exists());
+        // Another boot's plan: no note either.
+        write_plan(&dir, "boot-0", &plan()).unwrap();
+        assert!(!record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap());
+        write_plan(&dir, "boot-1", &plan()).unwrap();
+        assert!(record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap());
         record_cancelled(&dir).unwrap();
         record_cancelled(&dir).unwrap();
         assert!(adopt(&dir, "boot-1", &writes()).is_none());
-        // The previous boot's plan is not this shutdown's.
-        write_plan(&dir, "boot-0", &plan()).unwrap();
-        record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap();
-        assert_eq!(adopt(&dir, "boot-1", &writes()).unwrap().plan, None);
         // A note of the previous boot is dropped, nothing adopted.
+        write_plan(&dir, "boot-0", &plan()).unwrap();
         record_began(&dir, "boot-0", ts(1_700_000_000), Duration::from_secs(5)).unwrap();
+        assert!(dir.join(BEGAN_FILE).exists());
         assert!(adopt(&dir, "boot-1", &writes()).is_none());
         assert!(!dir.join(BEGAN_FILE).exists());
+        // The handover over: plan and note go.
+        write_plan(&dir, "boot-1", &plan()).unwrap();
+        record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap();
+        forget(&dir, &writes());
+        assert!(!dir.join(BEGAN_FILE).exists() && !dir.join(PLAN_FILE).exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -139,14 +139,11 @@ pub const HANDOVER_WHO: &str = "nodeguard-handover";
 /// The host's `systemd-inhibit`, which the handover unit runs.
 const SYSTEMD_INHIBIT: &str = "/usr/bin/systemd-inhibit";
 
-/// How long the handover may take to show in logind's list, both tries
-/// (within the manager's `CALL_TIMEOUT`, so a stop's question keeps its
-/// bound).
-const HANDOVER_WAIT: Duration = Duration::from_millis(4200);
-
-/// Of which nodeguard's holder may take this much; the host's
-/// `systemd-inhibit` the rest.
-const HOLDER_WAIT: Duration = Duration::from_millis(2800);
+/// How long nodeguard's holder may take to show in logind's list, at most;
+/// the host's `systemd-inhibit` keeps at least `FALLBACK_WAIT` of the
+/// handover's time (the caller's `within`, inside the stop's question).
+const HOLDER_WAIT: Duration = Duration::from_millis(2500);
+const FALLBACK_WAIT: Duration = Duration::from_millis(1500);
 
 /// The holder runs as root on the host: no more than it needs (the system
 /// bus's socket, its state directory).
@@ -173,8 +170,9 @@ fn holder_sandbox(h: &super::holder::HolderCommand) -> Vec<(String, zbus::OwnedV
         ("ProtectHome".into(), s("yes")),
         ("PrivateTmp".into(), b(true)),
         ("PrivateNetwork".into(), b(true)),
+        // (allow-list, families): systemd's `true` is an allow-list.
         ("RestrictAddressFamilies".into(), {
-            zbus::OwnedVariant::try_from(zbus::Variant::from((false, vec!["AF_UNIX".to_string()])))
+            zbus::OwnedVariant::try_from(zbus::Variant::from((true, vec!["AF_UNIX".to_string()])))
                 .expect("(bas) is a variant")
         }),
     ]
@@ -233,17 +231,22 @@ impl LogindPort for ZbusLogind {
         why: &str,
         life: Duration,
         holder: Option<super::holder::HolderCommand>,
+        within: Duration,
     ) -> Result<(), ShutdownError> {
+        let deadline = tokio::time::Instant::now() + within;
         let systemd = SystemdManager::new(&self.conn).await?;
         // One holder at a time: an earlier one nobody took (a rollout
         // whose next agent never armed) makes way, and a failed one is
         // reset. This process still holds its own lock meanwhile.
         let _ = clear_handover_unit(&systemd).await;
-        let deadline = tokio::time::Instant::now() + HANDOVER_WAIT;
         if let Some(h) = holder {
             let path = h.binary.display().to_string();
-            let wait =
-                HOLDER_WAIT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            // The rest, at least FALLBACK_WAIT, is systemd-inhibit's.
+            let wait = HOLDER_WAIT.min(
+                deadline
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    .saturating_sub(FALLBACK_WAIT),
+            );
             match self
                 .run_holder(&systemd, &path, h.argv(why, life), holder_sandbox(&h), wait)
                 .await

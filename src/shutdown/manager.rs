@@ -228,8 +228,13 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         // agent that says it is ready therefore protects the next shutdown.
         // A shutdown begun while only the handover unit held the lock: its
         // note becomes the record start-up reads, so it is resumed from
-        // when it began.
-        let _ = adopt(&self.ctx);
+        // when it began. Without the unit's lock in hand, a note is stale.
+        let handed_over = reclaimed.as_ref().is_some_and(|l| l.is_handed_over());
+        if handed_over {
+            let _ = adopt(&self.ctx);
+        } else {
+            super::holder::forget_note(&self.ctx.state_dir, &self.ctx.state_writes);
+        }
         let (mut resume, last, going_down) = start_up(&self.ctx, &self.logind).await;
         self.last = last;
         if resume.is_none() && going_down.is_none() && reclaimed.is_some() {
@@ -238,7 +243,8 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
             // reclaimed lock, and will not say PrepareForShutdown again.
             if preparing_for_shutdown(&self.logind).await == Some(true) {
                 // Noted by the handover unit since start-up read the state?
-                resume = Some(adopt(&self.ctx).unwrap_or_else(|| {
+                let noted = if handed_over { adopt(&self.ctx) } else { None };
+                resume = Some(noted.unwrap_or_else(|| {
                     tracing::warn!(
                         "the host is shutting down and the previous process left no record: starting the shutdown's groups now"
                     );
@@ -432,6 +438,7 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         // force then), so it is resumed from there, not begun anew.
         if fresh
             && resume.is_none()
+            && lock.as_ref().is_some_and(|l| l.is_handed_over())
             && let Some(r) = adopt(ctx)
         {
             if let Some(plan) = r.plan.clone() {
@@ -754,9 +761,9 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     running = Some(begin_shutdown(ctx, st));
                 }
                 let answered = answer.send(*ctx.in_progress.borrow()).is_ok();
-                // The stop now waits for the shutdown: the unit's lock may go.
+                // The stop now waits for the shutdown: the unit's lock may go
+                // (also one whose handover timed out after systemd started it).
                 if during_handover
-                    && handed
                     && answered
                     && let Ok(Ok(Some(unit))) = timeout(CALL_TIMEOUT, port.take_handover()).await
                 {
@@ -821,6 +828,7 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
     }
     let taint = undo_taint(ctx, record.as_ref().is_some_and(|r| r.taint_ours())).await;
     state::clear(&ctx.state_writes, &ctx.state_dir);
+    super::holder::forget_note(&ctx.state_dir, &ctx.state_writes);
     ctx.reporter.event(
         EventKind::Normal,
         "ShutdownCancelled",
@@ -950,22 +958,34 @@ fn install_holder<C: Send + Sync + 'static>(ctx: &Arc<Ctx<C>>) {
             ready.send_replace(Some(false));
             return;
         }
-        match super::holder::install(&source, &dir) {
-            Ok(()) => {
-                tracing::debug!(dir = %dir.display(), "nodeguard's holder in place for the inhibitor's handover");
-                ready.send_replace(Some(true));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, dir = %dir.display(), "cannot copy nodeguard's holder into the state directory; a handover uses the host's systemd-inhibit");
-                ready.send_replace(Some(false));
+        // Tried again every few minutes: a full disk at start is not
+        // weeks of handovers without the holder.
+        loop {
+            match super::holder::install(&source, &dir) {
+                Ok(()) => {
+                    tracing::debug!(dir = %dir.display(), "nodeguard's holder in place for the inhibitor's handover");
+                    ready.send_replace(Some(true));
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, dir = %dir.display(), retry_in = ?HOLDER_COPY_RETRY, "cannot copy nodeguard's holder into the state directory; a handover meanwhile uses the host's systemd-inhibit");
+                    ready.send_replace(Some(false));
+                    if ready.is_closed() && std::sync::Arc::strong_count(&ready) == 1 {
+                        return;
+                    }
+                    std::thread::sleep(HOLDER_COPY_RETRY);
+                }
             }
         }
     });
 }
 
-/// How long a stop waits for the holder's copy still being made (within
-/// the handover's `CALL_TIMEOUT`, beside `logind::HANDOVER_WAIT`).
+/// How long a stop waits for the holder's copy still being made, and for
+/// the holder's plan to be written (within the handover's `CALL_TIMEOUT`).
 const HOLDER_COPY_WAIT: Duration = Duration::from_millis(500);
+const PLAN_WRITE_WAIT: Duration = Duration::from_millis(300);
+/// How long after a failed copy the holder's copy is tried again.
+const HOLDER_COPY_RETRY: Duration = Duration::from_secs(300);
 
 /// Leaves a delay inhibitor with the handover unit before this process's
 /// lock goes (a stop that is not an uninstall: most often a rollout, whose
@@ -979,7 +999,12 @@ async fn hand_over<C, P: LogindPort>(
 ) -> bool {
     // The plan and the unit's start share one bound: a state directory
     // that hangs cannot hold the stop's question.
+    // Everything within one deadline, inside the stop's question's share;
+    // what is left goes to systemd and logind (the fallback keeps a part).
+    let deadline = Instant::now() + CALL_TIMEOUT - Duration::from_millis(200);
     let handover = async {
+        // A stale note goes before a new holder may write one.
+        super::holder::forget_note(&ctx.state_dir, &ctx.state_writes);
         // A stop soon after the start may find the copy under way.
         let ready = match &ctx.handover.host_state_dir {
             Some(_) => {
@@ -994,25 +1019,33 @@ async fn hand_over<C, P: LogindPort>(
         let holder = match &ctx.handover.host_state_dir {
             Some(host) if ready => {
                 let (dir, boot, plan) = (ctx.state_dir.clone(), ctx.boot_id.clone(), cfg.clone());
-                let written = tokio::task::spawn_blocking(move || {
-                    super::holder::write_plan(&dir, &boot, &plan)
-                })
+                let written = timeout(
+                    PLAN_WRITE_WAIT,
+                    tokio::task::spawn_blocking(move || {
+                        super::holder::write_plan(&dir, &boot, &plan)
+                    }),
+                )
                 .await;
                 match written {
-                    Ok(Ok(())) => Some(super::holder::HolderCommand::new(host)),
+                    Ok(Ok(Ok(()))) => Some(super::holder::HolderCommand::new(host)),
+                    Ok(Ok(Err(e))) => {
+                        tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
+                        None
+                    }
                     Ok(Err(e)) => {
                         tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
                         None
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
+                    Err(_) => {
+                        tracing::warn!(wait = ?PLAN_WRITE_WAIT, "the plan for nodeguard's holder was not written in time (a slow disk); the handover uses the host's systemd-inhibit");
                         None
                     }
                 }
             }
             _ => None,
         };
-        port.hand_over(&why(cfg), life, holder).await
+        let within = deadline.saturating_duration_since(Instant::now());
+        port.hand_over(&why(cfg), life, holder, within).await
     };
     match timeout(CALL_TIMEOUT, handover).await {
         Ok(Ok(())) => {

@@ -160,13 +160,14 @@ pub trait LogindPort: Send + Sync + 'static {
     fn preparing_for_shutdown(&self) -> impl Future<Output = Result<bool, ShutdownError>> + Send;
     /// Leaves a delay inhibitor with a host unit that outlives this pod
     /// (for at most `life`), for the next pod's agent to take over; returns
-    /// once logind lists it. The unit runs `holder` when given and it
-    /// holds the lock, otherwise the host's `systemd-inhibit`.
+    /// once logind lists it, within `within`. The unit runs `holder` when
+    /// given and it holds the lock, otherwise the host's `systemd-inhibit`.
     fn hand_over(
         &self,
         why: &str,
         life: Duration,
         holder: Option<holder::HolderCommand>,
+        within: Duration,
     ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
     /// The inhibitor a previous pod handed over, if logind lists it: a lock
     /// whose release stops the handover unit.

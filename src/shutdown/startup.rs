@@ -222,6 +222,7 @@ pub(super) async fn cancelled_meanwhile<C: ClusterPort>(
 ) -> core::LastShutdown {
     let taint = undo_taint(ctx, taint_added).await;
     state::clear(&ctx.state_writes, &ctx.state_dir);
+    super::holder::forget_note(&ctx.state_dir, &ctx.state_writes);
     let message = core::cancel_message(cause, taint, core::AfterCancel::Held);
     let message = match cause {
         core::CancelCause::Logind => {

@@ -158,6 +158,7 @@ impl LogindPort for FakeLogind {
         why: &str,
         _life: Duration,
         _holder: Option<super::holder::HolderCommand>,
+        _within: Duration,
     ) -> Result<(), ShutdownError> {
         // As the unit: a delay inhibitor of its own, which outlives the
         // agent; a new one replaces an earlier one.
@@ -2307,7 +2308,12 @@ fn handover_rig(
 /// A handover unit a previous agent left, holding its lock.
 async fn predecessors_unit(logind: &FakeLogind) {
     logind
-        .hand_over("previous agent", Duration::from_secs(120), None)
+        .hand_over(
+            "previous agent",
+            Duration::from_secs(120),
+            None,
+            Duration::from_secs(4),
+        )
         .await
         .unwrap();
 }
@@ -2707,6 +2713,68 @@ async fn a_shutdown_begun_during_a_slow_handover_is_timed_from_before_it() {
         released <= Duration::from_millis(10_500),
         "released {released:?} after the signal, logind's window 12 s"
     );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// Found by the fourth review: the stopping agent ran a shutdown begun
+/// during its handover to the end, and the unit's holder noted the same
+/// signal a moment after the agent had looked. The next agent, started
+/// while the host goes down, took the note for a shutdown of its own and
+/// ran the groups again (a second `ShutdownResumed`, evictions against a
+/// start long past). The agent's own finished record of that shutdown is
+/// kept now, and a note is taken only with the unit's lock in hand.
+#[tokio::test(start_paused = true)]
+async fn a_note_of_a_shutdown_the_agent_ran_itself_does_not_run_it_again() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    let dir = tmp("note-after-own");
+    let writes =
+        StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0);
+    let boot = "b1";
+    let at = jiff::Timestamp::from_second(1_800_000_000).unwrap();
+    // The stopping agent's record: begun (from its last "no") and done.
+    state::save(
+        &writes,
+        &dir,
+        &ShutdownRecord {
+            boot_id: boot.into(),
+            started_at: Some(at),
+            started_monotonic_ms: Some(1_000),
+            ended_at: Some(at + jiff::SignedDuration::from_secs(12)),
+            groups_done: vec![0],
+            taint_added: true,
+            taint_answered: true,
+            plan: Some(config(&[(0, 5)])),
+        },
+    );
+    // The holder's note of the same signal, a moment later.
+    crate::shutdown::holder::write_plan(&dir, boot, &config(&[(0, 5)])).unwrap();
+    crate::shutdown::holder::record_began(
+        &dir,
+        boot,
+        at + jiff::SignedDuration::from_millis(40),
+        Duration::from_millis(1_040),
+    )
+    .unwrap();
+    // The unit still listed (its stop on the way), the host going down.
+    predecessors_unit(&logind).await;
+    logind.with(|s| s.preparing = true);
+    let r = handover_rig(
+        dir.clone(),
+        &logind,
+        Some(config(&[(0, 5)])),
+        vec![pod("a/low", 0, None)],
+        handover_on(),
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        evictions(&r).is_empty(),
+        "the shutdown ran again: {:?}",
+        r.cluster.calls()
+    );
+    let record = state::load(&dir).unwrap().unwrap();
+    assert_eq!(record.groups_done, vec![0], "the finished record is kept");
+    assert!(record.ended_at.is_some());
     r.stop.cancel();
     r.task.await.unwrap();
 }

@@ -518,6 +518,13 @@ impl SystemdManager {
         properties: Vec<(String, zbus::OwnedVariant)>,
         _aux: Vec<(String, Vec<(String, zbus::OwnedVariant)>)>,
     ) -> Result<zbus::OwnedObjectPath, SystemdError> {
+        // As systemd's sandbox would: a unit whose RestrictAddressFamilies
+        // shuts out AF_UNIX cannot reach the bus (its program fails).
+        let no_unix = properties
+            .iter()
+            .find(|(k, _)| k == "RestrictAddressFamilies")
+            .and_then(|(_, v)| <(bool, Vec<String>)>::try_from(v.try_clone().ok()?).ok())
+            .is_some_and(|(allow, families)| allow != families.iter().any(|f| f == "AF_UNIX"));
         let exec = properties
             .into_iter()
             .find(|(k, _)| k == "ExecStart")
@@ -535,7 +542,7 @@ impl SystemdManager {
                     "Unit {name} was already loaded"
                 )));
             }
-            let spawned = Command::new(&exec.0)
+            let spawned = Command::new(if no_unix { "false" } else { exec.0.as_str() })
                 .args(&exec.1[1..])
                 .env("DBUS_SYSTEM_BUS_ADDRESS", &s.bus_address)
                 .stdout(Stdio::null())

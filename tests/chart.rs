@@ -1118,6 +1118,22 @@ fn host_access_on_auto_is_what_the_charts_policy_uses() {
     assert!(readme.contains("privileged: true"), "/dev/kmsg needs it");
     assert!(readme.contains("\"--allow-watchdog-device=\""));
     assert!(readme.contains("--inhibitor-keeper=/run/nodeguard/keep.sock"));
+    // The handover unit runs the agent's copy from the node's state directory.
+    assert!(readme.contains("--inhibitor-handover-seconds=120"));
+    assert!(readme.contains("--host-state-dir=/var/lib/nodeguard"));
+    let moved = render(&[
+        "defaultPolicy.enabled=true",
+        "host.stateDir.path=/srv/nodeguard",
+    ])
+    .unwrap();
+    assert!(moved.contains("--host-state-dir=/srv/nodeguard"));
+    for off in ["inhibitorHandoverSeconds=0", "host.stateDir.enabled=false"] {
+        let r = render(&["defaultPolicy.enabled=true", off]).unwrap();
+        assert!(
+            !r.contains("--host-state-dir"),
+            "{off}: no host path for the holder"
+        );
+    }
 
     let err = render(&["defaultPolicy.enabled=true", "host.kmsg.enabled=false"]).unwrap_err();
     assert!(

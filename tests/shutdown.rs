@@ -2578,3 +2578,52 @@ async fn holder_copied(state: &std::path::Path) {
     })
     .await;
 }
+
+/// Found by the fifth review: a copy of the holder that fails at start
+/// (here `handover` is a file of someone else's in the state directory)
+/// was retried in a blocking thread asleep for five minutes, and the
+/// runtime waited for it at exit: a stopped agent lived on until the
+/// kubelet killed it. The agent now exits at once, and the handover uses
+/// the host's systemd-inhibit.
+#[tokio::test]
+async fn an_agent_whose_holder_copy_failed_still_stops_at_once() {
+    let s = setup_with(
+        "holder-copy-fails",
+        Duration::from_secs(30),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
+        false,
+    )
+    .await;
+    let state = TempDir::new("state");
+    std::fs::write(state.path.join("handover"), "not a folder").unwrap();
+    let handover: Vec<std::ffi::OsString> = vec![
+        "--inhibitor-handover-seconds=60".into(),
+        format!("--host-state-dir={}", state.path.display()).into(),
+    ];
+    let mut first = AgentProcess::start_with(&s, &state.path, None, &handover);
+    first.ready().await;
+    // The copy was tried (and failed) by now.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    first.terminate();
+    let t0 = Instant::now();
+    let status = first.exited(Duration::from_secs(20)).await;
+    let took = t0.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(10), "stopped after {took:?}");
+    let started: Vec<String> = s
+        .peer
+        .state
+        .lock()
+        .unwrap()
+        .started
+        .iter()
+        .map(|(_, argv)| argv[..2].join(" "))
+        .collect();
+    assert_eq!(started, vec!["systemd-inhibit --what=shutdown"]);
+    assert_eq!(
+        std::fs::read_to_string(state.path.join("handover")).unwrap(),
+        "not a folder",
+        "someone else's file is left as it is"
+    );
+    s.cleanup().await;
+}

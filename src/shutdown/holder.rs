@@ -118,7 +118,7 @@ pub fn install(source: &Path, state_dir: &Path) -> std::io::Result<()> {
     }
     let tmp = dir.join(format!(".{BINARY}.{}.tmp", std::process::id()));
     let result = (|| {
-        use std::os::unix::fs::OpenOptionsExt;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let _ = std::fs::remove_file(&tmp);
         let mut out = std::fs::OpenOptions::new()
             .write(true)
@@ -126,6 +126,8 @@ pub fn install(source: &Path, state_dir: &Path) -> std::io::Result<()> {
             .mode(0o755)
             .open(&tmp)?;
         std::io::copy(&mut std::fs::File::open(source)?, &mut out)?;
+        // Whatever the umask took away.
+        out.set_permissions(std::fs::Permissions::from_mode(0o755))?;
         out.flush()?;
         out.sync_all()?;
         drop(out);
@@ -204,6 +206,36 @@ pub fn record_cancelled(state_dir: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Whether the agent's own record `own` (of this boot) is of the shutdown
+/// the note `began` is about: not finished and begun at most
+/// [`SAME_SHUTDOWN`] before it (a stopping agent times one found during the
+/// handover from its last question, which comes before the note), or
+/// finished after the note's start. By the monotonic clock, which no clock
+/// step moves; by the wall clock for a record without it.
+fn same_shutdown(own: &ShutdownRecord, began: &ShutdownRecord) -> bool {
+    let (Some(own_start), Some(note_start)) = (own.started_at, began.started_at) else {
+        return false;
+    };
+    let window = SAME_SHUTDOWN.as_millis() as u64;
+    match (own.started_monotonic_ms, began.started_monotonic_ms) {
+        (Some(o), Some(n)) => match own.ended_at {
+            None => o + window >= n,
+            Some(end) => {
+                let took = end.duration_since(own_start).as_millis().max(0) as u64;
+                o + took >= n
+            }
+        },
+        _ => match own.ended_at {
+            None => own_start + jiff::SignedDuration::from_millis(window as i64) >= note_start,
+            Some(end) => end >= note_start,
+        },
+    }
+}
+
+/// How much earlier than the note an unfinished record of the same
+/// shutdown may have begun: the stop's question, at most.
+const SAME_SHUTDOWN: Duration = Duration::from_secs(20);
+
 /// Takes the holder's note, if any, into the shutdown record: a shutdown
 /// of this boot began while only the handover unit held the lock. The
 /// agent's own record of this boot is kept when it is of a shutdown not
@@ -226,11 +258,7 @@ pub fn adopt(state_dir: &Path, boot_id: &str, writes: &StateWrites) -> Option<Sh
         Err(_) => None,
     };
     let adopted = began.map(|began| {
-        let current = own.filter(|r| {
-            r.boot_id == boot_id
-                && r.started_at.is_some()
-                && r.ended_at.is_none_or(|end| Some(end) >= began.started_at)
-        });
+        let current = own.filter(|r| r.boot_id == boot_id && same_shutdown(r, &began));
         match current {
             Some(own) => own,
             None => {
@@ -268,9 +296,13 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
         .map_err(|e| ShutdownError::Host(format!("cannot handle SIGTERM: {e}")))?;
     let end = tokio::time::sleep(life);
     tokio::pin!(end);
+    // Once a shutdown is noted, the lock is held until the next agent
+    // stops the unit or the host goes down (logind's own limit bounds the
+    // wait), never dropped by the unit's life with the note still to take.
+    let mut noted = false;
     loop {
         tokio::select! {
-            _ = &mut end => {
+            _ = &mut end, if !noted => {
                 tracing::info!("no agent took the delay inhibitor over within its life; releasing it");
                 return Ok(());
             }
@@ -281,13 +313,17 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
             e = events.recv() => match e {
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     match record_began(state_dir, &boot_id, jiff::Timestamp::now(), crate::clock::system_monotonic()) {
-                        Ok(true) => tracing::warn!("PrepareForShutdown(true) between two agents: noted when it began, for the next agent to plan from"),
+                        Ok(true) => {
+                            noted = true;
+                            tracing::warn!("PrepareForShutdown(true) between two agents: noted when it began, for the next agent to plan from; held until the next agent takes over or the host goes down");
+                        }
                         Ok(false) => tracing::info!("PrepareForShutdown(true): the next agent holds its own lock already and sees it itself"),
                         Err(e) => tracing::error!(error = %e, "PrepareForShutdown(true): cannot note when it began; the next agent plans from when it finds it"),
                     }
                 }
                 Some(LogindEvent::PrepareForShutdown(false)) => {
                     tracing::info!("PrepareForShutdown(false): the shutdown was cancelled");
+                    noted = false;
                     if let Err(e) = record_cancelled(state_dir) {
                         tracing::error!(error = %e, "cannot remove the note of the cancelled shutdown");
                     }
@@ -297,7 +333,7 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
                     let mut wait = Duration::from_millis(500);
                     events = loop {
                         tokio::select! {
-                            _ = &mut end => return Ok(()),
+                            _ = &mut end, if !noted => return Ok(()),
                             _ = term.recv() => return Ok(()),
                             _ = tokio::time::sleep(wait) => {}
                         }
@@ -350,6 +386,15 @@ mod tests {
 
     fn ts(s: i64) -> jiff::Timestamp {
         jiff::Timestamp::from_second(s).unwrap()
+    }
+
+    fn earlier_kept() -> ShutdownRecord {
+        ShutdownRecord {
+            boot_id: "boot-1".into(),
+            started_at: Some(ts(1_799_990_000)),
+            groups_done: vec![0],
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -478,6 +523,27 @@ mod tests {
         let r = adopt(&dir, "boot-1", &writes()).unwrap();
         assert_eq!(r.started_monotonic_ms, Some(300_000));
         assert!(r.groups_done.is_empty() && r.ended_at.is_none());
+        // Not finished but begun long before the note: an earlier shutdown
+        // whose agent never saw its cancel, not this one.
+        let stale = ShutdownRecord {
+            started_monotonic_ms: Some(100_000),
+            ended_at: None,
+            ..earlier_kept()
+        };
+        state::save(&writes(), &dir, &stale);
+        record_began(
+            &dir,
+            "boot-1",
+            ts(1_800_000_100),
+            Duration::from_millis(300_000),
+        )
+        .unwrap();
+        assert_eq!(
+            adopt(&dir, "boot-1", &writes())
+                .unwrap()
+                .started_monotonic_ms,
+            Some(300_000)
+        );
         // A corrupt record is left for start-up to report; the note waits.
         std::fs::write(super::super::state_file(&dir), "{not json").unwrap();
         record_began(

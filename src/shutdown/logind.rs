@@ -239,7 +239,9 @@ impl LogindPort for ZbusLogind {
         // whose next agent never armed) makes way, and a failed one is
         // reset. This process still holds its own lock meanwhile.
         let _ = clear_handover_unit(&systemd).await;
-        if let Some(h) = holder {
+        if let Some(h) = holder.filter(|_| {
+            deadline.saturating_duration_since(tokio::time::Instant::now()) > FALLBACK_WAIT
+        }) {
             let path = h.binary.display().to_string();
             // The rest, at least FALLBACK_WAIT, is systemd-inhibit's.
             let wait = HOLDER_WAIT.min(

@@ -208,7 +208,10 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         // (With a lock taken back from the keeper, the handover's goes.)
         // Looked for even with the handover off here: a unit left by a
         // predecessor that had it on goes once this agent decides.
-        if let Some(lock) = take_handover(&self.logind).await
+        // `None`: logind could not be asked (a note, if any, is kept).
+        let found = take_handover(&self.logind).await;
+        let listed = found.as_ref().map(Option::is_some);
+        if let Some(Some(lock)) = found
             && reclaimed.is_none()
         {
             tracing::info!(
@@ -232,7 +235,7 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         let handed_over = reclaimed.as_ref().is_some_and(|l| l.is_handed_over());
         if handed_over {
             let _ = adopt(&self.ctx);
-        } else {
+        } else if listed == Some(false) {
             super::holder::forget_note(&self.ctx.state_dir, &self.ctx.state_writes);
         }
         let (mut resume, last, going_down) = start_up(&self.ctx, &self.logind).await;
@@ -916,12 +919,12 @@ fn spawn_shutdown<C: ClusterPort>(
     (token, task)
 }
 
-/// The handover unit's lock, when logind lists one (quietly `None` when
-/// logind cannot be asked: the unit then ends by itself).
-async fn take_handover<L: LogindConnector>(logind: &L) -> Option<InhibitLock> {
+/// The handover unit's lock, when logind lists one; `None` when logind
+/// cannot be asked (the unit then ends by itself).
+async fn take_handover<L: LogindConnector>(logind: &L) -> Option<Option<InhibitLock>> {
     let take = async { logind.connect().await?.take_handover().await };
     match timeout(CALL_TIMEOUT, take).await {
-        Ok(Ok(lock)) => lock,
+        Ok(Ok(lock)) => Some(lock),
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "cannot look for a handed-over delay inhibitor");
             None
@@ -951,31 +954,42 @@ fn install_holder<C: Send + Sync + 'static>(ctx: &Arc<Ctx<C>>) {
         .holder_source
         .clone()
         .unwrap_or_else(|| "/proc/self/exe".into());
-    let ready = ctx.holder_ready.clone();
-    tokio::task::spawn_blocking(move || {
+    // Only a weak hold on the sender: the retries end with the manager,
+    // and the runtime never waits on them (a sleeping blocking thread
+    // would hold the process's exit for minutes).
+    let ready = Arc::downgrade(&ctx.holder_ready);
+    tokio::spawn(async move {
         if !wanted {
-            super::holder::uninstall(&dir);
-            ready.send_replace(Some(false));
+            let d = dir.clone();
+            let _ = tokio::task::spawn_blocking(move || super::holder::uninstall(&d)).await;
+            if let Some(r) = ready.upgrade() {
+                r.send_replace(Some(false));
+            }
             return;
         }
         // Tried again every few minutes: a full disk at start is not
         // weeks of handovers without the holder.
         loop {
-            match super::holder::install(&source, &dir) {
-                Ok(()) => {
+            let (s, d) = (source.clone(), dir.clone());
+            let copied = tokio::task::spawn_blocking(move || super::holder::install(&s, &d)).await;
+            let Some(r) = ready.upgrade() else { return };
+            match copied {
+                Ok(Ok(())) => {
                     tracing::debug!(dir = %dir.display(), "nodeguard's holder in place for the inhibitor's handover");
-                    ready.send_replace(Some(true));
+                    r.send_replace(Some(true));
                     return;
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     tracing::warn!(error = %e, dir = %dir.display(), retry_in = ?HOLDER_COPY_RETRY, "cannot copy nodeguard's holder into the state directory; a handover meanwhile uses the host's systemd-inhibit");
-                    ready.send_replace(Some(false));
-                    if ready.is_closed() && std::sync::Arc::strong_count(&ready) == 1 {
-                        return;
-                    }
-                    std::thread::sleep(HOLDER_COPY_RETRY);
+                    r.send_replace(Some(false));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the holder's copy failed");
+                    r.send_replace(Some(false));
                 }
             }
+            drop(r);
+            tokio::time::sleep(HOLDER_COPY_RETRY).await;
         }
     });
 }
@@ -1003,8 +1017,6 @@ async fn hand_over<C, P: LogindPort>(
     // what is left goes to systemd and logind (the fallback keeps a part).
     let deadline = Instant::now() + CALL_TIMEOUT - Duration::from_millis(200);
     let handover = async {
-        // A stale note goes before a new holder may write one.
-        super::holder::forget_note(&ctx.state_dir, &ctx.state_writes);
         // A stop soon after the start may find the copy under way.
         let ready = match &ctx.handover.host_state_dir {
             Some(_) => {
@@ -1016,33 +1028,34 @@ async fn hand_over<C, P: LogindPort>(
             }
             None => false,
         };
-        let holder = match &ctx.handover.host_state_dir {
-            Some(host) if ready => {
-                let (dir, boot, plan) = (ctx.state_dir.clone(), ctx.boot_id.clone(), cfg.clone());
-                let written = timeout(
-                    PLAN_WRITE_WAIT,
-                    tokio::task::spawn_blocking(move || {
-                        super::holder::write_plan(&dir, &boot, &plan)
-                    }),
-                )
-                .await;
-                match written {
-                    Ok(Ok(Ok(()))) => Some(super::holder::HolderCommand::new(host)),
-                    Ok(Ok(Err(e))) => {
-                        tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
-                        None
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
-                        None
-                    }
-                    Err(_) => {
-                        tracing::warn!(wait = ?PLAN_WRITE_WAIT, "the plan for nodeguard's holder was not written in time (a slow disk); the handover uses the host's systemd-inhibit");
-                        None
-                    }
-                }
+        // A stale note goes before a new holder may write one, and the
+        // plan is written for it; a slow disk holds neither the stop's
+        // question.
+        let plan = ready.then(|| (ctx.boot_id.clone(), cfg.clone()));
+        let (dir, writes) = (ctx.state_dir.clone(), ctx.state_writes.clone());
+        let written = timeout(
+            PLAN_WRITE_WAIT,
+            tokio::task::spawn_blocking(move || {
+                super::holder::forget_note(&dir, &writes);
+                plan.map(|(boot, plan)| super::holder::write_plan(&dir, &boot, &plan))
+            }),
+        )
+        .await;
+        let holder = match (&ctx.handover.host_state_dir, written) {
+            (Some(host), Ok(Ok(Some(Ok(()))))) => Some(super::holder::HolderCommand::new(host)),
+            (_, Ok(Ok(None))) | (None, _) => None,
+            (_, Ok(Ok(Some(Err(e))))) => {
+                tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
+                None
             }
-            _ => None,
+            (_, Ok(Err(e))) => {
+                tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");
+                None
+            }
+            (_, Err(_)) => {
+                tracing::warn!(wait = ?PLAN_WRITE_WAIT, "the plan for nodeguard's holder was not written in time (a slow disk); the handover uses the host's systemd-inhibit");
+                None
+            }
         };
         let within = deadline.saturating_duration_since(Instant::now());
         port.hand_over(&why(cfg), life, holder, within).await

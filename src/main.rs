@@ -129,7 +129,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(async {
+    let result = runtime.block_on(async {
         tracing::info!(version = %nodeguard::version_string(), node = %args.node_name, "starting");
         let client = nodeguard::k8s::client(args.kubeconfig.as_deref()).await?;
         let mut config = AgentConfig::new(&args.node_name, args.listen, &args.state_dir);
@@ -224,7 +224,11 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         tracing::info!("stopped");
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    // Blocking work still running (a write to a hung state directory) does
+    // not hold the exit: the kubelet would kill the pod at its grace.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    result
 }
 
 /// The agent's own pod (`namespace/name`) from the downward API

@@ -2627,3 +2627,80 @@ async fn an_agent_whose_holder_copy_failed_still_stops_at_once() {
     );
     s.cleanup().await;
 }
+
+/// Found by the sixth review: a holder that noted a shutdown held its lock
+/// past its life for good when that shutdown ended without a cancel it saw
+/// (a restarted logind forgets the shutdown it was delaying and says
+/// nothing). It now holds past its life only while logind still prepares
+/// for the shutdown, asking every 10 s. The holder process on the private
+/// bus, no agent.
+#[tokio::test]
+async fn a_holder_past_its_life_keeps_a_noted_shutdown_only_while_logind_prepares_it() {
+    let bus = PrivateBus::start();
+    let peer = LogindPeer::start(&bus.address, Duration::from_secs(60), None).await;
+    let state = TempDir::new("holder");
+    let plan = nodeguard::shutdown::ShutdownConfig {
+        groups: vec![nodeguard::shutdown::core::GroupSpec {
+            priority: 0,
+            grace: Duration::from_secs(6),
+        }],
+        include: Default::default(),
+        escalate: true,
+        escalate_after_percent: 50,
+        safety_margin: Duration::from_secs(2),
+        drop_in_dir: None,
+    };
+    nodeguard::shutdown::holder::write_plan(
+        &state.path,
+        &nodeguard::shutdown::state::current_boot_id(),
+        &plan,
+    )
+    .unwrap();
+    let _holder = Killed(
+        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+            .args(["handover-hold", "--seconds=2", "--state-dir"])
+            .arg(&state.path)
+            .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let handover = || {
+        peer.inhibitor_modes()
+            == vec![(
+                "shutdown".to_string(),
+                "nodeguard-handover".to_string(),
+                "delay".to_string(),
+            )]
+    };
+    eventually(Duration::from_secs(10), "the holder's lock", || {
+        std::future::ready(handover())
+    })
+    .await;
+    peer.prepare_for_shutdown(true).await;
+    let note = state.path.join("shutdown-handover-began.json");
+    eventually(Duration::from_secs(5), "the holder's note", || {
+        std::future::ready(note.exists())
+    })
+    .await;
+    // Past its 2 s life, logind still preparing: held.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        handover(),
+        "a noted shutdown still under way keeps the lock past the life"
+    );
+    // logind forgets the shutdown without a word (as a restarted one does).
+    peer.state.lock().unwrap().preparing = false;
+    let t0 = Instant::now();
+    eventually(
+        Duration::from_secs(15),
+        "the lock released once logind prepares no shutdown",
+        || std::future::ready(peer.held() == 0),
+    )
+    .await;
+    eprintln!("released {:?} after logind stopped preparing", t0.elapsed());
+    assert!(
+        !note.exists(),
+        "the note of a shutdown no longer under way goes"
+    );
+}

@@ -219,36 +219,50 @@ fn same_shutdown(own: &ShutdownRecord, began: &ShutdownRecord) -> bool {
     let window = SAME_SHUTDOWN.as_millis() as u64;
     match (own.started_monotonic_ms, began.started_monotonic_ms) {
         (Some(o), Some(n)) => match own.ended_at {
-            None => o + window >= n,
+            None => o.saturating_add(window) >= n,
             Some(end) => {
-                let took = end.duration_since(own_start).as_millis().max(0) as u64;
-                o + took >= n
+                let took = end
+                    .duration_since(own_start)
+                    .as_millis()
+                    .clamp(0, u64::MAX as i128) as u64;
+                o.saturating_add(took) >= n
             }
         },
         _ => match own.ended_at {
-            None => own_start + jiff::SignedDuration::from_millis(window as i64) >= note_start,
+            None => own_start
+                .checked_add(jiff::SignedDuration::from_millis(window as i64))
+                .is_ok_and(|t| t >= note_start),
             Some(end) => end >= note_start,
         },
     }
 }
 
 /// How much earlier than the note an unfinished record of the same
-/// shutdown may have begun: the stop's question, at most.
-const SAME_SHUTDOWN: Duration = Duration::from_secs(20);
+/// shutdown may have begun: the stop's question at most, and a margin for
+/// the signal's way to the holder.
+const SAME_SHUTDOWN: Duration =
+    super::stop::STOP_DECIDE_MAX.saturating_add(Duration::from_secs(10));
 
 /// Takes the holder's note, if any, into the shutdown record: a shutdown
 /// of this boot began while only the handover unit held the lock. The
-/// agent's own record of this boot is kept when it is of a shutdown not
-/// finished, or finished after the note's start (the same shutdown, seen
-/// by the agent itself); an older one is replaced, and a corrupt one left
-/// for start-up to report. Returns the record of the shutdown under way,
+/// agent's own record of this boot is kept when it is of the same shutdown
+/// ([`same_shutdown`], seen by the agent itself); an older one is
+/// replaced, and a corrupt one left for start-up to report. With
+/// `not_before` (`CLOCK_MONOTONIC`, ms), a note of a shutdown begun
+/// earlier is stale and dropped. Returns the record of the shutdown under way,
 /// when there was a note of this boot; a note of another boot is dropped.
-pub fn adopt(state_dir: &Path, boot_id: &str, writes: &StateWrites) -> Option<ShutdownRecord> {
+pub fn adopt(
+    state_dir: &Path,
+    boot_id: &str,
+    writes: &StateWrites,
+    not_before: Option<u64>,
+) -> Option<ShutdownRecord> {
     let path = state_dir.join(BEGAN_FILE);
     let bytes = std::fs::read(&path).ok()?;
     let began = serde_json::from_slice::<ShutdownRecord>(&bytes)
         .ok()
-        .filter(|r| r.boot_id == boot_id && r.started_at.is_some());
+        .filter(|r| r.boot_id == boot_id && r.started_at.is_some())
+        .filter(|r| not_before.is_none_or(|t| r.started_monotonic_ms.is_some_and(|m| m >= t)));
     let own = match std::fs::read(super::state_file(state_dir)) {
         Ok(b) => match serde_json::from_slice::<ShutdownRecord>(&b) {
             Ok(r) => Some(r),
@@ -283,7 +297,7 @@ pub fn adopt(state_dir: &Path, boot_id: &str, writes: &StateWrites) -> Option<Sh
 /// Logs to stderr (the unit's journal).
 pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), ShutdownError> {
     let connector = ZbusConnector { address: None };
-    let port = connector.connect().await?;
+    let mut port = connector.connect().await?;
     // Subscribed before the lock is taken: no signal can fall between.
     let mut events = port.events().await?;
     let _lock = port.inhibit_as(HANDOVER_WHO, why).await?;
@@ -296,13 +310,24 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
         .map_err(|e| ShutdownError::Host(format!("cannot handle SIGTERM: {e}")))?;
     let end = tokio::time::sleep(life);
     tokio::pin!(end);
-    // Once a shutdown is noted, the lock is held until the next agent
-    // stops the unit or the host goes down (logind's own limit bounds the
-    // wait), never dropped by the unit's life with the note still to take.
+    // Once a shutdown is noted, its life does not end the lock while
+    // logind still prepares for that shutdown (asked at the end of the
+    // life, then every RECHECK): the next agent takes the note over, or
+    // the host goes down. A shutdown logind forgot (a restart of logind, a
+    // cancel missed while away from the bus) ends it.
     let mut noted = false;
     loop {
         tokio::select! {
-            _ = &mut end, if !noted => {
+            _ = &mut end => {
+                if noted {
+                    let preparing = tokio::time::timeout(RECHECK, port.preparing_for_shutdown()).await;
+                    if !matches!(preparing, Ok(Ok(false))) {
+                        end.as_mut().reset(tokio::time::Instant::now() + RECHECK);
+                        continue;
+                    }
+                    tracing::info!("the noted shutdown is no longer under way; releasing");
+                    let _ = record_cancelled(state_dir);
+                }
                 tracing::info!("no agent took the delay inhibitor over within its life; releasing it");
                 return Ok(());
             }
@@ -331,26 +356,41 @@ pub async fn hold(state_dir: &Path, life: Duration, why: &str) -> Result<(), Shu
                 Some(LogindEvent::Gone) | None => {
                     tracing::warn!("systemd-logind or the system bus went away; the lock is kept, subscribing again");
                     let mut wait = Duration::from_millis(500);
-                    events = loop {
+                    (port, events) = loop {
                         tokio::select! {
                             _ = &mut end, if !noted => return Ok(()),
                             _ = term.recv() => return Ok(()),
                             _ = tokio::time::sleep(wait) => {}
                         }
-                        let again = async { connector.connect().await?.events().await };
+                        let again = async {
+                            let p = connector.connect().await?;
+                            let ev = p.events().await?;
+                            Ok::<_, ShutdownError>((p, ev))
+                        };
                         match again.await {
-                            Ok(ev) => break ev,
+                            Ok(back) => break back,
                             Err(e) => {
                                 tracing::debug!(error = %e, "not back yet");
                                 wait = (wait * 2).min(Duration::from_secs(5));
                             }
                         }
                     };
+                    // A restarted logind forgets a shutdown it was
+                    // delaying, and says nothing of it.
+                    if noted && matches!(port.preparing_for_shutdown().await, Ok(false)) {
+                        tracing::info!("logind came back preparing no shutdown: the noted one is gone");
+                        noted = false;
+                        let _ = record_cancelled(state_dir);
+                    }
                 }
             }
         }
     }
 }
+
+/// How often a holder past its life asks logind whether the noted shutdown
+/// is still under way.
+const RECHECK: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
@@ -455,7 +495,7 @@ mod tests {
             state::load(&dir).unwrap().is_none(),
             "only the agent writes the record"
         );
-        let r = adopt(&dir, "boot-1", &writes()).unwrap();
+        let r = adopt(&dir, "boot-1", &writes(), None).unwrap();
         assert_eq!(r.started_at, Some(ts(1_800_000_000)));
         assert_eq!(r.started_monotonic_ms, Some(123_456));
         assert_eq!(r.plan, Some(plan()));
@@ -465,7 +505,7 @@ mod tests {
         );
         assert_eq!(state::load(&dir).unwrap(), Some(r));
         assert!(!dir.join(BEGAN_FILE).exists(), "the note is taken");
-        assert!(adopt(&dir, "boot-1", &writes()).is_none(), "once");
+        assert!(adopt(&dir, "boot-1", &writes(), None).is_none(), "once");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -490,7 +530,10 @@ mod tests {
             Duration::from_millis(200_000),
         )
         .unwrap();
-        assert_eq!(adopt(&dir, "boot-1", &writes()), Some(running.clone()));
+        assert_eq!(
+            adopt(&dir, "boot-1", &writes(), None),
+            Some(running.clone())
+        );
         assert_eq!(state::load(&dir).unwrap(), Some(running.clone()));
         // Finished after the note's start: the same shutdown, kept.
         let done = ShutdownRecord {
@@ -505,7 +548,7 @@ mod tests {
             Duration::from_millis(200_000),
         )
         .unwrap();
-        assert_eq!(adopt(&dir, "boot-1", &writes()), Some(done));
+        assert_eq!(adopt(&dir, "boot-1", &writes(), None), Some(done));
         // Finished before it: an earlier shutdown, replaced.
         let earlier = ShutdownRecord {
             ended_at: Some(ts(1_799_999_000)),
@@ -520,7 +563,7 @@ mod tests {
             Duration::from_millis(300_000),
         )
         .unwrap();
-        let r = adopt(&dir, "boot-1", &writes()).unwrap();
+        let r = adopt(&dir, "boot-1", &writes(), None).unwrap();
         assert_eq!(r.started_monotonic_ms, Some(300_000));
         assert!(r.groups_done.is_empty() && r.ended_at.is_none());
         // Not finished but begun long before the note: an earlier shutdown
@@ -539,7 +582,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            adopt(&dir, "boot-1", &writes())
+            adopt(&dir, "boot-1", &writes(), None)
                 .unwrap()
                 .started_monotonic_ms,
             Some(300_000)
@@ -553,7 +596,7 @@ mod tests {
             Duration::from_millis(400_000),
         )
         .unwrap();
-        assert!(adopt(&dir, "boot-1", &writes()).is_none());
+        assert!(adopt(&dir, "boot-1", &writes(), None).is_none());
         assert!(dir.join(BEGAN_FILE).exists());
         assert_eq!(
             std::fs::read_to_string(super::super::state_file(&dir)).unwrap(),
@@ -575,12 +618,12 @@ mod tests {
         assert!(record_began(&dir, "boot-1", ts(1_800_000_000), Duration::from_secs(5)).unwrap());
         record_cancelled(&dir).unwrap();
         record_cancelled(&dir).unwrap();
-        assert!(adopt(&dir, "boot-1", &writes()).is_none());
+        assert!(adopt(&dir, "boot-1", &writes(), None).is_none());
         // A note of the previous boot is dropped, nothing adopted.
         write_plan(&dir, "boot-0", &plan()).unwrap();
         record_began(&dir, "boot-0", ts(1_700_000_000), Duration::from_secs(5)).unwrap();
         assert!(dir.join(BEGAN_FILE).exists());
-        assert!(adopt(&dir, "boot-1", &writes()).is_none());
+        assert!(adopt(&dir, "boot-1", &writes(), None).is_none());
         assert!(!dir.join(BEGAN_FILE).exists());
         // The handover over: plan and note go.
         write_plan(&dir, "boot-1", &plan()).unwrap();

@@ -239,9 +239,15 @@ impl LogindPort for ZbusLogind {
         // whose next agent never armed) makes way, and a failed one is
         // reset. This process still holds its own lock meanwhile.
         let _ = clear_handover_unit(&systemd).await;
-        if let Some(h) = holder.filter(|_| {
-            deadline.saturating_duration_since(tokio::time::Instant::now()) > FALLBACK_WAIT
-        }) {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let holder = match holder {
+            Some(_) if left < FALLBACK_WAIT + Duration::from_secs(1) => {
+                tracing::warn!(left = ?left, "too little of the handover's time left for nodeguard's holder; the host's systemd-inhibit holds the lock");
+                None
+            }
+            h => h,
+        };
+        if let Some(h) = holder {
             let path = h.binary.display().to_string();
             // The rest, at least FALLBACK_WAIT, is systemd-inhibit's.
             let wait = HOLDER_WAIT.min(
@@ -302,7 +308,7 @@ impl LogindPort for ZbusLogind {
                 };
                 match stop.await {
                     Ok(_) => tracing::info!(unit = HANDOVER_UNIT, "the handed-over delay inhibitor released"),
-                    Err(e) => tracing::warn!(unit = HANDOVER_UNIT, error = %e, "cannot stop the handover unit; it ends by itself"),
+                    Err(e) => tracing::warn!(unit = HANDOVER_UNIT, error = %e, "cannot stop the handover unit; it ends by itself after its life (or, holding a noted shutdown, once logind no longer prepares it)"),
                 }
             });
         })))

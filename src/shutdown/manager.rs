@@ -235,7 +235,8 @@ impl<L: LogindConnector, C: ClusterPort> Manager<L, C> {
         let handed_over = reclaimed.as_ref().is_some_and(|l| l.is_handed_over());
         if handed_over {
             let _ = adopt(&self.ctx);
-        } else if listed == Some(false) {
+        } else if listed.is_some() {
+            // No unit (or a keeper's lock won): not this agent's to take.
             super::holder::forget_note(&self.ctx.state_dir, &self.ctx.state_writes);
         }
         let (mut resume, last, going_down) = start_up(&self.ctx, &self.logind).await;
@@ -751,7 +752,15 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     }
                 }
                 if during_handover {
-                    let record = adopt(ctx).unwrap_or_else(|| began_at(ctx, asked_at));
+                    // Only a note of this handover: none begun before the
+                    // last "no".
+                    let asked_ms = ctx
+                        .clock
+                        .monotonic()
+                        .saturating_sub(Instant::now().saturating_duration_since(asked_at))
+                        .as_millis() as u64;
+                    let record = super::holder::adopt(&ctx.state_dir, &ctx.boot_id, &ctx.state_writes, Some(asked_ms))
+                        .unwrap_or_else(|| began_at(ctx, asked_at));
                     tracing::warn!(
                         began_before = ?Instant::now().saturating_duration_since(asked_at),
                         noted = handed,
@@ -939,7 +948,7 @@ async fn take_handover<L: LogindConnector>(logind: &L) -> Option<Option<InhibitL
 /// The handover unit's note of a shutdown begun between two agents, taken
 /// into the record ([`super::holder::adopt`]).
 fn adopt<C>(ctx: &Ctx<C>) -> Option<ShutdownRecord> {
-    super::holder::adopt(&ctx.state_dir, &ctx.boot_id, &ctx.state_writes)
+    super::holder::adopt(&ctx.state_dir, &ctx.boot_id, &ctx.state_writes, None)
 }
 
 /// Copies this binary into the state directory for the handover unit, in
@@ -1053,7 +1062,7 @@ async fn hand_over<C, P: LogindPort>(
                 None
             }
             (_, Err(_)) => {
-                tracing::warn!(wait = ?PLAN_WRITE_WAIT, "the plan for nodeguard's holder was not written in time (a slow disk); the handover uses the host's systemd-inhibit");
+                tracing::warn!(wait = ?PLAN_WRITE_WAIT, "the state directory did not answer in time (a slow disk): the handover uses the host's systemd-inhibit");
                 None
             }
         };

@@ -11,7 +11,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 /// manager asks logind at start-up (5 s at most) and arms (logind's reload
 /// and poll, 2 s); an answer in the armed loop is at most three calls of
 /// 5 s (logind asked, the lock handed over, logind asked again).
-const STOP_DECIDE_MAX: Duration = Duration::from_secs(20);
+pub(super) const STOP_DECIDE_MAX: Duration = Duration::from_secs(20);
 
 /// Where the manager stands, for a stop's question.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,12 +15,12 @@
 //! its own lock ([`forget`]).
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use super::ShutdownConfig;
 use super::logind::{HANDOVER_WHO, LogindEvent, ZbusConnector};
 use super::state::{self, ShutdownRecord};
+use super::{HolderCommand, ShutdownConfig};
 use super::{LogindConnector, LogindPort, ShutdownError};
 use crate::state_dir::StateWrites;
 
@@ -38,31 +38,19 @@ pub const DIR: &str = "handover";
 /// The copy's name in [`DIR`].
 pub const BINARY: &str = "nodeguard";
 
-/// What the handover unit runs: the binary's path and the state directory,
-/// both as the host sees them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HolderCommand {
-    pub binary: PathBuf,
-    pub state_dir: PathBuf,
-}
-
-impl HolderCommand {
-    pub fn new(host_state_dir: &Path) -> Self {
-        HolderCommand {
-            binary: host_state_dir.join(DIR).join(BINARY),
-            state_dir: host_state_dir.to_path_buf(),
-        }
-    }
-
-    /// The unit's argv (argv[0] first).
-    pub fn argv(&self, why: &str, life: Duration) -> Vec<String> {
-        vec![
+/// What the handover unit runs for this holder, with the state directory
+/// as the host sees it.
+pub fn command(host_state_dir: &Path, why: &str, life: Duration) -> HolderCommand {
+    HolderCommand {
+        binary: host_state_dir.join(DIR).join(BINARY),
+        argv: vec![
             "nodeguard".into(),
             "handover-hold".into(),
-            format!("--state-dir={}", self.state_dir.display()),
+            format!("--state-dir={}", host_state_dir.display()),
             format!("--seconds={}", life.as_secs().max(1)),
             format!("--why={why}"),
-        ]
+        ],
+        state_dir: host_state_dir.to_path_buf(),
     }
 }
 
@@ -395,6 +383,7 @@ const RECHECK: Duration = Duration::from_secs(10);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn scratch(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("ng-holder-{name}-{}", std::process::id()));
@@ -470,9 +459,24 @@ mod tests {
         std::os::unix::fs::symlink(&elsewhere, dir.join(DIR)).unwrap();
         assert!(install(&src, &dir).is_err());
         assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        let cmd = command(
+            Path::new("/var/lib/nodeguard"),
+            "why",
+            Duration::from_secs(120),
+        );
         assert_eq!(
-            HolderCommand::new(Path::new("/var/lib/nodeguard")).binary,
+            cmd.binary,
             Path::new("/var/lib/nodeguard/handover/nodeguard")
+        );
+        assert_eq!(
+            cmd.argv,
+            [
+                "nodeguard",
+                "handover-hold",
+                "--state-dir=/var/lib/nodeguard",
+                "--seconds=120",
+                "--why=why"
+            ]
         );
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::remove_dir_all(&elsewhere).unwrap();

@@ -147,7 +147,7 @@ const FALLBACK_WAIT: Duration = Duration::from_millis(1500);
 
 /// The holder runs as root on the host: no more than it needs (the system
 /// bus's socket, its state directory).
-fn holder_sandbox(h: &super::holder::HolderCommand) -> Vec<(String, zbus::OwnedVariant)> {
+fn holder_sandbox(h: &super::HolderCommand) -> Vec<(String, zbus::OwnedVariant)> {
     let b = |v: bool| zbus::OwnedVariant::from(v);
     let s = |v: &str| zbus::OwnedVariant::from(zbus::Str::from(v.to_string()));
     let list = |v: Vec<String>| {
@@ -230,7 +230,7 @@ impl LogindPort for ZbusLogind {
         &self,
         why: &str,
         life: Duration,
-        holder: Option<super::holder::HolderCommand>,
+        holder: Option<super::HolderCommand>,
         within: Duration,
     ) -> Result<(), ShutdownError> {
         let deadline = tokio::time::Instant::now() + within;
@@ -256,7 +256,7 @@ impl LogindPort for ZbusLogind {
                     .saturating_sub(FALLBACK_WAIT),
             );
             match self
-                .run_holder(&systemd, &path, h.argv(why, life), holder_sandbox(&h), wait)
+                .run_holder(&systemd, &path, h.argv.clone(), holder_sandbox(&h), wait)
                 .await
             {
                 Ok(()) => {

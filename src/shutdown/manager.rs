@@ -1051,7 +1051,9 @@ async fn hand_over<C, P: LogindPort>(
         )
         .await;
         let holder = match (&ctx.handover.host_state_dir, written) {
-            (Some(host), Ok(Ok(Some(Ok(()))))) => Some(super::holder::HolderCommand::new(host)),
+            (Some(host), Ok(Ok(Some(Ok(()))))) => {
+                Some(super::holder::command(host, &why(cfg), life))
+            }
             (_, Ok(Ok(None))) | (None, _) => None,
             (_, Ok(Ok(Some(Err(e))))) => {
                 tracing::warn!(error = %e, "cannot write the plan for nodeguard's holder; the handover uses the host's systemd-inhibit");

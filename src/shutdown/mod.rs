@@ -148,6 +148,16 @@ pub trait ClusterPort: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
 }
 
+/// What the handover unit runs when it is nodeguard's holder
+/// ([`holder::command`]): the program and its argv (argv[0] first), and the
+/// state directory it may write, as the host sees them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HolderCommand {
+    pub binary: PathBuf,
+    pub argv: Vec<String>,
+    pub state_dir: PathBuf,
+}
+
 /// Port: logind as the shutdown manager needs it.
 pub trait LogindPort: Send + Sync + 'static {
     fn inhibit_delay_max(&self) -> impl Future<Output = Result<Duration, ShutdownError>> + Send;
@@ -166,7 +176,7 @@ pub trait LogindPort: Send + Sync + 'static {
         &self,
         why: &str,
         life: Duration,
-        holder: Option<holder::HolderCommand>,
+        holder: Option<HolderCommand>,
         within: Duration,
     ) -> impl Future<Output = Result<(), ShutdownError>> + Send;
     /// The inhibitor a previous pod handed over, if logind lists it: a lock

@@ -157,7 +157,7 @@ impl LogindPort for FakeLogind {
         &self,
         why: &str,
         _life: Duration,
-        _holder: Option<super::holder::HolderCommand>,
+        _holder: Option<super::HolderCommand>,
         _within: Duration,
     ) -> Result<(), ShutdownError> {
         // As the unit: a delay inhibitor of its own, which outlives the

@@ -90,6 +90,9 @@ pub struct AgentConfig {
     /// The `journalctl` journald monitors run; by default the one on PATH
     /// (the image's own, or the host's in host mode).
     pub journalctl: PathBuf,
+    /// Where exec probes and plugin monitors run their commands
+    /// (`--command-root`: the node's root file system mounted into the pod).
+    pub command_root: crate::command::CommandRoot,
 }
 
 impl AgentConfig {
@@ -114,6 +117,7 @@ impl AgentConfig {
             reclaimed_inhibitor: Arc::default(),
             handover: shutdown::Handover::default(),
             journalctl: "journalctl".into(),
+            command_root: Default::default(),
         }
     }
 }
@@ -467,6 +471,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 boot_id: config.boot_id.clone(),
                 read_roots: resolved,
                 journalctl: config.journalctl.clone(),
+                command_root: config.command_root.clone(),
             },
             shutdown.clone(),
         ),
@@ -492,6 +497,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             probe_metrics,
             probe_handle.clone(),
             probe_loop,
+            config.command_root.clone(),
             shutdown.clone(),
         ),
     );

@@ -208,6 +208,17 @@ pub struct RunArgs {
     #[arg(long, env = "NODEGUARD_HOST_STATE_DIR", value_parser = absolute_path)]
     pub host_state_dir: Option<PathBuf>,
 
+    /// Run exec probes' and plugin monitors' commands changed into this
+    /// root (chroot, working directory `/`): the node's root file system
+    /// mounted into the pod (the chart's `host.plugins.hostRoot`, at
+    /// /host). A command's path, a script's interpreter and what it runs
+    /// are then the node's, so shell scripts written for the node
+    /// (node-problem-detector's plugins) run unchanged. The allowed
+    /// commands (`--allow-command`) are paths on the node. Needs
+    /// CAP_SYS_CHROOT.
+    #[arg(long, env = "NODEGUARD_COMMAND_ROOT", value_parser = absolute_path)]
+    pub command_root: Option<PathBuf>,
+
     #[command(flatten)]
     pub trust: TrustArgs,
 

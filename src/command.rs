@@ -1,7 +1,11 @@
 //! Running a host command, for exec probes and plugin monitors: in its own
 //! process group, with a timeout, its output bounded, and what it leaves
-//! behind reaped.
+//! behind reaped; under the command root when there is one.
 
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
@@ -11,9 +15,11 @@ use tokio::io::AsyncReadExt;
 pub enum CommandError {
     #[error("no command")]
     Empty,
-    #[error("cannot run {program}: {source}")]
+    #[error("cannot run {program}{root}: {source}")]
     Spawn {
         program: String,
+        /// ` in the node's root <dir>` under a command root, else empty.
+        root: String,
         source: std::io::Error,
     },
     #[error("waiting for {program}: {source}")]
@@ -33,26 +39,79 @@ pub enum Ran {
     TimedOut,
 }
 
+/// Where commands run (`--command-root`): in the agent's own file system,
+/// or changed into a root directory first (chroot(2), then `/` as their
+/// working directory), so that a command's path, a script's interpreter
+/// (`#!/bin/bash`) and every program and file it uses are the root's. The
+/// chart mounts the node's root file system read-only there, so scripts
+/// written for the node (node-problem-detector's plugins) run with the
+/// node's own shell and tools, as from a process on the node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CommandRoot(Option<Arc<Path>>);
+
+impl CommandRoot {
+    /// `None`: the agent's own file system.
+    pub fn new(root: Option<PathBuf>) -> Self {
+        CommandRoot(root.map(Arc::from))
+    }
+
+    pub fn path(&self) -> Option<&Path> {
+        self.0.as_deref()
+    }
+
+    /// How a message names it: ` in the node's root /host`, or nothing.
+    fn said(&self) -> String {
+        match &self.0 {
+            Some(root) => format!(" in the node's root {}", root.display()),
+            None => String::new(),
+        }
+    }
+}
+
 /// Runs a host command with a timeout, capturing its output (bounded, so a
 /// chatty command cannot exhaust memory).
-pub async fn run_command(command: &[String], timeout: Duration) -> Result<Ran, CommandError> {
+pub async fn run_command(
+    command: &[String],
+    timeout: Duration,
+    root: &CommandRoot,
+) -> Result<Ran, CommandError> {
     let Some((program, args)) = command.split_first() else {
         return Err(CommandError::Empty);
     };
+    let spawn_error = |source| CommandError::Spawn {
+        program: program.clone(),
+        root: root.said(),
+        source,
+    };
+    let mut cmd = tokio::process::Command::new(program);
     // Its own process group: what the command starts (a script's
     // children) is ended with it.
-    let mut child = tokio::process::Command::new(program)
-        .args(args)
+    cmd.args(args)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| CommandError::Spawn {
-            program: program.clone(),
-            source,
+        .kill_on_drop(true);
+    if let Some(dir) = root.path() {
+        let dir = CString::new(dir.as_os_str().as_bytes()).map_err(|_| {
+            spawn_error(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the command root has a NUL byte",
+            ))
         })?;
+        // SAFETY: runs in the forked child before exec, and only makes two
+        // system calls (async-signal-safe) on memory allocated before the
+        // fork. The program's path is then looked up under the root.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::chroot(dir.as_ptr()) != 0 || libc::chdir(c"/".as_ptr()) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn().map_err(spawn_error)?;
     let group = EndGroup(child.id());
     let mut stdout = child.stdout.take().expect("piped");
     let mut stderr = child.stderr.take().expect("piped");

@@ -110,6 +110,15 @@ fn init_logging(format: LogFormat) {
 
 fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     init_logging(args.log.log_format);
+    if let Some(root) = &args.command_root {
+        // Said once here, not as a puzzling "No such file" of each
+        // command (the chart's host.plugins.hostRoot mounts it).
+        anyhow::ensure!(
+            root.join("bin").is_dir() || root.join("usr").is_dir(),
+            "--command-root {}: not a root file system (no bin or usr directory under it); in the chart, host.plugins.hostRoot mounts the node's at /host",
+            root.display()
+        );
+    }
     // Read the service manager's environment once, before any thread starts.
     let notify_socket = std::env::var("NOTIFY_SOCKET").ok();
     let systemd_watchdog = nodeguard::watchdog::core::systemd_timeout(
@@ -143,6 +152,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.handover.life = (args.inhibitor_handover_seconds > 0)
             .then(|| std::time::Duration::from_secs(args.inhibitor_handover_seconds));
         config.handover.host_state_dir = args.host_state_dir.clone();
+        config.command_root = nodeguard::command::CommandRoot::new(args.command_root.clone());
         let retiring_flag = config.handover.retiring.clone();
         *config.reclaimed_inhibitor.lock().unwrap() = reclaimed;
         if let Ok(ns) = std::env::var("POD_NAMESPACE")

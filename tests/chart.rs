@@ -139,7 +139,7 @@ fn kubectl_stdin(args: &[&str], input: &str) -> (bool, String) {
     )
 }
 
-const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\n  logs: {enabled: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\ndashboard: {enabled: true}\n";
+const ALL_FEATURES: &str = "host:\n  dbus: {enabled: true}\n  logindDropIn: {enabled: true}\n  watchdog: {enabled: true}\n  kmsg: {enabled: true}\n  journal: {enabled: true}\n  logs: {enabled: true}\n  plugins: {enabled: true, hostRoot: true}\ndefaultPolicy: {enabled: true}\nmetrics:\n  service: {enabled: true}\n  podMonitor: {enabled: true}\ndashboard: {enabled: true}\n";
 
 /// A namespace as README has users make it: labelled for Pod Security's
 /// privileged level, which the chart checks before it installs.
@@ -214,6 +214,90 @@ fn with_host_access_off_the_pod_is_unprivileged() {
         assert!(out.contains(want), "missing {want} in:\n{out}");
     }
     assert!(!out.contains("hostPath"), "no host mounts");
+}
+
+/// host.plugins.hostRoot: the node's root read-only at /host (following
+/// the node's unmounts), the agent told to run commands there, root with SYS_CHROOT and
+/// nothing else added; the plugin directory is not mounted again (it is
+/// under /host) and stays an allowed command root. Off, none of it.
+#[test]
+fn host_root_mounts_the_nodes_root_read_only_and_runs_commands_there() {
+    let off = [
+        "host.stateDir.enabled=false",
+        "host.plugins.enabled=true",
+        "host.plugins.hostRoot=true",
+    ];
+    let (ok, out, err) = helm(&[
+        "template",
+        "x",
+        &chart(),
+        "--set",
+        off[0],
+        "--set",
+        off[1],
+        "--set",
+        off[2],
+    ]);
+    assert!(ok, "{err}");
+    let ds = out
+        .split("\n---\n")
+        .find(|doc| doc.contains("\nkind: DaemonSet\n"))
+        .unwrap();
+    let ds: serde_json::Value = serde_saphyr::from_str(ds).unwrap();
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args = daemonset_args(&out);
+    assert!(
+        args.contains(&"--command-root=/host".to_string()),
+        "{args:?}"
+    );
+    assert!(
+        args.contains(&"--allow-command=/usr/local/lib/nodeguard/plugins/".to_string()),
+        "{args:?}"
+    );
+    assert_eq!(pod["securityContext"]["runAsUser"], 0);
+    assert_eq!(c["securityContext"]["privileged"], false);
+    assert_eq!(
+        c["securityContext"]["capabilities"],
+        serde_json::json!({"drop": ["ALL"], "add": ["SYS_CHROOT"]})
+    );
+    let mounts = c["volumeMounts"].as_array().unwrap();
+    let host = mounts.iter().find(|m| m["mountPath"] == "/host").unwrap();
+    assert_eq!(host["readOnly"], true);
+    assert_eq!(host["mountPropagation"], "HostToContainer");
+    assert!(
+        !mounts
+            .iter()
+            .any(|m| m["mountPath"] == "/usr/local/lib/nodeguard/plugins"),
+        "{mounts:?}"
+    );
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == host["name"])
+        .unwrap();
+    assert_eq!(volume["hostPath"]["path"], "/");
+    // The agent's own command line takes what the chart renders.
+    use clap::Parser as _;
+    let mut argv = vec!["nodeguard".to_string()];
+    argv.extend(args);
+    argv.push("--node-name=n".into());
+    let cli =
+        nodeguard::cli::Cli::try_parse_from(&argv).expect("the agent accepts the chart's args");
+    let nodeguard::cli::Command::Run(run) = cli.command else {
+        panic!("the chart runs `nodeguard run`")
+    };
+    assert_eq!(
+        run.command_root.as_deref(),
+        Some(std::path::Path::new("/host"))
+    );
+    // Off: no root mount, no chroot, no extra capability.
+    let (ok, out, err) = helm(&["template", "x", &chart(), "--set", off[0], "--set", off[1]]);
+    assert!(ok, "{err}");
+    for absent in ["--command-root", "SYS_CHROOT", "name: host-root"] {
+        assert!(!out.contains(absent), "{absent} in:\n{out}");
+    }
 }
 
 /// What the daemonset VM scenario (tests/vm/kubenode.rs) found on a real

@@ -151,6 +151,29 @@ fn version_and_help() {
     }
 }
 
+/// `--command-root` must be absolute, and a directory that is no root file
+/// system (a mount missing from the pod) stops the agent at start with
+/// the reason, not with a puzzling "No such file" from every command.
+#[test]
+fn a_command_root_that_is_no_root_file_system_stops_the_agent_at_start() {
+    let (code, _, err) = nodeguard(&["run", "--node-name=n", "--command-root=host"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("\"host\" is not an absolute path"), "{err}");
+    let empty = support::TempDir::new("command-root-empty");
+    let (code, _, err) = nodeguard(&[
+        "run",
+        "--node-name=n",
+        "--listen=127.0.0.1:0",
+        &format!("--state-dir={}/state", empty.path.display()),
+        &format!("--command-root={}", empty.path.display()),
+    ]);
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains("not a root file system") && err.contains("host.plugins.hostRoot"),
+        "{err}"
+    );
+}
+
 #[test]
 fn import_npd_converts_npds_own_configs_into_a_valid_policy() {
     // node-problem-detector's own files, from its Go module (e2e/npd-configs).

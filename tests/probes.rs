@@ -1508,3 +1508,163 @@ async fn a_probe_whose_gate_is_not_in_force_is_left_out_and_said_why() {
     delete_policy(&admin, &a).await;
     delete_policy(&admin, &b).await;
 }
+
+/// A root file system with `bash` and `sleep` (and the libraries they
+/// load) and nothing else of this machine's: what `--command-root` runs
+/// commands in, standing for the node's root mounted into the pod.
+fn minimal_root(root: &std::path::Path) {
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    for program in ["/bin/bash", "/bin/sleep"] {
+        files.push(program.into());
+        let ldd = std::process::Command::new("ldd")
+            .arg(program)
+            .output()
+            .expect("ldd");
+        for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+            // "libc.so.6 => /lib/…/libc.so.6 (0x…)" or "/lib64/ld-linux… (0x…)"
+            let path = line
+                .split("=>")
+                .last()
+                .and_then(|s| s.split_whitespace().next())
+                .unwrap_or("");
+            if path.starts_with('/') {
+                files.push(path.into());
+            }
+        }
+    }
+    for f in files {
+        let to = root.join(f.strip_prefix("/").unwrap());
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        // The file itself where the path is a link (/lib64/ld-linux…).
+        std::fs::copy(std::fs::canonicalize(&f).unwrap(), &to).unwrap();
+    }
+}
+
+/// The chart's `host.plugins.hostRoot`: commands run changed into the
+/// node's root. Here a root holding bash, sleep and a marker file this
+/// machine does not have: a plugin script and an exec probe, named by
+/// their paths in that root (which are not paths here, and are what
+/// `--allow-command` allows), run with the root's own `#!/bin/bash` and see
+/// the marker. A plugin that forks and times out there leaves nothing
+/// behind over several runs, the agent being PID 1 of its PID namespace.
+#[tokio::test]
+async fn commands_run_in_the_command_root_with_its_own_interpreter() {
+    use std::os::unix::fs::PermissionsExt;
+    let admin = admin_client().await;
+    let node = labelled_node(&admin, "command-root").await;
+    let root = TempDir::new("command-root");
+    minimal_root(&root.path);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let marker = format!("root-{:x}", nanos ^ std::process::id());
+    std::fs::write(root.path.join("etc-marker"), &marker).unwrap();
+    // Node paths, which do not exist on this machine.
+    let plugins = "/usr/local/lib/nodeguard-root-test/plugins";
+    assert!(!std::path::Path::new(plugins).exists());
+    let dir = root.path.join(plugins.strip_prefix('/').unwrap());
+    std::fs::create_dir_all(&dir).unwrap();
+    let check = "#!/bin/bash\nif [[ -e /etc-marker && $PWD == / ]]; then echo \"in the root: $(< /etc-marker)\"; exit 1; fi\necho \"not in the root\"\nexit 0\n";
+    let tag = (nanos ^ std::process::id()) & 0xffffff;
+    let hang_comm = format!("ngr{tag:x}");
+    let hang = "#!/bin/bash\nif [[ $1 == child ]]; then while :; do /bin/sleep 1; done; fi\n\"$0\" child &\nwait\n";
+    for (name, body) in [("check.sh", check), (hang_comm.as_str(), hang)] {
+        std::fs::write(dir.join(name), body).unwrap();
+        std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let policy = unique_name("command-root");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "probes": [
+                {"name": "in-root", "exec": {"command": [format!("{plugins}/check.sh")]},
+                 "timeoutSeconds": 5, "periodSeconds": 2, "failureThreshold": 1,
+                 "conditionType": "RootCheckFailed"},
+            ],
+            "monitors": [
+                {"name": "in-root", "source": {"plugin": {"intervalSeconds": 2, "timeoutSeconds": 5}},
+                 "conditions": [{"type": "RootPluginProblem", "reason": "Fine", "message": "fine"}],
+                 "rules": [{"type": "permanent", "condition": "RootPluginProblem", "reason": "InRoot",
+                            "command": [format!("{plugins}/check.sh")]}]},
+                {"name": "hangs-in-root", "source": {"plugin": {"intervalSeconds": 2, "timeoutSeconds": 1}},
+                 "conditions": [{"type": "RootHangProblem", "reason": "Fine", "message": "fine"}],
+                 "rules": [{"type": "permanent", "condition": "RootHangProblem", "reason": "Hung",
+                            "command": [format!("{plugins}/{hang_comm}")]}]},
+            ],
+        }),
+    )
+    .await;
+    let state = TempDir::new("command-root-state");
+    let mut agent = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child"])
+        .arg(env!("CARGO_BIN_EXE_nodeguard"))
+        .args(["run", "--listen", "127.0.0.1:0", "--node-name", &node.name])
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .arg("--state-dir")
+        .arg(&state.path)
+        .arg(format!("--allow-command={plugins}/"))
+        .arg(format!("--command-root={}", root.path.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("unshare (util-linux) runs the agent as PID 1 of a new PID namespace");
+    for (condition_type, what) in [
+        ("RootCheckFailed", "the exec probe"),
+        ("RootPluginProblem", "the plugin"),
+    ] {
+        wait_condition(
+            &admin,
+            &node.name,
+            condition_type,
+            "True",
+            Duration::from_secs(30),
+            &format!("{condition_type}=True: {what} ran in the root"),
+        )
+        .await;
+        let (_, _, message) = condition(&admin, &node.name, condition_type).await.unwrap();
+        assert!(
+            message.contains(&format!("in the root: {marker}")),
+            "{what}: {message}"
+        );
+    }
+    // The hanging plugin runs (an Unknown verdict leaves its condition as
+    // it was, as node-problem-detector does).
+    eventually(
+        Duration::from_secs(30),
+        "the hanging plugin running in the root",
+        || std::future::ready(!processes_named(&hang_comm).is_empty()),
+    )
+    .await;
+    // Three more timed-out runs; then at most one run's two processes,
+    // never a zombie that stays.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let mut most = 0usize;
+    let mut zombies_seen: std::collections::BTreeMap<u32, std::time::Instant> = Default::default();
+    let mut lasting_zombies = Vec::new();
+    for _ in 0..30 {
+        let left = processes_named(&hang_comm);
+        most = most.max(left.len());
+        for (pid, state) in left {
+            if state == 'Z' {
+                let first = *zombies_seen
+                    .entry(pid)
+                    .or_insert_with(std::time::Instant::now);
+                if first.elapsed() >= Duration::from_millis(200) {
+                    lasting_zombies.push(pid);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert!(
+        most <= 2 && lasting_zombies.is_empty(),
+        "processes of the timed-out plugin left behind in the root: at most {most} at once, zombies that stayed {lasting_zombies:?}"
+    );
+    delete_policy(&admin, &policy).await;
+}

@@ -114,6 +114,8 @@ pub struct MonitorContext<T> {
     pub read_roots: Vec<PathBuf>,
     /// The `journalctl` journald monitors run (`journalctl`: found on PATH).
     pub journalctl: PathBuf,
+    /// Where plugin monitors' commands run (`--command-root`).
+    pub command_root: crate::command::CommandRoot,
 }
 
 #[cfg(test)]
@@ -278,6 +280,7 @@ mod tests {
             boot_id: "this-boot".into(),
             read_roots: vec![PathBuf::from("/")],
             journalctl: "journalctl".into(),
+            command_root: Default::default(),
         });
         (spec, ctx, handle)
     }

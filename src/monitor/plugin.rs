@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::PluginStatus;
 use super::sources::SourceCounters;
-use crate::command::{Ran, run_command};
+use crate::command::{CommandRoot, Ran, run_command};
 use crate::policy::monitors::MonitorSpec;
 
 /// How much of a command's output is kept before `maxOutputLength` cuts it
@@ -24,6 +24,7 @@ pub(super) async fn run_plugins(
     source: crate::policy::monitors::PluginSource,
     tx: mpsc::Sender<(usize, PluginStatus, String)>,
     counters: Arc<SourceCounters>,
+    root: CommandRoot,
     stop: CancellationToken,
 ) {
     let limit = Arc::new(tokio::sync::Semaphore::new(
@@ -45,10 +46,11 @@ pub(super) async fn run_plugins(
             }
             let permit = limit.clone().acquire_owned().await.expect("never closed");
             let (tx, command, counters) = (tx.clone(), rule.command.clone(), counters.clone());
+            let root = root.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 counters.lines.fetch_add(1, Ordering::Relaxed);
-                let (status, output) = match run_command(&command, timeout).await {
+                let (status, output) = match run_command(&command, timeout, &root).await {
                     Ok(Ran::Exited(Some(0), out)) => (PluginStatus::Ok, out),
                     Ok(Ran::Exited(Some(1), out)) => (PluginStatus::Problem, out),
                     Ok(Ran::Exited(_, out)) => (PluginStatus::Unknown, out),

@@ -191,6 +191,7 @@ pub(super) async fn run_monitor<T: TaintPort>(
                 p.clone(),
                 plugin_tx.clone(),
                 counters.clone(),
+                ctx.command_root.clone(),
                 stop.clone(),
             ));
         }

@@ -84,10 +84,11 @@ pub async fn run_probe_manager<P: PodConditionPort + Clone>(
     metrics: ProbeMetrics,
     handle: ProbeHandle,
     health: LoopHandle,
+    command_root: crate::command::CommandRoot,
     stop: CancellationToken,
 ) {
     let shared = Arc::new(Shared {
-        probers: Probers::new(),
+        probers: Probers::new().with_command_root(command_root),
         reporter,
         pod_port,
         metrics,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::core::ProbeResult;
-use crate::command::{Ran, run_command};
+use crate::command::{CommandRoot, Ran, run_command};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -116,6 +116,8 @@ pub struct Probers {
     http: HttpsClient,
     http_insecure: HttpsClient,
     grpc: Client<HttpConnector, Full<Bytes>>,
+    /// Where exec probes run (`--command-root`).
+    command_root: CommandRoot,
 }
 
 impl fmt::Debug for Probers {
@@ -165,7 +167,14 @@ impl Probers {
                 .http2_only(true)
                 .pool_max_idle_per_host(0)
                 .build(h2c),
+            command_root: CommandRoot::default(),
         }
+    }
+
+    /// Exec probes run under `root` (`--command-root`).
+    pub fn with_command_root(mut self, root: CommandRoot) -> Self {
+        self.command_root = root;
+        self
     }
 
     /// Runs `action` with `timeout`. A timeout is a failure.
@@ -201,7 +210,7 @@ impl Probers {
                 port,
                 service,
             } => grpc_health(&self.grpc, host, *port, service).await,
-            Action::Exec { command } => exec(command, timeout).await,
+            Action::Exec { command } => exec(command, timeout, &self.command_root).await,
         }
     }
 }
@@ -428,8 +437,12 @@ async fn grpc_health(
     }
 }
 
-async fn exec(command: &[String], timeout: Duration) -> Result<Outcome, ProberError> {
-    let ran = run_command(command, timeout)
+async fn exec(
+    command: &[String],
+    timeout: Duration,
+    root: &CommandRoot,
+) -> Result<Outcome, ProberError> {
+    let ran = run_command(command, timeout, root)
         .await
         .map_err(|e| ProberError(e.to_string()))?;
     match ran {

@@ -389,6 +389,7 @@ async fn a_panicked_worker_is_restarted_after_a_delay() {
         metrics,
         handle.clone(),
         health.register("probe-manager", Duration::from_secs(60)),
+        Default::default(),
         stop.clone(),
     ));
     let t0 = Instant::now();

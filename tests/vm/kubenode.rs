@@ -414,7 +414,7 @@ async fn guest_diagnostics(vm: &mut Vm) -> String {
 }
 
 /// The real node's scenarios, in the order they run on its boots.
-pub const STEPS: [&str; 12] = [
+pub const STEPS: [&str; 13] = [
     "kube-install",
     "kube-upgrade",
     "daemonset",
@@ -425,6 +425,7 @@ pub const STEPS: [&str; 12] = [
     "kube-trust",
     "kube-alerts",
     "kube-npd",
+    "kube-npd-plugins",
     "kube-reboot",
     "kube-device-watchdog",
 ];
@@ -439,7 +440,7 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
     let dir = node_dir(&node.0);
     let published = published();
     let disk = kube_disk(env, &node.0, &dir, ShutdownBy::Nodeguard);
-    if steps.contains(&"kube-npd") {
+    if steps.contains(&"kube-npd") || steps.contains(&"kube-npd-plugins") {
         // node-problem-detector's binary (static, CGO off), as bench/npd
         // builds it from its Go module.
         let out = std::process::Command::new(repo_root().join("bench/npd-build"))
@@ -514,6 +515,10 @@ pub async fn daemonset_node(env: &Env, rows: &Rows, steps: &[&'static str]) {
         }
         if wants("kube-npd") {
             kubework::npd_oracle(&mut vm, &admin, &dir, rows).await;
+        }
+        if wants("kube-npd-plugins") {
+            kubework::npd_plugins(&mut vm, &admin, &node.0, &dir, &release, &published, rows)
+                .await;
         }
         if wants("kube-reboot") {
             let kernel = vm

@@ -1756,43 +1756,14 @@ pub const NPD_BINARY: &str = "/usr/local/lib/npd/nodeproblemdetector";
 pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows: &Rows) {
     let npd_node = TestNode::create(admin, "npd-oracle", &[]).await;
     let ng_node = TestNode::selectable(admin, "ng-oracle").await;
-    // NPD's credentials: a token of an account bound to cluster-admin.
-    let account = unique_name("npd-oracle");
-    kubectl(&["create", "serviceaccount", &account, "-n", "default"]);
-    kubectl(&[
-        "create",
-        "clusterrolebinding",
-        &account,
-        "--clusterrole=cluster-admin",
-        &format!("--serviceaccount=default:{account}"),
-    ]);
-    let token = kubectl(&[
-        "create",
-        "token",
-        &account,
-        "-n",
-        "default",
-        "--duration",
-        "1h",
-    ]);
-    let ca =
-        std::fs::read_to_string(kubeconfig_path().with_file_name("pki").join("ca.crt")).unwrap();
+    let account = npd_credentials(vm, "npd-oracle").await;
     use base64::Engine as _;
     let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
-    let kubeconfig = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://{}\n    certificate-authority-data: {}\nusers:\n- name: npd\n  user:\n    token: {}\ncontexts:\n- name: npd\n  context: {{cluster: test, user: npd}}\ncurrent-context: npd\n",
-        crate::qemu::GUEST_APISERVER,
-        b64(ca.as_bytes()),
-        token.trim()
-    );
     // NPD's two kernel monitors of the GCE set.
     const CONFIGS: [&str; 2] = ["kernel-monitor.json", "readonly-monitor.json"];
     let mut types: Vec<String> = Vec::new();
     let mut reasons: Vec<String> = Vec::new();
-    let mut install = format!(
-        "mkdir -p /etc/npd && echo {} | base64 -d > /etc/npd/kubeconfig",
-        b64(kubeconfig.as_bytes())
-    );
+    let mut install = String::from("mkdir -p /etc/npd");
     for file in CONFIGS {
         let mut config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(npd_configs().join(file)).unwrap())
@@ -1960,6 +1931,298 @@ pub async fn npd_oracle(vm: &mut Vm, admin: &Client, dir: &std::path::Path, rows
             corpus.len(),
             npd_seen.0.len(),
             npd_seen.1.len()
+        ),
+    );
+}
+
+/// NPD's credentials on the node, `/etc/npd/kubeconfig`: a token of a new
+/// account bound to cluster-admin, whose name is returned (to delete).
+async fn npd_credentials(vm: &mut Vm, prefix: &str) -> String {
+    let account = unique_name(prefix);
+    kubectl(&["create", "serviceaccount", &account, "-n", "default"]);
+    kubectl(&[
+        "create",
+        "clusterrolebinding",
+        &account,
+        "--clusterrole=cluster-admin",
+        &format!("--serviceaccount=default:{account}"),
+    ]);
+    let token = kubectl(&[
+        "create",
+        "token",
+        &account,
+        "-n",
+        "default",
+        "--duration",
+        "1h",
+    ]);
+    let ca =
+        std::fs::read_to_string(kubeconfig_path().with_file_name("pki").join("ca.crt")).unwrap();
+    use base64::Engine as _;
+    let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://{}\n    certificate-authority-data: {}\nusers:\n- name: npd\n  user:\n    token: {}\ncontexts:\n- name: npd\n  context: {{cluster: test, user: npd}}\ncurrent-context: npd\n",
+        crate::qemu::GUEST_APISERVER,
+        b64(ca.as_bytes()),
+        token.trim()
+    );
+    vm.sh(&format!(
+        "mkdir -p /etc/npd && echo {} | base64 -d > /etc/npd/kubeconfig",
+        b64(kubeconfig.as_bytes())
+    ))
+    .await;
+    account
+}
+
+/// Where the node keeps NPD's plugin scripts: under the chart's
+/// `host.plugins.path`, so the agent may run them.
+pub const NPD_PLUGINS: &str = "/usr/local/lib/nodeguard/plugins/npd";
+
+/// Our own plugin that forks and hangs until its timeout kills it.
+const HANG_SCRIPT: &str = "ngvm-hang.sh";
+
+/// NPD's plugin scripts, unchanged, from the chart's pod (issue: NPD's
+/// users' shell plugins). NPD's binary runs on the node with its release's
+/// `custom-plugin-monitor.json` (check_ntp.sh, through the node's
+/// `systemctl`) and `network-problem-monitor.json` (network_problem.sh,
+/// the node's conntrack table), for a Node of its own; the chart is
+/// upgraded to `host.plugins.hostRoot=true` and the agent runs their
+/// `import-npd` for the node itself. Both give the same conditions and
+/// Events, with `ntp.service` missing and then running. A plugin of ours
+/// that forks and times out leaves nothing behind on the node over ten runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn npd_plugins(
+    vm: &mut Vm,
+    admin: &Client,
+    node: &str,
+    dir: &std::path::Path,
+    release: &crate::kubenode::Release,
+    published: &crate::kubenode::Published,
+    rows: &Rows,
+) {
+    use base64::Engine as _;
+    let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+    let npd_node = TestNode::create(admin, "npd-plugins", &[]).await;
+    let account = npd_credentials(vm, "npd-plugins").await;
+    // NPD's scripts as its release has them, and the configs naming them
+    // where the node has them (their paths are relative to NPD's working
+    // directory in the release), run every 5 s: the same files for both.
+    let mut install = format!("mkdir -p {NPD_PLUGINS} /etc/npd");
+    for script in ["check_ntp.sh", "network_problem.sh"] {
+        let body = std::fs::read(npd_configs().join("plugin").join(script)).unwrap();
+        install.push_str(&format!(
+            " && echo {} | base64 -d > {NPD_PLUGINS}/{script} && chmod 0755 {NPD_PLUGINS}/{script}",
+            b64(&body)
+        ));
+    }
+    let hang = "#!/bin/bash\nif [[ $1 == child ]]; then while :; do sleep 1; done; fi\n\"$0\" child &\nwait\n";
+    install.push_str(&format!(
+        " && echo {} | base64 -d > {NPD_PLUGINS}/{HANG_SCRIPT} && chmod 0755 {NPD_PLUGINS}/{HANG_SCRIPT}",
+        b64(hang.as_bytes())
+    ));
+    const CONFIGS: [&str; 2] = ["custom-plugin-monitor.json", "network-problem-monitor.json"];
+    let mut types: Vec<String> = Vec::new();
+    let mut reasons: Vec<String> = Vec::new();
+    let mut local = Vec::new();
+    for file in CONFIGS {
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(npd_configs().join(file)).unwrap())
+                .unwrap();
+        config["pluginConfig"]["invoke_interval"] = "5s".into();
+        for rule in config["rules"].as_array_mut().unwrap() {
+            let script = rule["path"]
+                .as_str()
+                .unwrap()
+                .rsplit('/')
+                .next()
+                .unwrap()
+                .to_string();
+            rule["path"] = format!("{NPD_PLUGINS}/{script}").into();
+            reasons.push(rule["reason"].as_str().unwrap().to_string());
+        }
+        for c in config["conditions"].as_array().unwrap() {
+            types.push(c["type"].as_str().unwrap().to_string());
+            reasons.push(c["reason"].as_str().unwrap().to_string());
+        }
+        let text = serde_json::to_string_pretty(&config).unwrap();
+        install.push_str(&format!(
+            " && echo {} | base64 -d > /etc/npd/{file}",
+            b64(text.as_bytes())
+        ));
+        let path = dir.join(format!("npd-plugins-{file}"));
+        std::fs::write(&path, &text).unwrap();
+        local.push(path.display().to_string());
+    }
+    reasons.sort();
+    reasons.dedup();
+    vm.sh(&install).await;
+    vm.sh(&format!(
+        "systemd-run --unit=npd-plugins {NPD_BINARY} --hostname-override={} --apiserver-override='https://{}?inClusterConfig=false&auth=/etc/npd/kubeconfig' --config.custom-plugin-monitor=/etc/npd/{},/etc/npd/{} --address=127.0.0.1 --port=20258 --prometheus-address=127.0.0.1 --prometheus-port=20259 --v=3",
+        npd_node.name,
+        crate::qemu::GUEST_APISERVER,
+        CONFIGS[0],
+        CONFIGS[1]
+    ))
+    .await;
+
+    // The agent: the chart's pod, now running commands in the node's root.
+    let mut args = vec!["import-npd"];
+    args.extend(local.iter().map(String::as_str));
+    let (code, yaml, notes) = nodeguard(&args);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let mut monitors =
+        serde_json::to_value(&docs[0].policy.as_ref().unwrap().spec.monitors).unwrap();
+    monitors.as_array_mut().unwrap().push(serde_json::json!({
+        "name": "hangs", "source": {"plugin": {"intervalSeconds": 2, "timeoutSeconds": 1}},
+        "conditions": [{"type": "HangingPluginProblem", "reason": "Fine", "message": "fine"}],
+        "rules": [{"type": "permanent", "condition": "HangingPluginProblem", "reason": "Hung",
+                   "command": [format!("{NPD_PLUGINS}/{HANG_SCRIPT}")]}],
+    }));
+    let t_upgrade = Instant::now();
+    crate::kubenode::run(
+        std::process::Command::new(&release.helm)
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .args(["upgrade", &release.name, &published.chart()])
+            .args(["--version", &published.version, "--plain-http"])
+            .args(["-n", &release.namespace, "--reuse-values"])
+            .args([
+                "--set",
+                "host.plugins.hostRoot=true",
+                "--wait",
+                "--timeout",
+                "5m",
+            ]),
+    );
+    let rolled = t_upgrade.elapsed();
+    let policy = unique_name("npd-plugins");
+    apply_policy(
+        admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node}},
+            "monitors": monitors,
+        }),
+    )
+    .await;
+
+    // Until both Nodes show the same, with NPD's condition set (or 90 s).
+    async fn settle(
+        admin: &Client,
+        npd: &str,
+        ng: &str,
+        types: &[String],
+        reasons: &[String],
+        want: &str,
+    ) -> ((Vec<String>, Vec<String>), (Vec<String>, Vec<String>)) {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let a = shown(admin, npd, types, reasons).await;
+            let b = shown(admin, ng, types, reasons).await;
+            let settled = a.1.iter().any(|c| c.starts_with(want));
+            if (settled && a == b) || Instant::now() > deadline {
+                return (a, b);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    let down = settle(
+        admin,
+        &npd_node.name,
+        node,
+        &types,
+        &reasons,
+        "NTPProblem=True",
+    )
+    .await;
+    // ntp.service running on the node: check_ntp.sh asks the node's systemd.
+    vm.sh("systemd-run --unit=ntp.service sleep infinity").await;
+    let up = settle(
+        admin,
+        &npd_node.name,
+        node,
+        &types,
+        &reasons,
+        "NTPProblem=False",
+    )
+    .await;
+    vm.sh("systemctl stop ntp.service").await;
+
+    // The hanging plugin, sampled on the node every 0.2 s for 8 s after
+    // at least ten timed-out runs: "sample pid state" lines.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let samples = vm
+        .sh(&format!(
+            "for i in $(seq 40); do ps -eo pid=,stat=,comm= | awk -v i=$i '$3 == \"{HANG_SCRIPT}\" {{ print i, $1, $2 }}'; sleep 0.2; done"
+        ))
+        .await;
+    let mut per_sample: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut zombie_since: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut lasting = Vec::new();
+    let mut seen_pids = std::collections::BTreeSet::new();
+    for line in samples.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Ok(i), Ok(pid)) = (f[0].parse::<u32>(), f[1].parse::<u32>()) else {
+            continue;
+        };
+        seen_pids.insert(pid);
+        *per_sample.entry(i).or_default() += 1;
+        if f[2].starts_with('Z') {
+            let first = *zombie_since.entry(pid).or_insert(i);
+            if i >= first + 2 {
+                lasting.push(pid);
+            }
+        }
+    }
+    let most = per_sample.values().copied().max().unwrap_or(0);
+
+    let npd_log = vm
+        .sh("journalctl -u npd-plugins --no-pager -o cat | tail -60; systemctl stop npd-plugins")
+        .await;
+    let _ = std::fs::write(dir.join("npd-plugins.log"), &npd_log);
+    delete_policy(admin, &policy).await;
+    kubectl(&["delete", "clusterrolebinding", &account]);
+    kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
+    let table = format!(
+        "## ntp.service missing\n\n{}\n## ntp.service running\n\n{}",
+        oracle_table(&down.0, &down.1),
+        oracle_table(&up.0, &up.1)
+    );
+    let _ = std::fs::write(dir.join("npd-plugins.md"), &table);
+    assert!(
+        down.0
+            .1
+            .iter()
+            .any(|c| c.starts_with("NTPProblem=True NTPIsDown"))
+            && up.0.1.iter().any(|c| c.starts_with("NTPProblem=False")),
+        "NPD's check_ntp.sh did not follow ntp.service on the node (its log follows):\n{table}\n{npd_log}"
+    );
+    assert_eq!(
+        down.0, down.1,
+        "nodeguard's pod differs from node-problem-detector with ntp.service missing:\n{table}"
+    );
+    assert_eq!(
+        up.0, up.1,
+        "nodeguard's pod differs from node-problem-detector with ntp.service running:\n{table}"
+    );
+    assert!(
+        !seen_pids.is_empty(),
+        "the hanging plugin never ran from the pod:\n{samples}"
+    );
+    assert!(
+        most <= 2 && lasting.is_empty(),
+        "the timed-out plugin's processes left on the node: at most {most} at once (one run has 2), zombies that stayed {lasting:?}:\n{samples}"
+    );
+    rows.pass(
+        "kube-npd-plugins",
+        format!(
+            "NPD's binary on the node and the chart's pod (helm upgrade to host.plugins.hostRoot=true, rolled in {}) run NPD's release scripts check_ntp.sh and network_problem.sh unchanged from custom-plugin-monitor.json and network-problem-monitor.json: with ntp.service missing {} Events and {} conditions, with it running {} and {}, all the same; a forking plugin timed out 10+ times left at most {most} processes at once on the node, no zombie",
+            secs(rolled),
+            down.0.0.len(),
+            down.0.1.len(),
+            up.0.0.len(),
+            up.0.1.len()
         ),
     );
 }

@@ -28,7 +28,7 @@ use qemu::{Disk, GUEST_APISERVER, Image, Vm};
 use support::pods::{PodsInThreeGroups, delete_pdb, kubelet_sim, pods_in_three_groups};
 use support::*;
 
-const SCENARIOS: [&str; 22] = [
+const SCENARIOS: [&str; 23] = [
     "inhibit-delay",
     "kernel-problem",
     "clock-step",
@@ -47,6 +47,7 @@ const SCENARIOS: [&str; 22] = [
     "kube-trust",
     "kube-alerts",
     "kube-npd",
+    "kube-npd-plugins",
     "kube-reboot",
     "kube-device-watchdog",
     "kube-gns",

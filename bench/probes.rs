@@ -248,6 +248,7 @@ fn start_agent_probes(workers: usize, port: u16) -> CancellationToken {
             metrics,
             ProbeHandle::default(),
             health.register("probe-manager", Duration::from_secs(60)),
+            Default::default(),
             token,
         )
         .await;

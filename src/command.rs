@@ -3,6 +3,7 @@
 //! behind reaped; under the command root when there is one.
 
 use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,6 +23,14 @@ pub enum CommandError {
         root: String,
         source: std::io::Error,
     },
+    #[error(
+        "{program}{root} is {resolved}, which this node does not allow (node-local setting --allow-command): a link may not lead out of what is allowed"
+    )]
+    Refused {
+        program: String,
+        root: String,
+        resolved: String,
+    },
     #[error("waiting for {program}: {source}")]
     Wait {
         program: String,
@@ -32,10 +41,15 @@ pub enum CommandError {
 /// How a command ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ran {
-    /// Exited (`None`: killed by a signal) with its output (stdout, or
-    /// stderr when stdout is empty), trimmed; the caller cuts it to what it
-    /// keeps.
-    Exited(Option<i32>, String),
+    /// Exited (`code` `None`: killed by a signal). `output`: stdout, or
+    /// stderr when stdout is empty; `stdout`: stdout alone (what
+    /// node-problem-detector keeps). Both trimmed; the caller cuts them to
+    /// what it keeps.
+    Exited {
+        code: Option<i32>,
+        output: String,
+        stdout: String,
+    },
     TimedOut,
 }
 
@@ -46,26 +60,126 @@ pub enum Ran {
 /// chart mounts the node's root file system read-only there, so scripts
 /// written for the node (node-problem-detector's plugins) run with the
 /// node's own shell and tools, as from a process on the node.
+///
+/// It also holds the node-local allowed commands (`--allow-command`): the
+/// policy's paths are judged as written when a policy is selected, and a
+/// command is judged again here on the file exec will run, its links
+/// resolved (under the root), so a link under an allowed directory that
+/// leads to `/bin/bash` runs nothing.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CommandRoot(Option<Arc<Path>>);
+pub struct CommandRoot {
+    root: Option<Arc<Path>>,
+    /// `None` (tests of one module): not judged again.
+    allowed: Option<Arc<[String]>>,
+}
+
+/// The search path of commands run in the node's root: the usual one of a
+/// root shell (the image's own, `/usr/bin:/bin`, lacks the sbin
+/// directories, where `iptables-save`, `sysctl` and `fsck` live).
+pub const NODE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 impl CommandRoot {
-    /// `None`: the agent's own file system.
-    pub fn new(root: Option<PathBuf>) -> Self {
-        CommandRoot(root.map(Arc::from))
+    /// `root` `None`: the agent's own file system. `allowed`: the node's
+    /// `--allow-command` entries.
+    pub fn new(root: Option<PathBuf>, allowed: Vec<String>) -> Self {
+        CommandRoot {
+            root: root.map(Arc::from),
+            allowed: Some(allowed.into()),
+        }
     }
 
     pub fn path(&self) -> Option<&Path> {
-        self.0.as_deref()
+        self.root.as_deref()
     }
 
     /// How a message names it: ` in the node's root /host`, or nothing.
     fn said(&self) -> String {
-        match &self.0 {
+        match &self.root {
             Some(root) => format!(" in the node's root {}", root.display()),
             None => String::new(),
         }
     }
+
+    /// `program` judged on the file it is, its links resolved (under the
+    /// root): it, or an allowed entry resolved the same way, must be
+    /// allowed. A program that is not there is for exec to say.
+    fn judge(&self, program: &str) -> Result<(), CommandError> {
+        let Some(allowed) = &self.allowed else {
+            return Ok(());
+        };
+        let root = self.path();
+        let Ok(resolved) = resolve(root, program) else {
+            return Ok(());
+        };
+        if resolved == program {
+            return Ok(());
+        }
+        let mut entries: Vec<String> = allowed.to_vec();
+        for entry in allowed.iter() {
+            let (body, dir) = match entry.strip_suffix('/') {
+                Some(body) => (body, "/"),
+                None => (entry.as_str(), ""),
+            };
+            if let Ok(r) = resolve(root, body) {
+                entries.push(format!("{}{dir}", r.trim_end_matches('/')));
+            }
+        }
+        if crate::policy::trust::listed(&entries, &resolved) {
+            Ok(())
+        } else {
+            Err(CommandError::Refused {
+                program: program.to_string(),
+                root: self.said(),
+                resolved,
+            })
+        }
+    }
+}
+
+/// `path` with every link resolved, as a path of `root` (links resolve
+/// inside it, as they do for a process changed into it), or of this file
+/// system.
+fn resolve(root: Option<&Path>, path: &str) -> std::io::Result<String> {
+    let Some(root) = root else {
+        return Ok(std::fs::canonicalize(path)?.to_string_lossy().into_owned());
+    };
+    let root = std::fs::canonicalize(root)?;
+    let dir = std::fs::File::open(&root)?;
+    let name = CString::new(path)?;
+    // linux/openat2.h's struct open_how (libc's cannot be built outside it).
+    #[repr(C)]
+    struct OpenHow {
+        flags: u64,
+        mode: u64,
+        resolve: u64,
+    }
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT,
+    };
+    // SAFETY: openat2(2) with a valid directory descriptor, a NUL-ended
+    // path and a struct of the size passed; the descriptor it returns is
+    // owned here.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor openat2 just returned, owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
+    let full = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    let inside = full
+        .strip_prefix(&root)
+        .map_err(|_| std::io::Error::other("resolves outside the root"))?;
+    Ok(format!("/{}", inside.display()))
 }
 
 /// Runs a host command with a timeout, capturing its output (bounded, so a
@@ -78,11 +192,23 @@ pub async fn run_command(
     let Some((program, args)) = command.split_first() else {
         return Err(CommandError::Empty);
     };
-    let spawn_error = |source| CommandError::Spawn {
+    let spawn_error = |source: std::io::Error| CommandError::Spawn {
         program: program.clone(),
         root: root.said(),
-        source,
+        // There, but exec says "not found": its #! interpreter is missing
+        // (a node without bash, a script saved with CRLF line ends).
+        source: if source.kind() == std::io::ErrorKind::NotFound
+            && resolve(root.path(), program).is_ok()
+        {
+            std::io::Error::new(
+                source.kind(),
+                "it is there, but its interpreter (its #! line) is not",
+            )
+        } else {
+            source
+        },
     };
+    root.judge(program)?;
     let mut cmd = tokio::process::Command::new(program);
     // Its own process group: what the command starts (a script's
     // children) is ended with it.
@@ -93,6 +219,7 @@ pub async fn run_command(
         .process_group(0)
         .kill_on_drop(true);
     if let Some(dir) = root.path() {
+        cmd.env("PATH", NODE_PATH);
         let dir = CString::new(dir.as_os_str().as_bytes()).map_err(|_| {
             spawn_error(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -140,11 +267,17 @@ pub async fn run_command(
             source,
         }),
         Ok((Ok(status), out, err)) => {
-            let mut output = String::from_utf8_lossy(&out).into_owned();
-            if output.trim().is_empty() {
-                output = String::from_utf8_lossy(&err).into_owned();
-            }
-            Ok(Ran::Exited(status.code(), output.trim().to_string()))
+            let stdout = String::from_utf8_lossy(&out).trim().to_string();
+            let output = if stdout.is_empty() {
+                String::from_utf8_lossy(&err).trim().to_string()
+            } else {
+                stdout.clone()
+            };
+            Ok(Ran::Exited {
+                code: status.code(),
+                output,
+                stdout,
+            })
         }
     }
 }
@@ -237,4 +370,46 @@ async fn read_capped<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Vec<u8> {
     let _ = r.take(64 * 1024).read_to_end(&mut buf).await;
     let _ = tokio::io::copy(r, &mut tokio::io::sink()).await;
     buf
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Links resolve inside the root, as for a process changed into it:
+    /// an absolute link is the root's path, `..` stops at the root.
+    #[test]
+    fn a_path_resolves_inside_the_root() {
+        let root = std::env::temp_dir().join(format!("ng-resolve-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("bin")).unwrap();
+        std::fs::create_dir_all(root.join("plugins")).unwrap();
+        std::fs::write(root.join("bin/bash"), "").unwrap();
+        std::os::unix::fs::symlink("/bin", root.join("plugins/tools")).unwrap();
+        std::os::unix::fs::symlink("../../../../bin", root.join("plugins/up")).unwrap();
+        let r = Some(root.as_path());
+        assert_eq!(resolve(r, "/plugins/tools/bash").unwrap(), "/bin/bash");
+        assert_eq!(resolve(r, "/plugins/up/bash").unwrap(), "/bin/bash");
+        assert_eq!(resolve(r, "/bin/bash").unwrap(), "/bin/bash");
+        assert!(resolve(r, "/plugins/none").is_err());
+        let judge = |allowed: &[&str], program: &str| {
+            CommandRoot::new(
+                Some(root.clone()),
+                allowed.iter().map(|s| s.to_string()).collect(),
+            )
+            .judge(program)
+        };
+        assert!(matches!(
+            judge(&["/plugins/"], "/plugins/tools/bash"),
+            Err(CommandError::Refused { resolved, .. }) if resolved == "/bin/bash"
+        ));
+        assert!(judge(&["/plugins/", "/bin/bash"], "/plugins/tools/bash").is_ok());
+        // An allowed entry that is a link allows what it leads to.
+        assert!(judge(&["/plugins/tools/"], "/plugins/tools/bash").is_ok());
+        assert!(
+            judge(&["/plugins/"], "/plugins/none").is_ok(),
+            "exec says it"
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

@@ -118,6 +118,18 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             "--command-root {}: not a root file system (no bin or usr directory under it); in the chart, host.plugins.hostRoot mounts the node's at /host",
             root.display()
         );
+        // CAP_SYS_CHROOT (18) in the effective set, or every command would
+        // fail alike with "Operation not permitted".
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let effective = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
+        anyhow::ensure!(
+            effective.is_none_or(|caps| caps & (1 << 18) != 0),
+            "--command-root {}: this process lacks CAP_SYS_CHROOT, which changing into it needs (the chart adds it with host.plugins.hostRoot; an admission policy or runtime may have dropped it)",
+            root.display()
+        );
     }
     // Read the service manager's environment once, before any thread starts.
     let notify_socket = std::env::var("NOTIFY_SOCKET").ok();
@@ -152,7 +164,10 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.handover.life = (args.inhibitor_handover_seconds > 0)
             .then(|| std::time::Duration::from_secs(args.inhibitor_handover_seconds));
         config.handover.host_state_dir = args.host_state_dir.clone();
-        config.command_root = nodeguard::command::CommandRoot::new(args.command_root.clone());
+        config.command_root = nodeguard::command::CommandRoot::new(
+            args.command_root.clone(),
+            config.trust.commands.clone(),
+        );
         let retiring_flag = config.handover.retiring.clone();
         *config.reclaimed_inhibitor.lock().unwrap() = reclaimed;
         if let Ok(ns) = std::env::var("POD_NAMESPACE")

@@ -265,6 +265,18 @@ fn host_root_mounts_the_nodes_root_read_only_and_runs_commands_there() {
     let host = mounts.iter().find(|m| m["mountPath"] == "/host").unwrap();
     assert_eq!(host["readOnly"], true);
     assert_eq!(host["mountPropagation"], "HostToContainer");
+    // The commands' /tmp is the pod's own.
+    let tmp = mounts
+        .iter()
+        .find(|m| m["mountPath"] == "/host/tmp")
+        .unwrap();
+    let tmp_volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == tmp["name"])
+        .unwrap();
+    assert!(tmp_volume["emptyDir"].is_object(), "{tmp_volume}");
     assert!(
         !mounts
             .iter()
@@ -292,6 +304,24 @@ fn host_root_mounts_the_nodes_root_read_only_and_runs_commands_there() {
         run.command_root.as_deref(),
         Some(std::path::Path::new("/host"))
     );
+    // With nothing allowed to run it is refused.
+    let (ok, _, err) = helm(&["template", "x", &chart(), "--set", off[0], "--set", off[2]]);
+    assert!(
+        !ok && err.contains("host.plugins.hostRoot") && err.contains("none may run"),
+        "{err}"
+    );
+    let (ok, _, err) = helm(&[
+        "template",
+        "x",
+        &chart(),
+        "--set",
+        off[0],
+        "--set",
+        off[2],
+        "--set",
+        "trust.commands={/usr/local/bin/check}",
+    ]);
+    assert!(ok, "{err}");
     // Off: no root mount, no chroot, no extra capability.
     let (ok, out, err) = helm(&["template", "x", &chart(), "--set", off[0], "--set", off[1]]);
     assert!(ok, "{err}");

@@ -1630,3 +1630,124 @@ async fn the_default_policys_monitors_speak_as_npds() {
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
+
+/// The oracle for NPD's custom plugin monitor (its `custom-plugin-monitor`
+/// configs, which `import-npd` turns into plugin monitors): NPD's binary
+/// and the agent run the same script through the same config, each for its
+/// own Node, while the script passes, fails, exits with another code,
+/// hangs past its timeout, passes again, and fails saying nothing on
+/// stdout (only on stderr). After each, the conditions and the Events of
+/// both Nodes are the same: NPD sets the condition Unknown for an unknown
+/// result or a timeout, its temporary rule reports those too, only stdout
+/// is a check's output, and every change is an Event worded as NPD's.
+#[tokio::test]
+async fn npd_and_nodeguard_judge_a_custom_plugin_alike_through_every_result() {
+    use std::os::unix::fs::PermissionsExt;
+    let npd_dir = npd_build_dir();
+    let admin = admin_client().await;
+    let npd_node = TestNode::create(&admin, "plugin-npd", &[]).await;
+    let ng_node = TestNode::selectable(&admin, "plugin-ng").await;
+    let tmp = TempDir::new("npd-plugin-oracle");
+    let state = tmp.path.join("state");
+    std::fs::write(&state, "ok").unwrap();
+    let script = tmp.path.join("check.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/bash\ncase $(< {}) in\n  ok) echo \"all fine\"; exit 0 ;;\n  bad) echo \"it broke\"; exit 1 ;;\n  odd) echo \"cannot tell\"; exit 3 ;;\n  hang) echo \"waiting\"; sleep 30 ;;\n  quiet) echo \"only on stderr\" >&2; exit 1 ;;\nesac\n",
+            state.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = serde_json::json!({
+        "plugin": "custom",
+        "pluginConfig": {"invoke_interval": "1s", "timeout": "2s", "max_output_length": 80, "concurrency": 2},
+        "source": "script-plugin-monitor",
+        "metricsReporting": true,
+        "conditions": [{"type": "ScriptProblem", "reason": "ScriptFine", "message": "the script is fine"}],
+        "rules": [
+            {"type": "temporary", "reason": "ScriptHiccup", "path": script.display().to_string(), "timeout": "2s"},
+            {"type": "permanent", "condition": "ScriptProblem", "reason": "ScriptBroken",
+             "path": script.display().to_string(), "timeout": "2s"},
+        ],
+    });
+    let config_path = tmp.path.join("script-plugin-monitor.json");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let types = vec!["ScriptProblem".to_string()];
+    let reasons: Vec<String> = ["ScriptHiccup", "ScriptBroken", "ScriptFine"]
+        .map(String::from)
+        .to_vec();
+
+    let npd = Npd::start(
+        &npd_dir.join("nodeproblemdetector"),
+        &npd_node.name,
+        &[format!(
+            "--config.custom-plugin-monitor={}",
+            config_path.display()
+        )],
+        tmp.path.join("npd.log"),
+    );
+    let (code, yaml, notes) = nodeguard(&["import-npd", config_path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let monitors = docs[0].policy.as_ref().unwrap().spec.monitors.clone();
+    let policy = unique_name("plugin-oracle");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({"nodeSelector": selecting(&ng_node.name), "monitors": monitors}),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &ng_node.name).await;
+
+    // Each phase: the script's state, and the condition NPD shows then.
+    let phases = [
+        ("ok", "ScriptProblem=False ScriptFine"),
+        ("bad", "ScriptProblem=True ScriptBroken"),
+        ("odd", "ScriptProblem=Unknown ScriptFine"),
+        ("ok", "ScriptProblem=False ScriptFine"),
+        (
+            "hang",
+            "ScriptProblem=Unknown ScriptFine: Timeout when running plugin",
+        ),
+        ("bad", "ScriptProblem=True ScriptBroken"),
+        ("quiet", "ScriptProblem=True ScriptBroken"),
+        ("ok", "ScriptProblem=False ScriptFine"),
+    ];
+    let mut tables = String::new();
+    let mut differ = Vec::new();
+    for (i, (what, want)) in phases.iter().enumerate() {
+        std::fs::write(&state, what).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let (a, b) = loop {
+            let a = shown(&admin, &npd_node.name, &types, &reasons).await;
+            let b = shown(&admin, &ng_node.name, &types, &reasons).await;
+            let settled = a.1.iter().any(|c| c.starts_with(want));
+            if (settled && a == b) || std::time::Instant::now() > deadline {
+                break (a, b);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        tables.push_str(&format!(
+            "\n### phase {i}: {what}\n\n{}",
+            oracle_table(&a, &b)
+        ));
+        if !a.1.iter().any(|c| c.starts_with(want)) {
+            panic!(
+                "NPD did not show {want} in phase {i} ({what}):\n{tables}\n{}",
+                npd.output()
+            );
+        }
+        if a != b {
+            differ.push(format!("phase {i} ({what})"));
+        }
+    }
+    println!("{tables}");
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+    assert!(
+        differ.is_empty(),
+        "nodeguard differs from NPD's custom plugin monitor in {differ:?}:\n{tables}"
+    );
+}

@@ -1565,7 +1565,7 @@ async fn commands_run_in_the_command_root_with_its_own_interpreter() {
     assert!(!std::path::Path::new(plugins).exists());
     let dir = root.path.join(plugins.strip_prefix('/').unwrap());
     std::fs::create_dir_all(&dir).unwrap();
-    let check = "#!/bin/bash\nif [[ -e /etc-marker && $PWD == / ]]; then echo \"in the root: $(< /etc-marker)\"; exit 1; fi\necho \"not in the root\"\nexit 0\n";
+    let check = "#!/bin/bash\nif [[ -e /etc-marker && $PWD == / ]]; then echo \"in the root: $(< /etc-marker) PATH=$PATH\"; exit 1; fi\necho \"not in the root\"\nexit 0\n";
     let tag = (nanos ^ std::process::id()) & 0xffffff;
     let hang_comm = format!("ngr{tag:x}");
     let hang = "#!/bin/bash\nif [[ $1 == child ]]; then while :; do /bin/sleep 1; done; fi\n\"$0\" child &\nwait\n";
@@ -1573,6 +1573,9 @@ async fn commands_run_in_the_command_root_with_its_own_interpreter() {
         std::fs::write(dir.join(name), body).unwrap();
         std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+    // A link under the allowed directory to the root's /bin: allowed as
+    // written, `…/tools/bash` is the root's shell.
+    std::os::unix::fs::symlink("/bin", dir.join("tools")).unwrap();
     let policy = unique_name("command-root");
     apply_policy(
         &admin,
@@ -1583,6 +1586,9 @@ async fn commands_run_in_the_command_root_with_its_own_interpreter() {
                 {"name": "in-root", "exec": {"command": [format!("{plugins}/check.sh")]},
                  "timeoutSeconds": 5, "periodSeconds": 2, "failureThreshold": 1,
                  "conditionType": "RootCheckFailed"},
+                {"name": "link-out", "exec": {"command": [format!("{plugins}/tools/bash"), "-c", "exit 0"]},
+                 "timeoutSeconds": 5, "periodSeconds": 2, "failureThreshold": 1,
+                 "conditionType": "RootLinkOutFailed"},
             ],
             "monitors": [
                 {"name": "in-root", "source": {"plugin": {"intervalSeconds": 2, "timeoutSeconds": 5}},
@@ -1630,7 +1636,27 @@ async fn commands_run_in_the_command_root_with_its_own_interpreter() {
             message.contains(&format!("in the root: {marker}")),
             "{what}: {message}"
         );
+        // A root shell's search path, not the image's /usr/bin:/bin.
+        assert!(message.contains(":/usr/sbin:"), "{what}: {message}");
     }
+    // The link out of the allowed directory runs nothing: the probe fails
+    // naming the file it would have run.
+    wait_condition(
+        &admin,
+        &node.name,
+        "RootLinkOutFailed",
+        "True",
+        Duration::from_secs(30),
+        "RootLinkOutFailed=True: a link under the allowed directory to /bin refused",
+    )
+    .await;
+    let (_, _, message) = condition(&admin, &node.name, "RootLinkOutFailed")
+        .await
+        .unwrap();
+    assert!(
+        message.contains("is /bin/bash, which this node does not allow"),
+        "{message}"
+    );
     // The hanging plugin runs (an Unknown verdict leaves its condition as
     // it was, as node-problem-detector does).
     eventually(

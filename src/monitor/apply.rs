@@ -75,6 +75,21 @@ pub(super) async fn apply<T: TaintPort>(
                 };
                 ctx.reporter.set(type_, desired);
             }
+            Action::Unknown {
+                type_,
+                reason,
+                message,
+            } => {
+                ctx.metrics.set_active(type_, reason, false);
+                ctx.reporter.set(
+                    type_,
+                    Desired {
+                        status: Status::Unknown,
+                        reason: reason.clone(),
+                        message: message.clone(),
+                    },
+                );
+            }
             Action::Taint {
                 condition,
                 key,

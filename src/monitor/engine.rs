@@ -27,6 +27,13 @@ pub enum Action {
         reason: String,
         message: String,
     },
+    /// A condition is Unknown: its check could not tell (a plugin monitor
+    /// judging as node-problem-detector does, `npdResults`).
+    Unknown {
+        type_: String,
+        reason: String,
+        message: String,
+    },
     /// Add (or remove) the taint of condition `condition`; the adapter
     /// reports the outcome with [`Engine::taint_result`].
     Taint {
@@ -57,6 +64,10 @@ pub enum TaintOutcome {
 #[serde(rename_all = "camelCase")]
 pub struct ConditionState {
     pub active: bool,
+    /// Status Unknown (`active` false): its check could not tell. Not
+    /// kept across restarts: the next run says again.
+    #[serde(skip)]
+    pub unknown: bool,
     pub reason: String,
     pub message: String,
     pub since: Timestamp,
@@ -120,6 +131,9 @@ pub struct Engine {
     failing: BTreeMap<usize, String>,
     /// node-problem-detector's matching, when the monitor asks for it.
     npd: Option<NpdBuffer>,
+    /// A plugin monitor judging results as node-problem-detector's custom
+    /// plugin monitor does (`npdResults`).
+    npd_plugin: bool,
     /// Conditions whose last taint update failed: retried by
     /// [`Engine::taint_retries`] until the Node matches.
     taint_failed: BTreeSet<String>,
@@ -409,6 +423,7 @@ impl Engine {
             counts: HashMap::new(),
             failing: BTreeMap::new(),
             npd,
+            npd_plugin: spec.source.plugin.as_ref().is_some_and(|p| p.npd_results),
             taint_failed: BTreeSet::new(),
             taint_maybe_added: BTreeSet::new(),
         })
@@ -566,6 +581,7 @@ impl Engine {
                 .entry(c.type_.clone())
                 .or_insert_with(|| ConditionState {
                     active: false,
+                    unknown: false,
                     reason: c.default_reason.clone(),
                     message: c.default_message.clone(),
                     since: now,
@@ -573,12 +589,20 @@ impl Engine {
                     taint_added: false,
                     taint: None,
                 });
-            out.push(Action::Condition {
-                type_: c.type_.clone(),
-                active: s.active,
-                reason: s.reason.clone(),
-                message: s.message.clone(),
-            });
+            if s.unknown {
+                out.push(Action::Unknown {
+                    type_: c.type_.clone(),
+                    reason: s.reason.clone(),
+                    message: s.message.clone(),
+                });
+            } else {
+                out.push(Action::Condition {
+                    type_: c.type_.clone(),
+                    active: s.active,
+                    reason: s.reason.clone(),
+                    message: s.message.clone(),
+                });
+            }
             if let Some((key, value, effect)) = &c.taint
                 && (s.active || s.taint_added)
             {
@@ -811,11 +835,81 @@ impl Engine {
                         Some((i, message)) => self.fire(i, message, now, &mut out),
                         None => self.clear(c, "its check passes again", now, &mut out),
                     }
+                } else if let Some(c) = r.condition
+                    && self.npd_plugin
+                    && self
+                        .state
+                        .get(&self.conditions[c].type_)
+                        .is_some_and(|s| s.unknown)
+                {
+                    // Unknown to False (NPD's third case).
+                    self.clear(c, "its check passes again", now, &mut out);
+                }
+            }
+            // NPD: a temporary rule reports an unknown result as a problem
+            // (exit status at or above NonOK); a permanent one makes its
+            // condition Unknown.
+            PluginStatus::Unknown if self.npd_plugin => {
+                self.failing.remove(&rule);
+                match r.condition {
+                    None => self.fire(rule, output.to_string(), now, &mut out),
+                    Some(c) => self.unknown(c, output, now, &mut out),
                 }
             }
             PluginStatus::Unknown => {}
         }
         out
+    }
+
+    /// Condition `c` becomes Unknown, as node-problem-detector's custom
+    /// plugin monitor makes it: the condition's own reason, the check's
+    /// output as its message (Unknown stays Unknown without a change).
+    fn unknown(&mut self, c: usize, output: &str, now: Timestamp, out: &mut Vec<Action>) {
+        let cond = self.conditions[c].clone();
+        let s = self
+            .state
+            .entry(cond.type_.clone())
+            .or_insert_with(|| ConditionState {
+                active: false,
+                unknown: false,
+                reason: cond.default_reason.clone(),
+                message: cond.default_message.clone(),
+                since: now,
+                last_match: None,
+                taint_added: false,
+                taint: None,
+            });
+        if s.unknown {
+            return;
+        }
+        s.active = false;
+        s.unknown = true;
+        s.reason = cond.default_reason.clone();
+        s.message = output.to_string();
+        s.since = now;
+        out.push(Action::Unknown {
+            type_: cond.type_.clone(),
+            reason: s.reason.clone(),
+            message: s.message.clone(),
+        });
+        out.push(Action::Event {
+            reason: cond.default_reason.clone(),
+            message: crate::report::clip(
+                &format!(
+                    "Node condition {} is now: Unknown, reason: {}, message: {}",
+                    cond.type_,
+                    cond.default_reason,
+                    go_quote(output)
+                ),
+                1024,
+            ),
+        });
+    }
+
+    /// Whether condition changes are worded as node-problem-detector's
+    /// Events.
+    fn npd_words(&self) -> bool {
+        self.npd.is_some() || self.npd_plugin
     }
 
     /// The rule whose reason an active condition `c` shows.
@@ -859,6 +953,7 @@ impl Engine {
                     .entry(cond.type_.clone())
                     .or_insert_with(|| ConditionState {
                         active: false,
+                        unknown: false,
                         reason: cond.default_reason.clone(),
                         message: cond.default_message.clone(),
                         since: now,
@@ -873,6 +968,7 @@ impl Engine {
                         s.since = now;
                     }
                     s.active = true;
+                    s.unknown = false;
                     s.reason = rule.reason.clone();
                     s.message = message.clone();
                     out.push(Action::Condition {
@@ -883,7 +979,7 @@ impl Engine {
                     });
                     // An NPD-matching monitor words the change as NPD does,
                     // for alerts and tooling keyed on NPD's Events.
-                    let message = if self.npd.is_some() {
+                    let message = if self.npd_words() {
                         // Within an Event note's 1024 bytes, quotes and all.
                         crate::report::clip(
                             &format!(
@@ -922,17 +1018,18 @@ impl Engine {
         let Some(s) = self.state.get_mut(&cond.type_) else {
             return;
         };
-        if !s.active {
+        if !s.active && !s.unknown {
             return;
         }
         let was = s.reason.clone();
         s.active = false;
+        s.unknown = false;
         s.reason = cond.default_reason.clone();
         s.since = now;
         // An NPD-matching monitor clears as NPD does: the condition's own
         // message, and the change worded as NPD words it (alerts keyed on
         // NPD's "is now: False" Events keep working). Others say why.
-        let event = if self.npd.is_some() {
+        let event = if self.npd.is_some() || self.npd_plugin {
             s.message = cond.default_message.clone();
             crate::report::clip(
                 &format!(

@@ -32,6 +32,7 @@ pub(super) async fn run_plugins(
     ));
     let timeout = Duration::from_secs(source.timeout_seconds.max(1).into());
     let max_output = source.max_output_length.max(1) as usize;
+    let npd = source.npd_results;
     let mut interval =
         tokio::time::interval(Duration::from_secs(source.interval_seconds.max(1).into()));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -46,28 +47,95 @@ pub(super) async fn run_plugins(
             }
             let permit = limit.clone().acquire_owned().await.expect("never closed");
             let (tx, command, counters) = (tx.clone(), rule.command.clone(), counters.clone());
+            // NPD's per-rule timeout, else the source's.
+            let timeout = rule
+                .timeout_seconds
+                .map_or(timeout, |s| Duration::from_secs(s.max(1).into()));
             let root = root.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 counters.lines.fetch_add(1, Ordering::Relaxed);
-                let (status, output) = match run_command(&command, timeout, &root).await {
-                    Ok(Ran::Exited(Some(0), out)) => (PluginStatus::Ok, out),
-                    Ok(Ran::Exited(Some(1), out)) => (PluginStatus::Problem, out),
-                    Ok(Ran::Exited(_, out)) => (PluginStatus::Unknown, out),
-                    Ok(Ran::TimedOut) => (
-                        PluginStatus::Unknown,
-                        format!("timed out after {}s", timeout.as_secs()),
-                    ),
-                    Err(e) => {
-                        counters.malformed.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(command = ?command, error = %e, "plugin did not run");
-                        (PluginStatus::Unknown, e.to_string())
-                    }
+                let ran = run_command(&command, timeout, &root).await;
+                let status = match &ran {
+                    Ok(Ran::Exited { code: Some(0), .. }) => PluginStatus::Ok,
+                    Ok(Ran::Exited { code: Some(1), .. }) => PluginStatus::Problem,
+                    _ => PluginStatus::Unknown,
                 };
-                let output = crate::report::clip(&output, OUTPUT_LIMIT);
-                let output: String = output.chars().take(max_output).collect();
+                if let Err(e) = &ran {
+                    counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(command = ?command, error = %e, "plugin did not run");
+                }
+                let output = if npd {
+                    npd_output(&command[0], ran, max_output)
+                } else {
+                    let output = match ran {
+                        Ok(Ran::Exited { output, .. }) => output,
+                        Ok(Ran::TimedOut) => format!("timed out after {}s", timeout.as_secs()),
+                        Err(e) => e.to_string(),
+                    };
+                    let output = crate::report::clip(&output, OUTPUT_LIMIT);
+                    output.chars().take(max_output).collect()
+                };
                 let _ = tx.send((i, status, output)).await;
             });
         }
+    }
+}
+
+/// A check's output as node-problem-detector's custom plugin monitor keeps
+/// it: stdout alone; on a timeout "Timeout when running plugin …" (NPD's
+/// words, with the state Go prints for a killed process; what the check
+/// wrote before is not kept here, and NPD's cut below hides it for most
+/// paths); "Error in starting plugin…" when it could not start; cut at
+/// `max` bytes (on a character boundary).
+fn npd_output(program: &str, ran: Result<Ran, crate::command::CommandError>, max: usize) -> String {
+    use crate::monitor::engine::go_quote;
+    let output = match ran {
+        Ok(Ran::Exited { stdout, .. }) => stdout,
+        Ok(Ran::TimedOut) => format!(
+            "Timeout when running plugin {}: state - signal: killed. output - {}",
+            go_quote(program),
+            go_quote("")
+        ),
+        Err(_) => "Error in starting plugin. Please check the error log".to_string(),
+    };
+    let mut end = output.len().min(max);
+    while !output.is_char_boundary(end) {
+        end -= 1;
+    }
+    output[..end].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn npd_output_is_stdout_cut_at_bytes_and_npds_timeout_words() {
+        let exited = |stdout: &str| {
+            Ok(Ran::Exited {
+                code: Some(1),
+                output: "stderr".into(),
+                stdout: stdout.into(),
+            })
+        };
+        assert_eq!(npd_output("/p", exited(""), 80), "");
+        assert_eq!(npd_output("/p", exited("broken"), 80), "broken");
+        assert_eq!(npd_output("/p", exited("abcdef"), 3), "abc");
+        // "é" is two bytes: never cut inside it.
+        assert_eq!(npd_output("/p", exited("aé"), 2), "a");
+        let full = "Timeout when running plugin \"/usr/local/check.sh\": state - signal: killed. output - \"\"";
+        assert_eq!(
+            npd_output("/usr/local/check.sh", Ok(Ran::TimedOut), 80),
+            full[..80]
+        );
+        assert_eq!(
+            npd_output("/p", Ok(Ran::TimedOut), 200),
+            "Timeout when running plugin \"/p\": state - signal: killed. output - \"\""
+        );
+        assert_eq!(
+            npd_output("/p", Err(crate::command::CommandError::Empty), 80),
+            "Error in starting plugin. Please check the error log"
+        );
     }
 }

@@ -287,6 +287,11 @@ fn describe(a: &Action) -> (String, bool) {
             ),
             *active,
         ),
+        Action::Unknown {
+            type_,
+            reason,
+            message,
+        } => (format!("{type_}=Unknown ({reason}): {message}"), false),
         Action::Taint {
             key,
             value,

@@ -41,6 +41,7 @@ fn rule(kind: ProblemKind, condition: Option<&str>, reason: &str, pattern: &str)
         reason: reason.into(),
         pattern: pattern.into(),
         command: Vec::new(),
+        timeout_seconds: None,
         message: None,
         count: None,
     }
@@ -197,6 +198,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         reason: reason.into(),
         pattern: pattern.into(),
         command: Vec::new(),
+        timeout_seconds: None,
         message: None,
         count: None,
     };
@@ -206,6 +208,7 @@ pub fn default_kernel_monitor() -> MonitorSpec {
         reason: reason.into(),
         pattern: pattern.into(),
         command: Vec::new(),
+        timeout_seconds: None,
         message: None,
         count: None,
     };

@@ -430,6 +430,17 @@ pub struct PluginSource {
     #[serde(default = "default_output")]
     #[schemars(range(min = 1, max = 4096))]
     pub max_output_length: u32,
+    /// Judge results as node-problem-detector's custom plugin monitor does
+    /// (set by `nodeguard import-npd`): a check that exits with another
+    /// code than 0 or 1, cannot start or times out makes its condition
+    /// Unknown (NPD's reason and message rules) and, for a temporary rule,
+    /// an Event; a check's output is its stdout alone, cut at
+    /// `maxOutputLength` bytes; a timeout says "Timeout when running plugin
+    /// …"; every condition change is an Event worded as NPD's ("Node
+    /// condition X is now: …"). Unset: an unknown result changes nothing, a
+    /// check's output falls back to stderr.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub npd_results: bool,
 }
 
 fn default_interval() -> u32 {
@@ -530,6 +541,11 @@ pub struct RuleSpec {
     /// Plugin monitors: the command (argv) to run.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub command: Vec<String>,
+    /// Plugin monitors: this command's timeout (node-problem-detector's
+    /// per-rule `timeout`); unset: the source's `timeoutSeconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub timeout_seconds: Option<u32>,
     /// The message; `$1`, `${name}` insert captures. Default: the line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,

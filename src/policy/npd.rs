@@ -268,6 +268,7 @@ fn import_config(origin: &str, config: &Value) -> Imported {
                 reason: r.get("reason")?.as_str()?.to_string(),
                 pattern: r.get("pattern")?.as_str()?.to_string(),
                 command: Vec::new(),
+                timeout_seconds: None,
                 message: None,
                 count: None,
             })
@@ -505,6 +506,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
         timeout_seconds: get_s("timeout").unwrap_or(5),
         concurrency: get_n("concurrency").unwrap_or(3).clamp(1, 64),
         max_output_length: get_n("max_output_length").unwrap_or(80).clamp(1, 4096),
+        npd_results: true,
     };
     let conds = conditions(config);
     let rules = config
@@ -651,6 +653,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     // log-counter patterns are regular expressions already.
                     pattern: pattern.to_string(),
                     command: Vec::new(),
+                    timeout_seconds: None,
                     // log-counter's own output, which NPD makes the
                     // condition's message: nodeguard fires at the match
                     // that reaches the threshold, so the count is the
@@ -685,6 +688,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                     reason: reason.to_string(),
                     pattern: String::new(),
                     command: Vec::new(),
+                    timeout_seconds: None,
                     message: None,
                     count: None,
                 },
@@ -705,11 +709,11 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
                 .push(format!("{origin}: rules[{i}] has no path; skipped"));
             continue;
         }
-        if r.get("timeout").is_some() {
-            out.notes.push(format!(
-                "{origin}: rules[{i}] timeout: nodeguard uses the monitor's timeoutSeconds for every rule"
-            ));
-        }
+        let timeout_seconds = r
+            .get("timeout")
+            .and_then(Value::as_str)
+            .and_then(go_duration_seconds)
+            .map(|s| s.clamp(1, 3600));
         if !path.starts_with('/') {
             out.notes.push(format!(
                 "{origin}: rules[{i}] path {path:?} is relative to NPD's working directory: give the absolute path on the node, and its owner must allow it (--allow-command, chart value trust.commands or host.plugins)"
@@ -726,6 +730,7 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
             reason: reason.to_string(),
             pattern: String::new(),
             command,
+            timeout_seconds,
             message: None,
             count: None,
         });

@@ -180,7 +180,7 @@ pub fn under(path: &str, root: &str) -> bool {
 
 /// Whether `path` is one of `entries`: an entry equal to it, or an entry
 /// ending in `/` that it lies under.
-fn listed(entries: &[String], path: &str) -> bool {
+pub(crate) fn listed(entries: &[String], path: &str) -> bool {
     if path.ends_with('/') || components(path).is_none() {
         return false;
     }

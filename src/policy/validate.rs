@@ -400,6 +400,18 @@ pub fn validate_monitors(monitors: &[MonitorSpec], path: &str) -> Vec<Problem> {
                 )),
                 _ => {}
             }
+            if r.timeout_seconds.is_some() && !plugin {
+                problems.push(Problem::new(
+                    format!("{rat}.timeoutSeconds"),
+                    "only plugin rules run a command to time out",
+                ));
+            }
+            if r.timeout_seconds.is_some_and(|s| s == 0 || s > 3600) {
+                problems.push(Problem::new(
+                    format!("{rat}.timeoutSeconds"),
+                    "from 1 to 3600 seconds",
+                ));
+            }
             if !camel(&r.reason) {
                 problems.push(Problem::new(
                     format!("{rat}.reason"),

@@ -442,16 +442,26 @@ async fn exec(
     timeout: Duration,
     root: &CommandRoot,
 ) -> Result<Outcome, ProberError> {
-    let ran = run_command(command, timeout, root)
-        .await
-        .map_err(|e| ProberError(e.to_string()))?;
+    let ran = match run_command(command, timeout, root).await {
+        Ok(ran) => ran,
+        // Refused on the node: a failure the Node shows, not a dropped
+        // result.
+        Err(e @ crate::command::CommandError::Refused { .. }) => {
+            return Ok(Outcome::failure(e.to_string()));
+        }
+        Err(e) => return Err(ProberError(e.to_string())),
+    };
     match ran {
         Ran::TimedOut => Ok(Outcome::failure(format!(
             "timed out after {}s",
             timeout.as_secs_f64()
         ))),
-        Ran::Exited(Some(0), output) => Ok(Outcome::success(truncate(&output))),
-        Ran::Exited(code, output) => {
+        Ran::Exited {
+            code: Some(0),
+            output,
+            ..
+        } => Ok(Outcome::success(truncate(&output))),
+        Ran::Exited { code, output, .. } => {
             let output = truncate(&output);
             let code = code
                 .map(|c| format!("exit code {c}"))

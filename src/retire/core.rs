@@ -233,6 +233,7 @@ mod tests {
                 type_.to_string(),
                 ConditionState {
                     active: *added,
+                    unknown: false,
                     reason: "Fine".into(),
                     message: "fine".into(),
                     since: jiff::Timestamp::UNIX_EPOCH,

@@ -1981,6 +1981,9 @@ pub const NPD_PLUGINS: &str = "/usr/local/lib/nodeguard/plugins/npd";
 /// Our own plugin that forks and hangs until its timeout kills it.
 const HANG_SCRIPT: &str = "ngvm-hang.sh";
 
+/// Our own plugin using what scripts expect of a node (run by both).
+const TOOLS_SCRIPT: &str = "ngvm-tools.sh";
+
 /// NPD's plugin scripts, unchanged, from the chart's pod (issue: NPD's
 /// users' shell plugins). NPD's binary runs on the node with its release's
 /// `custom-plugin-monitor.json` (check_ntp.sh, through the node's
@@ -1988,7 +1991,8 @@ const HANG_SCRIPT: &str = "ngvm-hang.sh";
 /// the node's conntrack table), for a Node of its own; the chart is
 /// upgraded to `host.plugins.hostRoot=true` and the agent runs their
 /// `import-npd` for the node itself. Both give the same conditions and
-/// Events, with `ntp.service` missing and then running. A plugin of ours
+/// Events, with `ntp.service` missing and then running, and on a script of
+/// ours using mktemp, a here-string and an sbin tool. A plugin of ours
 /// that forks and times out leaves nothing behind on the node over ten runs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn npd_plugins(
@@ -2020,14 +2024,36 @@ pub(crate) async fn npd_plugins(
         " && echo {} | base64 -d > {NPD_PLUGINS}/{HANG_SCRIPT} && chmod 0755 {NPD_PLUGINS}/{HANG_SCRIPT}",
         b64(hang.as_bytes())
     ));
-    const CONFIGS: [&str; 2] = ["custom-plugin-monitor.json", "network-problem-monitor.json"];
+    // And one of ours, in NPD's format, for what scripts written for a
+    // node expect of it: a writable /tmp (mktemp, a here-string) and the
+    // sbin directories on PATH (util-linux's fsck, always installed).
+    let tools = "#!/bin/bash\nt=$(mktemp) || { echo \"no writable /tmp\"; exit 1; }\ntrap 'rm -f \"$t\"' EXIT\ncat > \"$t\" <<< here || exit 1\ncommand -v fsck > /dev/null || { echo \"no fsck on PATH $PATH\"; exit 1; }\necho \"tools work\"\n";
+    install.push_str(&format!(
+        " && echo {} | base64 -d > {NPD_PLUGINS}/{TOOLS_SCRIPT} && chmod 0755 {NPD_PLUGINS}/{TOOLS_SCRIPT}",
+        b64(tools.as_bytes())
+    ));
+    let tools_config = serde_json::json!({
+        "plugin": "custom",
+        "pluginConfig": {"invoke_interval": "5s", "timeout": "5s", "max_output_length": 80, "concurrency": 1},
+        "source": "ngvm-tools-monitor",
+        "conditions": [{"type": "NodeToolsProblem", "reason": "ToolsWork", "message": "tools work"}],
+        "rules": [{"type": "permanent", "condition": "NodeToolsProblem", "reason": "ToolsBroken",
+                   "path": format!("./config/plugin/{TOOLS_SCRIPT}"), "timeout": "5s"}],
+    });
+    const CONFIGS: [&str; 3] = [
+        "custom-plugin-monitor.json",
+        "network-problem-monitor.json",
+        "ngvm-tools-monitor.json",
+    ];
     let mut types: Vec<String> = Vec::new();
     let mut reasons: Vec<String> = Vec::new();
     let mut local = Vec::new();
     for file in CONFIGS {
-        let mut config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(npd_configs().join(file)).unwrap())
-                .unwrap();
+        let mut config: serde_json::Value = match std::fs::read_to_string(npd_configs().join(file))
+        {
+            Ok(text) => serde_json::from_str(&text).unwrap(),
+            Err(_) => tools_config.clone(),
+        };
         config["pluginConfig"]["invoke_interval"] = "5s".into();
         for rule in config["rules"].as_array_mut().unwrap() {
             let script = rule["path"]
@@ -2057,11 +2083,10 @@ pub(crate) async fn npd_plugins(
     reasons.dedup();
     vm.sh(&install).await;
     vm.sh(&format!(
-        "systemd-run --unit=npd-plugins {NPD_BINARY} --hostname-override={} --apiserver-override='https://{}?inClusterConfig=false&auth=/etc/npd/kubeconfig' --config.custom-plugin-monitor=/etc/npd/{},/etc/npd/{} --address=127.0.0.1 --port=20258 --prometheus-address=127.0.0.1 --prometheus-port=20259 --v=3",
+        "systemd-run --unit=npd-plugins {NPD_BINARY} --hostname-override={} --apiserver-override='https://{}?inClusterConfig=false&auth=/etc/npd/kubeconfig' --config.custom-plugin-monitor={} --address=127.0.0.1 --port=20258 --prometheus-address=127.0.0.1 --prometheus-port=20259 --v=3",
         npd_node.name,
         crate::qemu::GUEST_APISERVER,
-        CONFIGS[0],
-        CONFIGS[1]
+        CONFIGS.map(|f| format!("/etc/npd/{f}")).join(",")
     ))
     .await;
 
@@ -2136,6 +2161,11 @@ pub(crate) async fn npd_plugins(
         "NTPProblem=True",
     )
     .await;
+    let tools_work = |seen: &(Vec<String>, Vec<String>)| {
+        seen.1
+            .iter()
+            .any(|c| c.starts_with("NodeToolsProblem=False ToolsWork"))
+    };
     // ntp.service running on the node: check_ntp.sh asks the node's systemd.
     vm.sh("systemd-run --unit=ntp.service sleep infinity").await;
     let up = settle(
@@ -2181,6 +2211,16 @@ pub(crate) async fn npd_plugins(
         .sh("journalctl -u npd-plugins --no-pager -o cat | tail -60; systemctl stop npd-plugins")
         .await;
     let _ = std::fs::write(dir.join("npd-plugins.log"), &npd_log);
+    // The agent's side, for a difference: its log and its plugin metrics.
+    let agent_log = kubectl_status(&[
+        "logs",
+        "-n",
+        &release.namespace,
+        &format!("ds/{}", release.name),
+        "--tail=300",
+    ])
+    .unwrap_or_else(|e| e);
+    let _ = std::fs::write(dir.join("npd-plugins-agent.log"), &agent_log);
     delete_policy(admin, &policy).await;
     kubectl(&["delete", "clusterrolebinding", &account]);
     kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
@@ -2195,7 +2235,8 @@ pub(crate) async fn npd_plugins(
             .1
             .iter()
             .any(|c| c.starts_with("NTPProblem=True NTPIsDown"))
-            && up.0.1.iter().any(|c| c.starts_with("NTPProblem=False")),
+            && up.0.1.iter().any(|c| c.starts_with("NTPProblem=False"))
+            && tools_work(&down.0),
         "NPD's check_ntp.sh did not follow ntp.service on the node (its log follows):\n{table}\n{npd_log}"
     );
     assert_eq!(
@@ -2217,7 +2258,7 @@ pub(crate) async fn npd_plugins(
     rows.pass(
         "kube-npd-plugins",
         format!(
-            "NPD's binary on the node and the chart's pod (helm upgrade to host.plugins.hostRoot=true, rolled in {}) run NPD's release scripts check_ntp.sh and network_problem.sh unchanged from custom-plugin-monitor.json and network-problem-monitor.json: with ntp.service missing {} Events and {} conditions, with it running {} and {}, all the same; a forking plugin timed out 10+ times left at most {most} processes at once on the node, no zombie",
+            "NPD's binary on the node and the chart's pod (helm upgrade to host.plugins.hostRoot=true, rolled in {}) run NPD's release scripts check_ntp.sh and network_problem.sh unchanged from custom-plugin-monitor.json and network-problem-monitor.json, and one of ours (mktemp, a here-string, fsck on PATH): with ntp.service missing {} Events and {} conditions, with it running {} and {}, all the same; a forking plugin timed out 10+ times left at most {most} processes at once on the node, no zombie",
             secs(rolled),
             down.0.0.len(),
             down.0.1.len(),

@@ -175,6 +175,7 @@ fn monitor() -> MonitorSpec {
                 reason: "AppCrashed".into(),
                 pattern: r"app crashed: (?P<why>.+)".into(),
                 command: Vec::new(),
+                timeout_seconds: None,
                 message: Some("The app crashed (${why}).".into()),
                 count: None,
             },
@@ -184,6 +185,7 @@ fn monitor() -> MonitorSpec {
                 reason: "FrequentRestarts".into(),
                 pattern: r"app restarted".into(),
                 command: Vec::new(),
+                timeout_seconds: None,
                 message: None,
                 count: Some(CountSpec {
                     revert_pattern: None,
@@ -320,6 +322,7 @@ fn restore_ignores_conditions_no_longer_owned() {
         "Gone".to_string(),
         ConditionState {
             active: true,
+            unknown: false,
             reason: "X".into(),
             message: "x".into(),
             since: t(0),
@@ -344,6 +347,7 @@ fn restore_returns_the_owned_taints_the_spec_no_longer_has() {
     };
     let saved = |taint: Option<OwnedTaint>| ConditionState {
         active: true,
+        unknown: false,
         reason: "X".into(),
         message: "x".into(),
         since: t(0),
@@ -414,6 +418,7 @@ fn plugin_results_set_and_clear_permanent_conditions() {
             timeout_seconds: 5,
             concurrency: 1,
             max_output_length: 80,
+            npd_results: false,
         }),
         systemd: None,
     };
@@ -424,6 +429,7 @@ fn plugin_results_set_and_clear_permanent_conditions() {
         reason: "NtpUnsynced".into(),
         pattern: String::new(),
         command: vec!["/bin/check-ntp".into()],
+        timeout_seconds: None,
         message: None,
         count: None,
     }];
@@ -448,6 +454,130 @@ fn plugin_results_set_and_clear_permanent_conditions() {
         e.on_plugin(9, PluginStatus::Problem, "", t(4)).is_empty(),
         "no such rule"
     );
+}
+
+/// A plugin monitor judging as node-problem-detector's custom plugin
+/// monitor (`npdResults`): a temporary and a permanent rule on one check.
+fn npd_plugin_engine() -> Engine {
+    let mut m = monitor();
+    m.source = crate::policy::monitors::LogSource {
+        kmsg: None,
+        file: None,
+        journald: None,
+        plugin: Some(crate::policy::monitors::PluginSource {
+            interval_seconds: 30,
+            timeout_seconds: 5,
+            concurrency: 1,
+            max_output_length: 80,
+            npd_results: true,
+        }),
+        systemd: None,
+    };
+    m.conditions[0].clear_pattern = None;
+    let rule = |kind, condition: Option<&str>, reason: &str| RuleSpec {
+        kind,
+        condition: condition.map(String::from),
+        reason: reason.into(),
+        pattern: String::new(),
+        command: vec!["/bin/check".into()],
+        timeout_seconds: None,
+        message: None,
+        count: None,
+    };
+    m.rules = vec![
+        rule(ProblemKind::Temporary, None, "CheckHiccup"),
+        rule(ProblemKind::Permanent, Some("AppBroken"), "AppCrashed"),
+    ];
+    let mut e = Engine::new(&m, "m").unwrap();
+    e.current(t(0));
+    e
+}
+
+fn worded(actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Event { reason, message } => Some(format!("{reason}: {message}")),
+            _ => None,
+        })
+        .collect()
+}
+
+/// NPD's generateStatus, case by case: False→Unknown, Unknown stays
+/// without a change, Unknown→True, True→Unknown (the default reason, the
+/// check's output), Unknown→False (the default message); every change an
+/// Event worded as NPD's; a temporary rule reports an unknown result.
+#[test]
+fn an_npd_plugins_unknown_result_makes_its_condition_unknown_as_npd_does() {
+    let mut e = npd_plugin_engine();
+    let unknown = |message: &str| Action::Unknown {
+        type_: "AppBroken".into(),
+        reason: "AppIsFine".into(),
+        message: message.into(),
+    };
+    let a = e.on_plugin(1, PluginStatus::Unknown, "cannot tell", t(1));
+    assert_eq!(a[0], unknown("cannot tell"));
+    assert_eq!(
+        worded(&a),
+        [
+            "AppIsFine: Node condition AppBroken is now: Unknown, reason: AppIsFine, message: \"cannot tell\""
+        ]
+    );
+    assert!(
+        e.on_plugin(1, PluginStatus::Unknown, "still cannot tell", t(2))
+            .is_empty(),
+        "Unknown stays Unknown without a change"
+    );
+    assert_eq!(
+        e.current(t(3))[0],
+        unknown("cannot tell"),
+        "a restatement keeps it Unknown"
+    );
+    let a = e.on_plugin(1, PluginStatus::Problem, "it broke", t(4));
+    assert!(a.contains(&Action::Condition {
+        type_: "AppBroken".into(),
+        active: true,
+        reason: "AppCrashed".into(),
+        message: "it broke".into()
+    }));
+    assert_eq!(
+        worded(&a),
+        [
+            "AppCrashed: Node condition AppBroken is now: True, reason: AppCrashed, message: \"it broke\""
+        ]
+    );
+    let a = e.on_plugin(1, PluginStatus::Unknown, "", t(5));
+    assert_eq!(a[0], unknown(""), "True to Unknown");
+    let a = e.on_plugin(1, PluginStatus::Ok, "fine", t(6));
+    assert!(a.contains(&Action::Condition {
+        type_: "AppBroken".into(),
+        active: false,
+        reason: "AppIsFine".into(),
+        message: "app is fine".into()
+    }));
+    assert_eq!(
+        worded(&a),
+        [
+            "AppIsFine: Node condition AppBroken is now: False, reason: AppIsFine, message: \"app is fine\""
+        ]
+    );
+    assert!(e.on_plugin(1, PluginStatus::Ok, "fine", t(7)).is_empty());
+    // The temporary rule: an Event for a problem and for an unknown result
+    // (NPD: an exit status at or above NonOK), none for a pass.
+    assert_eq!(
+        worded(&e.on_plugin(
+            0,
+            PluginStatus::Unknown,
+            "Timeout when running plugin",
+            t(8)
+        )),
+        ["CheckHiccup: Timeout when running plugin"]
+    );
+    assert_eq!(
+        worded(&e.on_plugin(0, PluginStatus::Problem, "it broke", t(9))),
+        ["CheckHiccup: it broke"]
+    );
+    assert!(e.on_plugin(0, PluginStatus::Ok, "fine", t(10)).is_empty());
 }
 
 fn taints(actions: &[Action]) -> Vec<bool> {
@@ -607,6 +737,7 @@ fn which_conditions_a_new_boot_resets() {
         timeout_seconds: 5,
         concurrency: 1,
         max_output_length: 80,
+        npd_results: false,
     });
     assert!(
         !plugin.resets_at_boot(&plugin.conditions[0]),
@@ -626,6 +757,7 @@ fn owned(active: bool) -> BTreeMap<String, ConditionState> {
         "AppBroken".to_string(),
         ConditionState {
             active,
+            unknown: false,
             reason: "AppCrashed".into(),
             message: "m".into(),
             since: t(0),

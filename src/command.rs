@@ -3,7 +3,6 @@
 //! behind reaped; under the command root when there is one.
 
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -108,8 +107,18 @@ impl CommandRoot {
             return Ok(());
         };
         let root = self.path();
-        let Ok(resolved) = resolve(root, program) else {
-            return Ok(());
+        let resolved = match resolve(root, program) {
+            Ok(resolved) => resolved,
+            // Not there: exec says so.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            // What it is cannot be told: it does not run.
+            Err(e) => {
+                return Err(CommandError::Refused {
+                    program: program.to_string(),
+                    root: self.said(),
+                    resolved: format!("not to be resolved ({e})"),
+                });
+            }
         };
         if resolved == program {
             return Ok(());
@@ -137,49 +146,64 @@ impl CommandRoot {
 }
 
 /// `path` with every link resolved, as a path of `root` (links resolve
-/// inside it, as they do for a process changed into it), or of this file
-/// system.
+/// inside it, as they do for a process changed into it: an absolute link
+/// starts again at the root, `..` stops there), or of this file system.
+/// Done here component by component (as openat2's RESOLVE_IN_ROOT would,
+/// which kernels before 5.6 and older seccomp profiles lack).
 fn resolve(root: Option<&Path>, path: &str) -> std::io::Result<String> {
     let Some(root) = root else {
         return Ok(std::fs::canonicalize(path)?.to_string_lossy().into_owned());
     };
-    let root = std::fs::canonicalize(root)?;
-    let dir = std::fs::File::open(&root)?;
-    let name = CString::new(path)?;
-    // linux/openat2.h's struct open_how (libc's cannot be built outside it).
-    #[repr(C)]
-    struct OpenHow {
-        flags: u64,
-        mode: u64,
-        resolve: u64,
+    let mut done: Vec<std::ffi::OsString> = Vec::new();
+    let mut todo: Vec<std::ffi::OsString> = components_of(Path::new(path));
+    todo.reverse();
+    let mut links = 0;
+    while let Some(c) = todo.pop() {
+        if c == ".." {
+            done.pop();
+            continue;
+        }
+        let mut here = root.to_path_buf();
+        here.extend(&done);
+        here.push(&c);
+        let meta = std::fs::symlink_metadata(&here)?;
+        if meta.file_type().is_symlink() {
+            links += 1;
+            if links > 40 {
+                return Err(std::io::Error::other("too many levels of links"));
+            }
+            let target = std::fs::read_link(&here)?;
+            if target.is_absolute() {
+                done.clear();
+            }
+            let mut more = components_of(&target);
+            more.reverse();
+            todo.extend(more);
+        } else {
+            done.push(c);
+        }
     }
-    let how = OpenHow {
-        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
-        mode: 0,
-        resolve: libc::RESOLVE_IN_ROOT,
-    };
-    // SAFETY: openat2(2) with a valid directory descriptor, a NUL-ended
-    // path and a struct of the size passed; the descriptor it returns is
-    // owned here.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
+    let mut out = String::new();
+    for c in &done {
+        out.push('/');
+        out.push_str(&c.to_string_lossy());
     }
-    // SAFETY: a descriptor openat2 just returned, owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
-    let full = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-    let inside = full
-        .strip_prefix(&root)
-        .map_err(|_| std::io::Error::other("resolves outside the root"))?;
-    Ok(format!("/{}", inside.display()))
+    if out.is_empty() {
+        out.push('/');
+    }
+    Ok(out)
+}
+
+/// A path's normal and `..` components (`.` and the root dropped).
+fn components_of(path: &Path) -> Vec<std::ffi::OsString> {
+    use std::path::Component;
+    path.components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(n.to_os_string()),
+            Component::ParentDir => Some("..".into()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Runs a host command with a timeout, capturing its output (bounded, so a
@@ -202,7 +226,7 @@ pub async fn run_command(
         {
             std::io::Error::new(
                 source.kind(),
-                "it is there, but its interpreter (its #! line) is not",
+                "it is there, but what runs it is not: its interpreter (its #! line) or, for a dynamically linked program, its loader and libraries",
             )
         } else {
             source
@@ -410,6 +434,14 @@ mod tests {
             judge(&["/plugins/"], "/plugins/none").is_ok(),
             "exec says it"
         );
+        // What cannot be resolved (a file taken for a directory) runs not.
+        assert!(matches!(
+            judge(&["/plugins/"], "/plugins/tools/bash/x"),
+            Err(CommandError::Refused { .. })
+        ));
+        // A loop of links.
+        std::os::unix::fs::symlink("/plugins/loop", root.join("plugins/loop")).unwrap();
+        assert!(resolve(r, "/plugins/loop").is_err());
         let _ = std::fs::remove_dir_all(&root);
     }
 }

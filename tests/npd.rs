@@ -1712,19 +1712,44 @@ async fn npd_and_nodeguard_judge_a_custom_plugin_alike_through_every_result() {
             "ScriptProblem=Unknown ScriptFine: Timeout when running plugin",
         ),
         ("bad", "ScriptProblem=True ScriptBroken"),
+        ("ok", "ScriptProblem=False ScriptFine"),
+        // A failure saying nothing on stdout: NPD's message is empty. Its
+        // Events say so; its patch of the Node leaves an empty message out,
+        // so NPD's condition keeps the False state's message, where
+        // nodeguard writes the empty one (README).
         ("quiet", "ScriptProblem=True ScriptBroken"),
         ("ok", "ScriptProblem=False ScriptFine"),
     ];
     let mut tables = String::new();
     let mut differ = Vec::new();
+    // The conditions with their messages, or (the quiet phase) without.
+    let alike = |a: &(Vec<String>, Vec<String>), b: &(Vec<String>, Vec<String>), quiet: bool| {
+        let status = |c: &Vec<String>| -> Vec<String> {
+            c.iter()
+                .map(|s| s.split(':').next().unwrap_or("").to_string())
+                .collect()
+        };
+        a.0 == b.0
+            && if quiet {
+                status(&a.1) == status(&b.1)
+                    && b.1.iter().any(|c| c == "ScriptProblem=True ScriptBroken: ")
+            } else {
+                a.1 == b.1
+            }
+    };
     for (i, (what, want)) in phases.iter().enumerate() {
         std::fs::write(&state, what).unwrap();
+        let quiet = *what == "quiet";
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         let (a, b) = loop {
             let a = shown(&admin, &npd_node.name, &types, &reasons).await;
             let b = shown(&admin, &ng_node.name, &types, &reasons).await;
-            let settled = a.1.iter().any(|c| c.starts_with(want));
-            if (settled && a == b) || std::time::Instant::now() > deadline {
+            let settled = a.1.iter().any(|c| c.starts_with(want))
+                && (!quiet
+                    || a.0
+                        .iter()
+                        .any(|e| e == "ScriptHiccup:  (from script-plugin-monitor)"));
+            if (settled && alike(&a, &b, quiet)) || std::time::Instant::now() > deadline {
                 break (a, b);
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1739,7 +1764,7 @@ async fn npd_and_nodeguard_judge_a_custom_plugin_alike_through_every_result() {
                 npd.output()
             );
         }
-        if a != b {
+        if !alike(&a, &b, quiet) {
             differ.push(format!("phase {i} ({what})"));
         }
     }

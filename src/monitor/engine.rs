@@ -64,9 +64,8 @@ pub enum TaintOutcome {
 #[serde(rename_all = "camelCase")]
 pub struct ConditionState {
     pub active: bool,
-    /// Status Unknown (`active` false): its check could not tell. Not
-    /// kept across restarts: the next run says again.
-    #[serde(skip)]
+    /// Status Unknown (`active` false): its check could not tell.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unknown: bool,
     pub reason: String,
     pub message: String,
@@ -802,6 +801,8 @@ impl Engine {
             PluginStatus::Problem => {
                 let message = match &r.message {
                     Some(m) => m.clone(),
+                    // NPD: the output as it is, empty or not.
+                    None if self.npd_plugin => output.to_string(),
                     None if output.trim().is_empty() => {
                         format!("The {} check reported a problem.", r.reason)
                     }
@@ -810,7 +811,9 @@ impl Engine {
                 self.failing.insert(rule, message.clone());
                 // Another failing check of the same condition holds it:
                 // it keeps its reason (no flip-flop between two failures).
+                // NPD: the last result wins.
                 if let Some(c) = r.condition
+                    && !self.npd_plugin
                     && let Some(holder) = self.holder(c)
                     && holder != rule
                     && self.failing.contains_key(&holder)
@@ -822,6 +825,12 @@ impl Engine {
             PluginStatus::Ok => {
                 self.failing.remove(&rule);
                 if let Some(c) = r.condition
+                    && self.npd_plugin
+                {
+                    // NPD: the last result wins, from True or Unknown
+                    // (its first and third cases).
+                    self.clear(c, "its check passes again", now, &mut out);
+                } else if let Some(c) = r.condition
                     && self.holder(c) == Some(rule)
                 {
                     // Another check of the condition still fails: it takes
@@ -835,15 +844,6 @@ impl Engine {
                         Some((i, message)) => self.fire(i, message, now, &mut out),
                         None => self.clear(c, "its check passes again", now, &mut out),
                     }
-                } else if let Some(c) = r.condition
-                    && self.npd_plugin
-                    && self
-                        .state
-                        .get(&self.conditions[c].type_)
-                        .is_some_and(|s| s.unknown)
-                {
-                    // Unknown to False (NPD's third case).
-                    self.clear(c, "its check passes again", now, &mut out);
                 }
             }
             // NPD: a temporary rule reports an unknown result as a problem
@@ -882,6 +882,7 @@ impl Engine {
         if s.unknown {
             return;
         }
+        let untaint = s.taint_added;
         s.active = false;
         s.unknown = true;
         s.reason = cond.default_reason.clone();
@@ -904,6 +905,18 @@ impl Engine {
                 1024,
             ),
         });
+        // Not True: its taint goes (as a restatement would remove it).
+        if let Some((key, value, effect)) = &cond.taint
+            && untaint
+        {
+            out.push(Action::Taint {
+                condition: cond.type_.clone(),
+                key: key.clone(),
+                value: value.clone(),
+                effect: effect.clone(),
+                add: false,
+            });
+        }
     }
 
     /// Whether condition changes are worded as node-problem-detector's

@@ -33,6 +33,14 @@ pub(super) async fn run_plugins(
     let timeout = Duration::from_secs(source.timeout_seconds.max(1).into());
     let max_output = source.max_output_length.max(1) as usize;
     let npd = source.npd_results;
+    // A rule whose last run has not ended yet is not started again (as
+    // node-problem-detector waits for a round's runs): a late result could
+    // otherwise land after a newer one.
+    let running: Arc<[std::sync::atomic::AtomicBool]> = spec
+        .rules
+        .iter()
+        .map(|_| std::sync::atomic::AtomicBool::new(false))
+        .collect();
     let mut interval =
         tokio::time::interval(Duration::from_secs(source.interval_seconds.max(1).into()));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -42,9 +50,10 @@ pub(super) async fn run_plugins(
             _ = interval.tick() => {}
         }
         for (i, rule) in spec.rules.iter().enumerate() {
-            if rule.command.is_empty() {
+            if rule.command.is_empty() || running[i].swap(true, Ordering::AcqRel) {
                 continue;
             }
+            let ended = Ended(running.clone(), i);
             let permit = limit.clone().acquire_owned().await.expect("never closed");
             let (tx, command, counters) = (tx.clone(), rule.command.clone(), counters.clone());
             // NPD's per-rule timeout, else the source's.
@@ -54,6 +63,7 @@ pub(super) async fn run_plugins(
             let root = root.clone();
             tokio::spawn(async move {
                 let _permit = permit;
+                let _ended = ended;
                 counters.lines.fetch_add(1, Ordering::Relaxed);
                 let ran = run_command(&command, timeout, &root).await;
                 let status = match &ran {
@@ -82,6 +92,15 @@ pub(super) async fn run_plugins(
     }
 }
 
+/// Marks rule `.1`'s run ended when dropped (however the task ends).
+struct Ended(Arc<[std::sync::atomic::AtomicBool]>, usize);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0[self.1].store(false, Ordering::Release);
+    }
+}
+
 /// A check's output as node-problem-detector's custom plugin monitor keeps
 /// it: stdout alone; on a timeout "Timeout when running plugin …" (NPD's
 /// words, with the state Go prints for a killed process; what the check
@@ -97,6 +116,9 @@ fn npd_output(program: &str, ran: Result<Ran, crate::command::CommandError>, max
             go_quote(program),
             go_quote("")
         ),
+        Err(crate::command::CommandError::Wait { .. }) => {
+            "Error in waiting for plugin. Please check the error log".to_string()
+        }
         Err(_) => "Error in starting plugin. Please check the error log".to_string(),
     };
     let mut end = output.len().min(max);

@@ -763,10 +763,11 @@ fn import_custom(origin: &str, name: &str, config: &Value, mut out: Imported) ->
     }
     if pc
         .and_then(|p| p.get("enable_message_change_based_condition_update"))
-        .is_some()
+        .and_then(Value::as_bool)
+        == Some(true)
     {
         out.notes.push(format!(
-            "{origin}: enable_message_change_based_condition_update: nodeguard always updates a condition whose message changes"
+            "{origin}: enable_message_change_based_condition_update: nodeguard keeps a True condition's first message while its reason stays (NPD's default, false)"
         ));
     }
     out.monitors.extend(counters);

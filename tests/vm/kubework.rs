@@ -2179,34 +2179,6 @@ pub(crate) async fn npd_plugins(
     .await;
     vm.sh("systemctl stop ntp.service").await;
 
-    // The hanging plugin, sampled on the node every 0.2 s for 8 s after
-    // at least ten timed-out runs: "sample pid state" lines.
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    let samples = vm
-        .sh(&format!(
-            "for i in $(seq 40); do ps -eo pid=,stat=,comm= | awk -v i=$i '$3 == \"{HANG_SCRIPT}\" {{ print i, $1, $2 }}'; sleep 0.2; done"
-        ))
-        .await;
-    let mut per_sample: BTreeMap<u32, usize> = BTreeMap::new();
-    let mut zombie_since: BTreeMap<u32, u32> = BTreeMap::new();
-    let mut lasting = Vec::new();
-    let mut seen_pids = std::collections::BTreeSet::new();
-    for line in samples.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (Ok(i), Ok(pid)) = (f[0].parse::<u32>(), f[1].parse::<u32>()) else {
-            continue;
-        };
-        seen_pids.insert(pid);
-        *per_sample.entry(i).or_default() += 1;
-        if f[2].starts_with('Z') {
-            let first = *zombie_since.entry(pid).or_insert(i);
-            if i >= first + 2 {
-                lasting.push(pid);
-            }
-        }
-    }
-    let most = per_sample.values().copied().max().unwrap_or(0);
-
     let npd_log = vm
         .sh("journalctl -u npd-plugins --no-pager -o cat | tail -60; systemctl stop npd-plugins")
         .await;
@@ -2221,9 +2193,6 @@ pub(crate) async fn npd_plugins(
     ])
     .unwrap_or_else(|e| e);
     let _ = std::fs::write(dir.join("npd-plugins-agent.log"), &agent_log);
-    delete_policy(admin, &policy).await;
-    kubectl(&["delete", "clusterrolebinding", &account]);
-    kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
     let table = format!(
         "## ntp.service missing\n\n{}\n## ntp.service running\n\n{}",
         oracle_table(&down.0, &down.1),
@@ -2247,6 +2216,37 @@ pub(crate) async fn npd_plugins(
         up.0, up.1,
         "nodeguard's pod differs from node-problem-detector with ntp.service running:\n{table}"
     );
+    // The hanging plugin, sampled on the node 15 times, 0.3 s apart, after
+    // at least ten timed-out runs: "sample pid state" lines.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let samples = vm
+        .sh(&format!(
+            "for i in $(seq 15); do cat /proc/[0-9]*/stat 2>/dev/null | awk -v i=$i '$2 == \"({HANG_SCRIPT})\" {{ print i, $1, $3 }}'; sleep 0.3; done"
+        ))
+        .await;
+    let mut per_sample: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut zombie_since: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut lasting = Vec::new();
+    let mut seen_pids = std::collections::BTreeSet::new();
+    for line in samples.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Ok(i), Ok(pid)) = (f[0].parse::<u32>(), f[1].parse::<u32>()) else {
+            continue;
+        };
+        seen_pids.insert(pid);
+        *per_sample.entry(i).or_default() += 1;
+        if f[2].starts_with('Z') {
+            let first = *zombie_since.entry(pid).or_insert(i);
+            if i >= first + 2 {
+                lasting.push(pid);
+            }
+        }
+    }
+    let most = per_sample.values().copied().max().unwrap_or(0);
+
+    delete_policy(admin, &policy).await;
+    kubectl(&["delete", "clusterrolebinding", &account]);
+    kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
     assert!(
         !seen_pids.is_empty(),
         "the hanging plugin never ran from the pod:\n{samples}"

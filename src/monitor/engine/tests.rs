@@ -580,6 +580,95 @@ fn an_npd_plugins_unknown_result_makes_its_condition_unknown_as_npd_does() {
     assert!(e.on_plugin(0, PluginStatus::Ok, "fine", t(10)).is_empty());
 }
 
+/// NPD's last-result-wins with two checks of one condition, an empty
+/// stdout kept empty, an Unknown condition kept across a restart and its
+/// taint removed as a restatement would.
+#[test]
+fn an_npd_plugins_condition_follows_the_last_result_and_survives_a_restart() {
+    // Two permanent checks of one condition, which has a taint.
+    let mut m = monitor();
+    m.source = e_source();
+    m.conditions[0].clear_pattern = None;
+    m.conditions[0].taint = Some(crate::policy::monitors::TaintSpec {
+        key: "example.com/app".into(),
+        value: None,
+        effect: "NoSchedule".into(),
+    });
+    let rule = |reason: &str| RuleSpec {
+        kind: ProblemKind::Permanent,
+        condition: Some("AppBroken".into()),
+        reason: reason.into(),
+        pattern: String::new(),
+        command: vec!["/bin/check".into()],
+        timeout_seconds: None,
+        message: None,
+        count: None,
+    };
+    m.rules = vec![rule("FirstBroken"), rule("SecondBroken")];
+    let mut e = Engine::new(&m, "m").unwrap();
+    e.current(t(0));
+    e.on_plugin(0, PluginStatus::Problem, "first", t(1));
+    e.taint_result("AppBroken", TaintOutcome::Added);
+    let a = e.on_plugin(1, PluginStatus::Problem, "", t(2));
+    assert!(
+        a.contains(&Action::Condition {
+            type_: "AppBroken".into(),
+            active: true,
+            reason: "SecondBroken".into(),
+            message: "".into()
+        }),
+        "the second check's reason, its empty output: {a:?}"
+    );
+    let a = e.on_plugin(0, PluginStatus::Ok, "fine", t(3));
+    assert!(
+        matches!(&a[0], Action::Condition { active: false, .. }),
+        "an OK of the other check clears it, as NPD: {a:?}"
+    );
+    e.on_plugin(0, PluginStatus::Problem, "first", t(4));
+    e.taint_result("AppBroken", TaintOutcome::Added);
+    let a = e.on_plugin(1, PluginStatus::Unknown, "cannot tell", t(5));
+    assert!(
+        a.iter()
+            .any(|x| matches!(x, Action::Taint { add: false, .. })),
+        "Unknown is not True: the taint goes: {a:?}"
+    );
+    // Saved and restored: still Unknown.
+    let saved = serde_json::to_string(&e.state()).unwrap();
+    let mut again = Engine::new(&m, "m").unwrap();
+    again.restore(serde_json::from_str(&saved).unwrap());
+    let a = again.current(t(6));
+    assert!(
+        matches!(&a[0], Action::Unknown { message, .. } if message == "cannot tell"),
+        "{a:?}"
+    );
+    let a = again.on_plugin(1, PluginStatus::Ok, "fine", t(7));
+    assert!(
+        a.contains(&Action::Condition {
+            type_: "AppBroken".into(),
+            active: false,
+            reason: "AppIsFine".into(),
+            message: "app is fine".into()
+        }),
+        "{a:?}"
+    );
+}
+
+fn e_source() -> crate::policy::monitors::LogSource {
+    crate::policy::monitors::LogSource {
+        kmsg: None,
+        file: None,
+        journald: None,
+        plugin: Some(crate::policy::monitors::PluginSource {
+            interval_seconds: 30,
+            timeout_seconds: 5,
+            concurrency: 1,
+            max_output_length: 80,
+            npd_results: true,
+        }),
+        systemd: None,
+    }
+}
+
 fn taints(actions: &[Action]) -> Vec<bool> {
     actions
         .iter()

@@ -256,6 +256,10 @@ fn host_root_mounts_the_nodes_root_read_only_and_runs_commands_there() {
         "{args:?}"
     );
     assert_eq!(pod["securityContext"]["runAsUser"], 0);
+    // The node's PID namespace (its systemd and D-Bus refuse a peer whose
+    // pid they cannot see), not the pod's shared one.
+    assert_eq!(pod["hostPID"], true);
+    assert!(pod["shareProcessNamespace"].is_null(), "{pod}");
     assert_eq!(c["securityContext"]["privileged"], false);
     assert_eq!(
         c["securityContext"]["capabilities"],

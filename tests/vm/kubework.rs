@@ -1981,6 +1981,9 @@ pub const NPD_PLUGINS: &str = "/usr/local/lib/nodeguard/plugins/npd";
 /// Our own plugin that forks and hangs until its timeout kills it.
 const HANG_SCRIPT: &str = "ngvm-hang.sh";
 
+/// Diagnostics of what a command from the pod sees.
+const DIAG_SCRIPT: &str = "ngvm-diag.sh";
+
 /// Our own plugin using what scripts expect of a node (run by both).
 const TOOLS_SCRIPT: &str = "ngvm-tools.sh";
 
@@ -2023,6 +2026,11 @@ pub(crate) async fn npd_plugins(
     install.push_str(&format!(
         " && echo {} | base64 -d > {NPD_PLUGINS}/{HANG_SCRIPT} && chmod 0755 {NPD_PLUGINS}/{HANG_SCRIPT}",
         b64(hang.as_bytes())
+    ));
+    let diag = "#!/bin/bash\necho \"journald $(systemctl is-active systemd-journald.service 2>&1) ntp $(systemctl is-active ntp.service 2>&1) rc=$?; $(SYSTEMD_LOG_LEVEL=debug systemctl is-active systemd-journald.service 2>&1 | tr '\\n' '|' | cut -c1-500); $(grep -E 'NoNewPrivs|Seccomp:|CapEff' /proc/self/status | tr '\\n' ' '); $(env | grep -iE 'systemd|dbus|container' | tr '\\n' ' ')\"\nexit 1\n";
+    install.push_str(&format!(
+        " && echo {} | base64 -d > {NPD_PLUGINS}/{DIAG_SCRIPT} && chmod 0755 {NPD_PLUGINS}/{DIAG_SCRIPT}",
+        b64(diag.as_bytes())
     ));
     // And one of ours, in NPD's format, for what scripts written for a
     // node expect of it: a writable /tmp (mktemp, a here-string) and the
@@ -2104,6 +2112,13 @@ pub(crate) async fn npd_plugins(
         "rules": [{"type": "permanent", "condition": "HangingPluginProblem", "reason": "Hung",
                    "command": [format!("{NPD_PLUGINS}/{HANG_SCRIPT}")]}],
     }));
+    // What a command of the pod sees of the node's systemd (diagnostics,
+    // an Event each run).
+    monitors.as_array_mut().unwrap().push(serde_json::json!({
+        "name": "diag", "source": {"plugin": {"intervalSeconds": 30, "timeoutSeconds": 5, "maxOutputLength": 1024}},
+        "rules": [{"type": "temporary", "reason": "PodSideDiag",
+                   "command": [format!("{NPD_PLUGINS}/{DIAG_SCRIPT}")]}],
+    }));
     let t_upgrade = Instant::now();
     crate::kubenode::run(
         std::process::Command::new(&release.helm)
@@ -2183,16 +2198,32 @@ pub(crate) async fn npd_plugins(
         .sh("journalctl -u npd-plugins --no-pager -o cat | tail -60; systemctl stop npd-plugins")
         .await;
     let _ = std::fs::write(dir.join("npd-plugins.log"), &npd_log);
-    // The agent's side, for a difference: its log and its plugin metrics.
-    let agent_log = kubectl_status(&[
-        "logs",
-        "-n",
-        &release.namespace,
-        &format!("ds/{}", release.name),
-        "--tail=300",
+    // The agent's side, for a difference: its log, and check_ntp.sh's
+    // systemctl run by hand in the agent container's mount namespace and
+    // root (nsenter), stderr included.
+    let agent_side = vm
+        .exec(&format!(
+            "tail -n 200 /var/log/pods/{ns}_*/nodeguard/*.log; pid=$(pgrep -o -f 'run --listen'); echo \"agent pid $pid\"; chroot /proc/$pid/root/host /bin/sh -c 'ls -la /run/systemd/private; systemctl is-active ntp.service; echo \"rc=$?\"; SYSTEMD_LOG_LEVEL=debug systemctl is-active ntp.service 2>&1 | tail -15' 2>&1",
+            ns = release.namespace
+        ))
+        .await;
+    let diag_events = kubectl_status(&[
+        "get",
+        "events",
+        "-A",
+        "--field-selector",
+        "reason=PodSideDiag",
+        "-o",
+        "custom-columns=MSG:.message",
     ])
     .unwrap_or_else(|e| e);
-    let _ = std::fs::write(dir.join("npd-plugins-agent.log"), &agent_log);
+    let _ = std::fs::write(
+        dir.join("npd-plugins-agent.log"),
+        format!(
+            "{}{}\n== diag Events\n{diag_events}",
+            agent_side.stdout, agent_side.stderr
+        ),
+    );
     let table = format!(
         "## ntp.service missing\n\n{}\n## ntp.service running\n\n{}",
         oracle_table(&down.0, &down.1),
@@ -2247,6 +2278,22 @@ pub(crate) async fn npd_plugins(
     delete_policy(admin, &policy).await;
     kubectl(&["delete", "clusterrolebinding", &account]);
     kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
+    // The later scenarios run on the chart's values as before.
+    crate::kubenode::run(
+        std::process::Command::new(&release.helm)
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .args(["upgrade", &release.name, &published.chart()])
+            .args(["--version", &published.version, "--plain-http"])
+            .args(["-n", &release.namespace, "--reuse-values"])
+            .args([
+                "--set",
+                "host.plugins.hostRoot=false",
+                "--wait",
+                "--timeout",
+                "5m",
+            ]),
+    );
     assert!(
         !seen_pids.is_empty(),
         "the hanging plugin never ran from the pod:\n{samples}"

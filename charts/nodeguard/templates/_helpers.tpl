@@ -189,7 +189,7 @@ hostPath volumes and privileged containers. */}}
 {{- if $a.dbus -}}{{- $why = append $why (printf "host.dbus (hostPath %s)" $h.dbus.socket) -}}{{- end -}}
 {{- if $a.logindDropIn -}}{{- $why = append $why (printf "host.logindDropIn (hostPath %s)" $h.logindDropIn.path) -}}{{- end -}}
 {{- if $h.logs.enabled -}}{{- $why = append $why (printf "host.logs (hostPath %s)" $h.logs.path) -}}{{- end -}}
-{{- if $h.plugins.hostRoot -}}{{- $why = append $why "host.plugins.hostRoot (hostPath /, read-only)" -}}
+{{- if $h.plugins.hostRoot -}}{{- $why = append $why "host.plugins.hostRoot (hostPath /, read-only, and hostPID)" -}}
 {{- else if $h.plugins.enabled -}}{{- $why = append $why (printf "host.plugins (hostPath %s)" $h.plugins.path) -}}{{- end -}}
 {{- toJson $why -}}
 {{- end -}}

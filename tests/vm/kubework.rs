@@ -2063,7 +2063,16 @@ pub(crate) async fn npd_plugins(
             Err(_) => tools_config.clone(),
         };
         config["pluginConfig"]["invoke_interval"] = "5s".into();
+        // The emulated node (TCG, its 2 host cores shared with the run's
+        // builds) takes 2 to 2.5 s for check_ntp.sh's systemctl, and NPD's
+        // 3 s rule timeout then turned one side Unknown at random (the
+        // CI run on ccdbd7d: NPD's). Both sides get 30 s; the timeout's
+        // Unknown is compared in tests/npd.rs, where the hang is certain.
+        config["pluginConfig"]["timeout"] = "30s".into();
         for rule in config["rules"].as_array_mut().unwrap() {
+            if rule.get("timeout").is_some() {
+                rule["timeout"] = "30s".into();
+            }
             let script = rule["path"]
                 .as_str()
                 .unwrap()

@@ -101,6 +101,50 @@ struct Condition {
     resets_at_boot: bool,
 }
 
+impl Condition {
+    /// Its no-problem state, as first seen at `now`.
+    fn initial(&self, now: Timestamp) -> ConditionState {
+        ConditionState {
+            active: false,
+            unknown: false,
+            reason: self.default_reason.clone(),
+            message: self.default_message.clone(),
+            since: now,
+            last_match: None,
+            taint_added: false,
+            taint: None,
+        }
+    }
+
+    /// The removal of its taint, when nodeguard added it (`owned`).
+    fn untaint(&self, owned: bool, out: &mut Vec<Action>) {
+        if let Some((key, value, effect)) = &self.taint
+            && owned
+        {
+            out.push(Action::Taint {
+                condition: self.type_.clone(),
+                key: key.clone(),
+                value: value.clone(),
+                effect: effect.clone(),
+                add: false,
+            });
+        }
+    }
+
+    /// A change of it worded as node-problem-detector's Event, within an
+    /// Event note's 1024 bytes (quotes and all).
+    fn npd_event(&self, status: &str, reason: &str, message: &str) -> String {
+        crate::report::clip(
+            &format!(
+                "Node condition {} is now: {status}, reason: {reason}, message: {}",
+                self.type_,
+                go_quote(message)
+            ),
+            1024,
+        )
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Rule {
     kind: ProblemKind,
@@ -578,16 +622,7 @@ impl Engine {
             let s = self
                 .state
                 .entry(c.type_.clone())
-                .or_insert_with(|| ConditionState {
-                    active: false,
-                    unknown: false,
-                    reason: c.default_reason.clone(),
-                    message: c.default_message.clone(),
-                    since: now,
-                    last_match: None,
-                    taint_added: false,
-                    taint: None,
-                });
+                .or_insert_with(|| c.initial(now));
             if s.unknown {
                 out.push(Action::Unknown {
                     type_: c.type_.clone(),
@@ -869,16 +904,7 @@ impl Engine {
         let s = self
             .state
             .entry(cond.type_.clone())
-            .or_insert_with(|| ConditionState {
-                active: false,
-                unknown: false,
-                reason: cond.default_reason.clone(),
-                message: cond.default_message.clone(),
-                since: now,
-                last_match: None,
-                taint_added: false,
-                taint: None,
-            });
+            .or_insert_with(|| cond.initial(now));
         if s.unknown {
             return;
         }
@@ -895,28 +921,10 @@ impl Engine {
         });
         out.push(Action::Event {
             reason: cond.default_reason.clone(),
-            message: crate::report::clip(
-                &format!(
-                    "Node condition {} is now: Unknown, reason: {}, message: {}",
-                    cond.type_,
-                    cond.default_reason,
-                    go_quote(output)
-                ),
-                1024,
-            ),
+            message: cond.npd_event("Unknown", &cond.default_reason, output),
         });
         // Not True: its taint goes (as a restatement would remove it).
-        if let Some((key, value, effect)) = &cond.taint
-            && untaint
-        {
-            out.push(Action::Taint {
-                condition: cond.type_.clone(),
-                key: key.clone(),
-                value: value.clone(),
-                effect: effect.clone(),
-                add: false,
-            });
-        }
+        cond.untaint(untaint, out);
     }
 
     /// Whether condition changes are worded as node-problem-detector's
@@ -964,16 +972,7 @@ impl Engine {
                 let s = self
                     .state
                     .entry(cond.type_.clone())
-                    .or_insert_with(|| ConditionState {
-                        active: false,
-                        unknown: false,
-                        reason: cond.default_reason.clone(),
-                        message: cond.default_message.clone(),
-                        since: now,
-                        last_match: None,
-                        taint_added: false,
-                        taint: None,
-                    });
+                    .or_insert_with(|| cond.initial(now));
                 s.last_match = Some(now);
                 let was_active = s.active;
                 if !was_active || s.reason != rule.reason {
@@ -993,16 +992,7 @@ impl Engine {
                     // An NPD-matching monitor words the change as NPD does,
                     // for alerts and tooling keyed on NPD's Events.
                     let message = if self.npd_words() {
-                        // Within an Event note's 1024 bytes, quotes and all.
-                        crate::report::clip(
-                            &format!(
-                                "Node condition {} is now: True, reason: {}, message: {}",
-                                cond.type_,
-                                rule.reason,
-                                go_quote(&message)
-                            ),
-                            1024,
-                        )
+                        cond.npd_event("True", &rule.reason, &message)
                     } else {
                         message
                     };
@@ -1028,6 +1018,7 @@ impl Engine {
 
     fn clear(&mut self, c: usize, why: &str, now: Timestamp, out: &mut Vec<Action>) {
         let cond = self.conditions[c].clone();
+        let npd_words = self.npd_words();
         let Some(s) = self.state.get_mut(&cond.type_) else {
             return;
         };
@@ -1042,17 +1033,9 @@ impl Engine {
         // An NPD-matching monitor clears as NPD does: the condition's own
         // message, and the change worded as NPD words it (alerts keyed on
         // NPD's "is now: False" Events keep working). Others say why.
-        let event = if self.npd.is_some() || self.npd_plugin {
+        let event = if npd_words {
             s.message = cond.default_message.clone();
-            crate::report::clip(
-                &format!(
-                    "Node condition {} is now: False, reason: {}, message: {}",
-                    cond.type_,
-                    cond.default_reason,
-                    go_quote(&cond.default_message)
-                ),
-                1024,
-            )
+            cond.npd_event("False", &cond.default_reason, &cond.default_message)
         } else {
             s.message = format!(
                 "{} (was {was}: {why} at {})",
@@ -1071,17 +1054,7 @@ impl Engine {
             reason: cond.default_reason.clone(),
             message: event,
         });
-        if let Some((key, value, effect)) = &cond.taint
-            && s.taint_added
-        {
-            out.push(Action::Taint {
-                condition: cond.type_.clone(),
-                key: key.clone(),
-                value: value.clone(),
-                effect: effect.clone(),
-                add: false,
-            });
-        }
+        cond.untaint(s.taint_added, out);
     }
 
     /// Clears conditions whose quiet period has passed, and NPD-matching

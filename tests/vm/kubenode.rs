@@ -218,6 +218,20 @@ pub(crate) struct Release {
     pub(crate) helm: PathBuf,
 }
 
+impl Release {
+    /// `helm upgrade` of this release to the published chart, its values
+    /// reused, with `args` (`--set …`, `--wait`) added; helm's output.
+    pub(crate) fn upgrade(&self, published: &Published, args: &[&str]) -> String {
+        run(Command::new(&self.helm)
+            .arg("--kubeconfig")
+            .arg(kubeconfig_path())
+            .args(["upgrade", &self.name, &published.chart()])
+            .args(["--version", &published.version, "--plain-http"])
+            .args(["-n", &self.namespace, "--reuse-values"])
+            .args(args))
+    }
+}
+
 impl Drop for Release {
     fn drop(&mut self) {
         let _ = Command::new(&self.helm)
@@ -1227,16 +1241,13 @@ async fn readme_install(
         "nodeguard-test/kubelet=true",
         "--overwrite",
     ]);
-    run(Command::new(&release.helm)
-        .arg("--kubeconfig")
-        .arg(kubeconfig_path())
-        .args(["upgrade", &release.name, &published.chart()])
-        .args(["--version", &published.version, "--plain-http"])
-        .args(["-n", &release.namespace, "--reuse-values"])
-        .args([
+    release.upgrade(
+        published,
+        &[
             "--set-string",
             "uninstall.nodeSelector.nodeguard-test/kubelet=true",
-        ]));
+        ],
+    );
 
     // What the agent put on the node, before `helm uninstall`.
     let before = Api::<Node>::all(admin.clone()).get(node).await.unwrap();

@@ -2129,20 +2129,15 @@ pub(crate) async fn npd_plugins(
                    "command": [format!("{NPD_PLUGINS}/{DIAG_SCRIPT}")]}],
     }));
     let t_upgrade = Instant::now();
-    crate::kubenode::run(
-        std::process::Command::new(&release.helm)
-            .arg("--kubeconfig")
-            .arg(kubeconfig_path())
-            .args(["upgrade", &release.name, &published.chart()])
-            .args(["--version", &published.version, "--plain-http"])
-            .args(["-n", &release.namespace, "--reuse-values"])
-            .args([
-                "--set",
-                "host.plugins.hostRoot=true",
-                "--wait",
-                "--timeout",
-                "5m",
-            ]),
+    release.upgrade(
+        published,
+        &[
+            "--set",
+            "host.plugins.hostRoot=true",
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
     );
     let rolled = t_upgrade.elapsed();
     let policy = unique_name("npd-plugins");
@@ -2288,20 +2283,15 @@ pub(crate) async fn npd_plugins(
     kubectl(&["delete", "clusterrolebinding", &account]);
     kubectl(&["delete", "serviceaccount", &account, "-n", "default"]);
     // The later scenarios run on the chart's values as before.
-    crate::kubenode::run(
-        std::process::Command::new(&release.helm)
-            .arg("--kubeconfig")
-            .arg(kubeconfig_path())
-            .args(["upgrade", &release.name, &published.chart()])
-            .args(["--version", &published.version, "--plain-http"])
-            .args(["-n", &release.namespace, "--reuse-values"])
-            .args([
-                "--set",
-                "host.plugins.hostRoot=false",
-                "--wait",
-                "--timeout",
-                "5m",
-            ]),
+    release.upgrade(
+        published,
+        &[
+            "--set",
+            "host.plugins.hostRoot=false",
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
     );
     assert!(
         !seen_pids.is_empty(),
@@ -2314,7 +2304,7 @@ pub(crate) async fn npd_plugins(
     rows.pass(
         "kube-npd-plugins",
         format!(
-            "NPD's binary on the node and the chart's pod (helm upgrade to host.plugins.hostRoot=true, rolled in {}) run NPD's release scripts check_ntp.sh and network_problem.sh unchanged from custom-plugin-monitor.json and network-problem-monitor.json, and one of ours (mktemp, a here-string, fsck on PATH): with ntp.service missing {} Events and {} conditions, with it running {} and {}, all the same; a forking plugin timed out 10+ times left at most {most} processes at once on the node, no zombie",
+            "NPD's binary on the node and the chart's pod (helm upgrade to host.plugins.hostRoot=true, rolled in {}) run NPD's release scripts check_ntp.sh and network_problem.sh unchanged from custom-plugin-monitor.json and network-problem-monitor.json (every 5 s, their timeouts 30 s on both sides for the emulated node), and one of ours (mktemp, a here-string, fsck on PATH): with ntp.service missing {} Events and {} conditions, with it running {} and {}, all the same; a forking plugin timed out 10+ times left at most {most} processes at once on the node, no zombie",
             secs(rolled),
             down.0.0.len(),
             down.0.1.len(),

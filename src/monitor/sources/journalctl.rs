@@ -149,7 +149,7 @@ pub(super) fn spawn_journalctl(
                                 tracing::warn!(directory = %d, "journal directory refused: {why}");
                             }
                             counters.set_refused(Some(why));
-                            std::thread::sleep(Duration::from_secs(5));
+                            stop.sleep(Duration::from_secs(5));
                             continue;
                         }
                         // Not there (yet): journalctl says so and is retried.
@@ -184,7 +184,7 @@ pub(super) fn spawn_journalctl(
                     Ok(c) => c,
                     Err(e) => {
                         tracing::error!(error = %e, "cannot run journalctl; retrying in 5 s");
-                        std::thread::sleep(Duration::from_secs(5));
+                        stop.sleep(Duration::from_secs(5));
                         continue;
                     }
                 };
@@ -287,13 +287,8 @@ pub(super) fn spawn_journalctl(
                     tracing::debug!(stderr = %err, retry_in = ?delay, "journalctl exited again");
                 }
                 last_err = Some(err);
-                let until = std::time::Instant::now() + delay;
-                while !stop.stopped() && std::time::Instant::now() < until {
-                    std::thread::sleep(
-                        until
-                            .saturating_duration_since(std::time::Instant::now())
-                            .min(Duration::from_millis(100)),
-                    );
+                if stop.sleep(delay) {
+                    break;
                 }
                 // Waiting for this boot's first entry (journalctl exits at
                 // once until there is one): looked for every 5 s, not once

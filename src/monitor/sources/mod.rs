@@ -199,22 +199,51 @@ impl Failures {
 }
 
 /// Stops the reader thread (at its next record or wake-up, within a second;
-/// a journalctl child is killed).
+/// a journalctl child is killed; a pause in [`StopFlag::sleep`] ends).
 #[derive(Clone, Debug, Default)]
-pub struct StopFlag(Arc<AtomicBool>, Arc<std::sync::Mutex<Option<u32>>>);
+pub struct StopFlag(
+    Arc<AtomicBool>,
+    Arc<std::sync::Mutex<Option<u32>>>,
+    Arc<std::sync::Condvar>,
+);
 
 impl StopFlag {
     pub fn stop(&self) {
         self.0.store(true, Ordering::SeqCst);
-        if let Some(pid) = *self.1.lock().unwrap_or_else(|e| e.into_inner()) {
+        let child = self.1.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pid) = *child {
             // SAFETY: signalling our own child process.
             unsafe {
                 libc::kill(pid as i32, libc::SIGTERM);
             }
         }
+        // Under the lock: a sleeper checks the flag under it before it
+        // waits, so it either sees the flag or gets this.
+        self.2.notify_all();
     }
     fn stopped(&self) -> bool {
         self.0.load(Ordering::SeqCst)
+    }
+
+    /// Sleeps `pause`, or less when stopped meanwhile (without waking in
+    /// between: a reader backing off costs no wake-ups). True when stopped.
+    fn sleep(&self, pause: Duration) -> bool {
+        let until = std::time::Instant::now() + pause;
+        let mut guard = self.1.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.stopped() {
+                return true;
+            }
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            guard = self
+                .2
+                .wait_timeout(guard, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 }
 
@@ -976,5 +1005,54 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         stop.stop();
+    }
+
+    /// A reader backing off (journalctl restarting) sleeps through its
+    /// pause without waking (it woke every 100 ms to look at the stop flag:
+    /// 20 wake-ups a second for the default policy's two journal readers on
+    /// a node without a journal, `bench/run idle`), and a stop still ends
+    /// the pause at once.
+    #[test]
+    fn a_stop_flag_sleep_wakes_only_for_the_stop() {
+        let stop = StopFlag::default();
+        let switches = |tid: i32| -> u64 {
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/status"))
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum()
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sleeper = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                tx.send(unsafe { libc::gettid() }).unwrap();
+                let t = std::time::Instant::now();
+                (stop.sleep(Duration::from_secs(60)), t.elapsed())
+            })
+        };
+        let tid = rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let before = switches(tid);
+        std::thread::sleep(Duration::from_millis(1000));
+        let woke = switches(tid) - before;
+        assert!(woke <= 1, "the sleeping thread woke {woke} times in 1 s");
+        stop.stop();
+        let (stopped, slept) = sleeper.join().unwrap();
+        assert!(stopped, "a stop ends the sleep as stopped");
+        assert!(
+            slept < Duration::from_secs(5),
+            "the stop ended a 60 s sleep after {slept:?}"
+        );
+        // Without a stop, the whole pause; after one, none.
+        let calm = StopFlag::default();
+        let t = std::time::Instant::now();
+        assert!(!calm.sleep(Duration::from_millis(300)));
+        assert!(t.elapsed() >= Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        assert!(stop.sleep(Duration::from_secs(60)));
+        assert!(t.elapsed() < Duration::from_secs(1));
     }
 }

@@ -839,35 +839,6 @@ async fn prepare_namespace(admin: &Client) {
     }
 }
 
-/// Answers the default policy's kubelet and kube-proxy healthz probes the
-/// way a healthy node does.
-async fn serve_node_health() {
-    for port in [10248u16, 10256] {
-        match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
-            Ok(l) => {
-                tokio::spawn(async move {
-                    loop {
-                        let Ok((mut s, _)) = l.accept().await else {
-                            continue;
-                        };
-                        tokio::spawn(async move {
-                            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                            let mut buf = [0u8; 1024];
-                            let _ = s.read(&mut buf).await;
-                            let _ = s
-                                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                                .await;
-                        });
-                    }
-                });
-            }
-            Err(e) => {
-                eprintln!("fleet: 127.0.0.1:{port} taken ({e}); its server answers the probes")
-            }
-        }
-    }
-}
-
 /// The fleet's journald readers take an inotify instance each.
 fn raise_inotify_instances(need: u64) {
     let path = "/proc/sys/fs/inotify/max_user_instances";

@@ -42,6 +42,8 @@ pub fn spawn_journald(
         Journalctl {
             program: program.to_path_buf(),
             restart_min: JOURNAL_RESTART_MIN,
+            no_entry_most: NO_ENTRY_RETRY_MAX,
+            no_entry_patience: NO_ENTRY_PATIENCE,
             source,
             roots: roots.to_vec(),
         },
@@ -62,6 +64,14 @@ pub(super) const RUN_FAILED_AT_ONCE: Duration = Duration::from_secs(2);
 pub(super) const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
 /// The longest pause while the journal has no entry of this boot yet.
 pub(super) const NO_ENTRY_RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long the journal may hold no entry of this boot before it is looked
+/// for with the usual back-off (up to once a minute) instead of every 5 s.
+/// A node's journald writes entries of its boot from its first seconds, so
+/// a minute without one is a host whose journal is not there (one kept
+/// only in /run/log/journal, `Storage=volatile`, is not under
+/// /var/log/journal), and starting journalctl every 5 s there cost two
+/// journal monitors 0.6 % of a core (`bench/run idle`, an empty journal).
+pub(super) const NO_ENTRY_PATIENCE: Duration = Duration::from_secs(60);
 
 /// Kills and reaps a journalctl child, forgetting its pid first (under the
 /// lock [`StopFlag::stop`] signals it with): once reaped the pid may be
@@ -84,6 +94,10 @@ pub(super) fn journal_boot_id() -> Option<String> {
 pub(super) struct Journalctl {
     pub(super) program: PathBuf,
     pub(super) restart_min: Duration,
+    /// The longest pause while there is no entry of this boot yet, for
+    /// `no_entry_patience`: [`NO_ENTRY_RETRY_MAX`], [`NO_ENTRY_PATIENCE`].
+    pub(super) no_entry_most: Duration,
+    pub(super) no_entry_patience: Duration,
     pub(super) source: crate::policy::monitors::JournaldSource,
     /// The node's resolved read roots (`--directory` must lie under one).
     pub(super) roots: Vec<PathBuf>,
@@ -93,6 +107,8 @@ pub(super) fn spawn_journalctl(
     Journalctl {
         program,
         restart_min,
+        no_entry_most,
+        no_entry_patience,
         source,
         roots,
     }: Journalctl,
@@ -111,6 +127,9 @@ pub(super) fn spawn_journalctl(
             };
             let mut backoff = crate::server::backoff::Backoff::new(restart_min, JOURNAL_RESTART_MAX);
             let mut last_err: Option<String> = None;
+            // Since when the runs have found no entry of this boot.
+            let mut no_entry_since: Option<std::time::Instant> = None;
+            let mut said_no_entry = false;
             // The kernel's boot id, as journald writes it in `_BOOT_ID` (in
             // a container too: the kernel is the host's).
             let this_boot = journal_boot_id();
@@ -277,6 +296,19 @@ pub(super) fn spawn_journalctl(
                     cursor.is_none() && !delivered && run_started.elapsed() < RUN_FAILED_AT_ONCE;
                 if no_entry_yet {
                     whole_boot = true;
+                    no_entry_since.get_or_insert_with(std::time::Instant::now);
+                } else {
+                    no_entry_since = None;
+                    said_no_entry = false;
+                }
+                let patient = no_entry_since.is_some_and(|t| t.elapsed() < no_entry_patience);
+                if no_entry_yet && !patient && !said_no_entry {
+                    said_no_entry = true;
+                    let journal = source.directory.as_deref().unwrap_or("the journal");
+                    tracing::warn!(
+                        "{journal} has had no entry of this boot for {} s: looked for up to once a minute from now on (a journal kept only in /run/log/journal, Storage=volatile, is not under /var/log/journal)",
+                        no_entry_patience.as_secs()
+                    );
                 }
                 // Said once per distinct error, not once per restart.
                 let err = err.trim().to_string();
@@ -293,8 +325,8 @@ pub(super) fn spawn_journalctl(
                 // Waiting for this boot's first entry (journalctl exits at
                 // once until there is one): looked for every 5 s, not once
                 // a minute, so a new boot's first problems are not late.
-                let most = if no_entry_yet {
-                    NO_ENTRY_RETRY_MAX
+                let most = if no_entry_yet && patient {
+                    no_entry_most
                 } else {
                     JOURNAL_RESTART_MAX
                 };

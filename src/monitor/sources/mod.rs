@@ -403,6 +403,8 @@ mod tests {
             Journalctl {
                 program: fake,
                 restart_min: min,
+                no_entry_most: journalctl::NO_ENTRY_RETRY_MAX,
+                no_entry_patience: journalctl::NO_ENTRY_PATIENCE,
                 source: Default::default(),
                 roots: vec![PathBuf::from("/")],
             },
@@ -443,6 +445,83 @@ mod tests {
                 .iter()
                 .all(|r| r.contains("--lines=all") && !r.contains("--since")),
             "{args}"
+        );
+    }
+
+    /// A host whose journal never has an entry of this boot (none there, or
+    /// only in /run/log/journal) had journalctl started every 5 s for ever:
+    /// 0.6 % of a core for two journal monitors (`bench/run idle`). Past
+    /// its patience (here 600 ms, pauses capped at 100 ms until then) the
+    /// pauses grow again as for any failure (doubling, up to a minute).
+    #[test]
+    fn a_journal_without_entries_is_looked_for_less_often_after_a_while() {
+        let scratch = Scratch::new("journal-patience");
+        let dir = &scratch.0;
+        let runs = dir.join("runs");
+        let fake = dir.join("journalctl");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\ndate +%s%N >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
+                runs.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (tx, _rx) = mpsc::channel(4);
+        let stop = StopFlag::default();
+        let (most, patience) = (Duration::from_millis(100), Duration::from_millis(600));
+        spawn_journalctl(
+            Journalctl {
+                program: fake,
+                restart_min: Duration::from_millis(25),
+                no_entry_most: most,
+                no_entry_patience: patience,
+                source: Default::default(),
+                roots: vec![PathBuf::from("/")],
+            },
+            JournalStart::End,
+            tx,
+            Arc::new(SourceCounters::default()),
+            stop.clone(),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(3500));
+        stop.stop();
+        let t: Vec<u64> = std::fs::read_to_string(&runs)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        let at = |i: usize| Duration::from_nanos(t[i] - t[0]);
+        let gap = |i: usize| Duration::from_nanos(t[i + 1] - t[i]);
+        // Within the patience, at most `most` apart (a run itself takes a
+        // few milliseconds; a loaded machine adds more, hence the slack).
+        let patient: Vec<usize> = (0..t.len() - 1)
+            .filter(|&i| at(i + 1) + Duration::from_millis(150) < patience)
+            .collect();
+        assert!(patient.len() >= 3, "runs at {t:?}");
+        for &i in &patient {
+            assert!(
+                gap(i) < most * 3,
+                "gap {i} within the patience: {:?}",
+                gap(i)
+            );
+        }
+        // After it, doubling past `most` (the pause already set when it
+        // ran out is the last at `most`): 100 ms, 200 ms, 400 ms, 800 ms…
+        let later: Vec<Duration> = (0..t.len() - 1)
+            .filter(|&i| at(i) > patience)
+            .map(gap)
+            .collect();
+        assert!(
+            later.len() >= 3 && later[later.len() - 1] > most * 6,
+            "pauses after the patience: {later:?} (runs at {t:?})"
+        );
+        assert!(
+            later.windows(2).all(|w| w[1] >= w[0] * 3 / 2),
+            "pauses after the patience grow: {later:?}"
         );
     }
 

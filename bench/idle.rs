@@ -25,7 +25,8 @@
 //!   answers them.
 //!
 //! Each peer is started, waited for (nodeguard: `/readyz` 200; NPD: its
-//! KernelDeadlock condition in the API), left 10 s to settle, then measured
+//! KernelDeadlock condition in the API), left `NODEGUARD_IDLE_SETTLE_SECONDS`
+//! (10) to settle, then measured
 //! over `NODEGUARD_IDLE_SECONDS` (default 120):
 //! - CPU: the agent's utime+stime (its exited threads included) and its
 //!   children's (what it reaped, and each live child's), from /proc. The
@@ -306,6 +307,8 @@ struct Bench {
     heartbeat: u64,
     /// No journal entries at all (`NODEGUARD_IDLE_JOURNAL_MS=0`).
     quiet_journal: bool,
+    /// From ready to the window (`NODEGUARD_IDLE_SETTLE_SECONDS`).
+    settle: Duration,
 }
 
 type JournalTarget = std::sync::Arc<std::sync::Mutex<Option<PathBuf>>>;
@@ -548,7 +551,7 @@ impl Bench {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        tokio::time::sleep(Duration::from_secs(10)).await;
+        tokio::time::sleep(self.settle).await;
         let before = read(pid);
         let t0 = Instant::now();
         tokio::time::sleep(self.window).await;
@@ -603,6 +606,7 @@ fn main() {
         window: Duration::from_secs(window),
         heartbeat,
         quiet_journal: every.is_zero(),
+        settle: Duration::from_secs(env_or("NODEGUARD_IDLE_SETTLE_SECONDS", 10)),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

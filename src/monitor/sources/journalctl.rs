@@ -61,6 +61,9 @@ pub fn spawn_journald(
 pub(super) const JOURNAL_RESTART_MIN: Duration = Duration::from_secs(1);
 /// A journalctl run shorter than this that read nothing failed at start.
 pub(super) const RUN_FAILED_AT_ONCE: Duration = Duration::from_secs(2);
+/// A journalctl run at least this long was following the journal, even if
+/// nothing it printed matched: its exit starts the back-off afresh.
+pub(super) const RUN_HEALTHY: Duration = Duration::from_secs(30);
 pub(super) const JOURNAL_RESTART_MAX: Duration = Duration::from_secs(60);
 /// The longest pause while the journal has no entry of this boot yet.
 pub(super) const NO_ENTRY_RETRY_MAX: Duration = Duration::from_secs(5);
@@ -168,6 +171,10 @@ pub(super) fn spawn_journalctl(
                                 tracing::warn!(directory = %d, "journal directory refused: {why}");
                             }
                             counters.set_refused(Some(why));
+                            // Refused is not "no entry": the patience
+                            // starts when journalctl runs again.
+                            no_entry_since = None;
+                            said_no_entry = false;
                             stop.sleep(Duration::from_secs(5));
                             continue;
                         }
@@ -203,6 +210,8 @@ pub(super) fn spawn_journalctl(
                     Ok(c) => c,
                     Err(e) => {
                         tracing::error!(error = %e, "cannot run journalctl; retrying in 5 s");
+                        no_entry_since = None;
+                        said_no_entry = false;
                         stop.sleep(Duration::from_secs(5));
                         continue;
                     }
@@ -283,7 +292,8 @@ pub(super) fn spawn_journalctl(
                 if stop.stopped() {
                     break;
                 }
-                if delivered {
+                let healthy = delivered || run_started.elapsed() >= RUN_HEALTHY;
+                if healthy {
                     backoff.reset();
                 }
                 // A run that ends at once having read nothing found no entry
@@ -294,25 +304,48 @@ pub(super) fn spawn_journalctl(
                 // is involved, so a wall-clock step cannot hide entries.
                 let no_entry_yet =
                     cursor.is_none() && !delivered && run_started.elapsed() < RUN_FAILED_AT_ONCE;
+                // Since when no run found an entry of this boot: kept
+                // through a run that failed slowly (neither at once nor
+                // after following), ended by one that found the journal.
                 if no_entry_yet {
                     whole_boot = true;
                     no_entry_since.get_or_insert_with(std::time::Instant::now);
-                } else {
+                } else if healthy || cursor.is_some() {
                     no_entry_since = None;
                     said_no_entry = false;
                 }
-                let patient = no_entry_since.is_some_and(|t| t.elapsed() < no_entry_patience);
+                let waited = no_entry_since.map(|t| t.elapsed());
+                let patient = waited.is_none_or(|w| w < no_entry_patience);
+                let err = err.trim().to_string();
                 if no_entry_yet && !patient && !said_no_entry {
                     said_no_entry = true;
-                    let journal = source.directory.as_deref().unwrap_or("the journal");
+                    let journal = match source.directory.as_deref() {
+                        Some(d) => d.to_string(),
+                        None => "the journal (/var/log/journal and /run/log/journal)".into(),
+                    };
+                    let volatile = if source.directory.as_deref() == Some("/var/log/journal") {
+                        " A journal kept only in /run/log/journal (Storage=volatile) is not under /var/log/journal."
+                    } else {
+                        ""
+                    };
                     tracing::warn!(
-                        "{journal} has had no entry of this boot for {} s: looked for up to once a minute from now on (a journal kept only in /run/log/journal, Storage=volatile, is not under /var/log/journal)",
-                        no_entry_patience.as_secs()
+                        stderr = %err,
+                        "{journal} has had no entry of this boot for {} s: looked for up to once a minute from now on.{volatile}",
+                        waited.unwrap_or_default().as_secs()
                     );
                 }
+                // Waiting for this boot's first entry (journalctl exits at
+                // once until there is one): looked for every 5 s for the
+                // patience, not once a minute, so a new boot's first
+                // problems are not late; the wait is twice the last, up to
+                // that.
+                let most = if no_entry_yet && patient {
+                    no_entry_most
+                } else {
+                    JOURNAL_RESTART_MAX
+                };
+                let delay = backoff.next_within(most);
                 // Said once per distinct error, not once per restart.
-                let err = err.trim().to_string();
-                let delay = backoff.peek();
                 if last_err.as_deref() != Some(err.as_str()) {
                     tracing::warn!(stderr = %err, retry_in = ?delay, "journalctl exited; restarting it (backing off up to 60 s while it keeps failing)");
                 } else {
@@ -322,16 +355,6 @@ pub(super) fn spawn_journalctl(
                 if stop.sleep(delay) {
                     break;
                 }
-                // Waiting for this boot's first entry (journalctl exits at
-                // once until there is one): looked for every 5 s, not once
-                // a minute, so a new boot's first problems are not late.
-                let most = if no_entry_yet && patient {
-                    no_entry_most
-                } else {
-                    JOURNAL_RESTART_MAX
-                };
-                // The next wait: twice this one, up to `most`.
-                backoff.next_within(most);
             }
         })?;
     Ok(())

@@ -525,6 +525,89 @@ mod tests {
         );
     }
 
+    /// Review of the patience: time the journal directory was refused (a
+    /// link leading outside the read paths) counted as time without an
+    /// entry, so once it was mended the first runs were already past their
+    /// patience (pauses doubling towards a minute, and a warning saying
+    /// the journal had no entry). Refusal now starts the patience afresh.
+    #[test]
+    fn a_refused_journal_directory_starts_the_patience_afresh() {
+        let scratch = Scratch::new("journal-refused");
+        let dir = &scratch.0;
+        let allowed = dir.join("allowed");
+        std::fs::create_dir_all(&allowed).unwrap();
+        let link = allowed.join("journal");
+        let runs = dir.join("runs");
+        let fake = dir.join("journalctl");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\ndate +%s%N >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
+                runs.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // Not there yet: journalctl runs (and finds nothing).
+        std::os::unix::fs::symlink(allowed.join("not-yet"), &link).unwrap();
+        let (tx, _rx) = mpsc::channel(4);
+        let stop = StopFlag::default();
+        let (most, patience) = (Duration::from_millis(100), Duration::from_millis(600));
+        spawn_journalctl(
+            Journalctl {
+                program: fake,
+                restart_min: Duration::from_millis(25),
+                no_entry_most: most,
+                no_entry_patience: patience,
+                source: crate::policy::monitors::JournaldSource {
+                    directory: Some(link.display().to_string()),
+                    ..Default::default()
+                },
+                roots: vec![allowed.clone()],
+            },
+            JournalStart::End,
+            tx,
+            Arc::new(SourceCounters::default()),
+            stop.clone(),
+        )
+        .unwrap();
+        // Past the patience: pauses of 200, 400, 800 ms…
+        std::thread::sleep(Duration::from_millis(1500));
+        // Refused (outside the read paths), then mended.
+        let swap = |to: &std::path::Path| {
+            let tmp = allowed.join("swap");
+            std::os::unix::fs::symlink(to, &tmp).unwrap();
+            std::fs::rename(&tmp, &link).unwrap();
+        };
+        swap(dir);
+        let refused_at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        // Longer than the pause under way (at most 1.6 s by now), so the
+        // next look finds it refused, and pauses 5 s.
+        std::thread::sleep(Duration::from_millis(2000));
+        swap(&allowed.join("not-yet"));
+        std::thread::sleep(Duration::from_millis(6000));
+        stop.stop();
+        let t: Vec<u64> = std::fs::read_to_string(&runs)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        let after: Vec<Duration> = t
+            .windows(2)
+            .filter(|w| w[0] > refused_at)
+            .map(|w| Duration::from_nanos(w[1] - w[0]))
+            .collect();
+        // Mended: a fresh patience, pauses capped at `most` again.
+        assert!(
+            after.len() >= 3 && after.iter().take(3).all(|g| *g < most * 3),
+            "pauses once mended: {after:?} (runs at {t:?}, refused at {refused_at})"
+        );
+    }
+
     /// A line that is not UTF-8 is decoded lossily; the line after it is
     /// read whole (it used to be skipped), and the offset counts bytes.
     #[tokio::test]

@@ -375,6 +375,34 @@ mod tests {
         rx.pending.pop_front().unwrap()
     }
 
+    /// A journalctl that exits at once, as on a journal with no entry of
+    /// this boot: each run appends its start (ns) to `dir/runs` and its
+    /// arguments to `dir/args`.
+    fn exiting_journalctl(dir: &std::path::Path) -> PathBuf {
+        let fake = dir.join("journalctl");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\ndate +%s%N >> {}\necho \"$@\" >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
+                dir.join("runs").display(),
+                dir.join("args").display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        fake
+    }
+
+    /// The starts [`exiting_journalctl`] recorded in `dir`, in ns.
+    fn run_starts(dir: &std::path::Path) -> Vec<u64> {
+        std::fs::read_to_string(dir.join("runs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
     /// Seen on a host whose journal has no data for the current boot:
     /// journalctl exits at once, and restarting it every second flooded the
     /// log and cost CPU. It now backs off (1 s, 2 s, 4 s, …; here from
@@ -383,19 +411,7 @@ mod tests {
     fn a_journalctl_that_keeps_exiting_is_restarted_with_backoff() {
         let scratch = Scratch::new("journal-backoff");
         let dir = &scratch.0;
-        let runs = dir.join("runs");
-        let fake = dir.join("journalctl");
-        std::fs::write(
-            &fake,
-            format!(
-                "#!/bin/sh\ndate +%s%N >> {}\necho \"$@\" >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
-                runs.display(),
-                dir.join("args").display()
-            ),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let fake = exiting_journalctl(dir);
         let (tx, _rx) = mpsc::channel(4);
         let stop = StopFlag::default();
         let min = Duration::from_millis(50);
@@ -414,13 +430,7 @@ mod tests {
             stop.clone(),
         )
         .unwrap();
-        let starts = || -> Vec<u64> {
-            std::fs::read_to_string(&runs)
-                .unwrap_or_default()
-                .lines()
-                .filter_map(|l| l.trim().parse().ok())
-                .collect()
-        };
+        let starts = || -> Vec<u64> { run_starts(dir) };
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while starts().len() < 5 {
             assert!(std::time::Instant::now() < deadline, "{:?}", starts());
@@ -457,18 +467,7 @@ mod tests {
     fn a_journal_without_entries_is_looked_for_less_often_after_a_while() {
         let scratch = Scratch::new("journal-patience");
         let dir = &scratch.0;
-        let runs = dir.join("runs");
-        let fake = dir.join("journalctl");
-        std::fs::write(
-            &fake,
-            format!(
-                "#!/bin/sh\ndate +%s%N >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
-                runs.display()
-            ),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let fake = exiting_journalctl(dir);
         let (tx, _rx) = mpsc::channel(4);
         let stop = StopFlag::default();
         let (most, patience) = (Duration::from_millis(100), Duration::from_millis(600));
@@ -489,11 +488,7 @@ mod tests {
         .unwrap();
         std::thread::sleep(Duration::from_millis(3500));
         stop.stop();
-        let t: Vec<u64> = std::fs::read_to_string(&runs)
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect();
+        let t = run_starts(dir);
         let at = |i: usize| Duration::from_nanos(t[i] - t[0]);
         let gap = |i: usize| Duration::from_nanos(t[i + 1] - t[i]);
         // Within the patience, at most `most` apart (a run itself takes a
@@ -537,18 +532,7 @@ mod tests {
         let allowed = dir.join("allowed");
         std::fs::create_dir_all(&allowed).unwrap();
         let link = allowed.join("journal");
-        let runs = dir.join("runs");
-        let fake = dir.join("journalctl");
-        std::fs::write(
-            &fake,
-            format!(
-                "#!/bin/sh\ndate +%s%N >> {}\necho 'No such boot ID in journal' >&2\nexit 1\n",
-                runs.display()
-            ),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let fake = exiting_journalctl(dir);
         // Not there yet: journalctl runs (and finds nothing).
         std::os::unix::fs::symlink(allowed.join("not-yet"), &link).unwrap();
         let (tx, _rx) = mpsc::channel(4);
@@ -591,11 +575,7 @@ mod tests {
         swap(&allowed.join("not-yet"));
         std::thread::sleep(Duration::from_millis(6000));
         stop.stop();
-        let t: Vec<u64> = std::fs::read_to_string(&runs)
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect();
+        let t = run_starts(dir);
         let after: Vec<Duration> = t
             .windows(2)
             .filter(|w| w[0] > refused_at)

@@ -130,6 +130,9 @@ pub(super) async fn run_monitor<T: TaintPort>(
         .insert(spec.name.clone(), counters.clone());
     let (tx, mut rx) = mpsc::channel(QUEUE);
     let source_stop = StopFlag::default();
+    // However this run ends (it returns, panics or is aborted), its reader
+    // thread is stopped, and a journalctl child killed.
+    let _stop_reader = source_stop.stop_on_drop();
     // One source (validation rejects none and more). A line source is
     // started here; `started` names it with its result.
     let source = spec.source.one();

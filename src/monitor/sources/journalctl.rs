@@ -81,7 +81,7 @@ pub(super) const NO_ENTRY_PATIENCE: Duration = Duration::from_secs(60);
 /// another process's, and a stop must not signal that one.
 pub(super) fn end_journalctl(stop: &StopFlag, child: &mut std::process::Child) {
     let _ = child.kill();
-    *stop.1.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    stop.set_child(None);
     let _ = child.wait();
 }
 
@@ -216,7 +216,7 @@ pub(super) fn spawn_journalctl(
                         continue;
                     }
                 };
-                *stop.1.lock().unwrap_or_else(|e| e.into_inner()) = Some(child.id());
+                stop.set_child(Some(child.id()));
                 // A stop between the check above and the pid's record
                 // signalled nothing: seen now.
                 if stop.stopped() {

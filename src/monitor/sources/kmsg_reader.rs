@@ -90,10 +90,9 @@ pub fn spawn_kmsg(
                 {
                     return;
                 }
-                // Waits for a record a second at a time, so that a stop is
-                // seen within a second on a quiet kernel log, not at its
-                // next record.
-                if reader.buffer().is_empty() && !readable_within(fd, POLL_STOP) {
+                // Waits for a record or the stop, whichever comes first: a
+                // quiet kernel log costs no wake-ups.
+                if reader.buffer().is_empty() && !readable_or_stopped(fd, &stop) {
                     continue;
                 }
                 buf.clear();
@@ -158,8 +157,34 @@ pub(super) fn readable_now(fd: std::os::fd::RawFd) -> bool {
 }
 
 /// How long the kernel log reader waits for a record before it looks at
-/// its stop flag again.
+/// its stop flag again, when the flag has no descriptor to wait on.
 pub(super) const POLL_STOP: Duration = Duration::from_secs(1);
+
+/// Waits until a read of `fd` would return (a record, an error such as
+/// overwritten records, or the end of a regular file: true) or `stop` is
+/// stopped (false); without the stop's descriptor, at most [`POLL_STOP`].
+pub(super) fn readable_or_stopped(fd: std::os::fd::RawFd, stop: &StopFlag) -> bool {
+    let Some(wake) = stop.wake_fd() else {
+        return readable_within(fd, POLL_STOP);
+    };
+    let mut p = [
+        libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&wake),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: poll on two descriptors this reader holds open.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
+    // An error other than a signal: the read says what it is.
+    (r > 0 && p[0].revents != 0)
+        || (r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+}
 
 /// Whether a read of `fd` would return within `wait` (a record, an error
 /// such as overwritten records, or the end of a regular file).

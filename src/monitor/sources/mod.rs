@@ -198,19 +198,45 @@ impl Failures {
     }
 }
 
-/// Stops the reader thread (at its next record or wake-up, within a second;
-/// a journalctl child is killed; a pause in [`StopFlag::sleep`] ends).
+/// Stops the reader thread: at once where it waits (a pause in
+/// [`StopFlag::sleep`], the kernel log reader's wait for a record), at its
+/// next line elsewhere; a journalctl child is killed.
 #[derive(Clone, Debug, Default)]
-pub struct StopFlag(
-    Arc<AtomicBool>,
-    Arc<std::sync::Mutex<Option<u32>>>,
-    Arc<std::sync::Condvar>,
-);
+pub struct StopFlag(Arc<Stop>);
+
+#[derive(Debug)]
+struct Stop {
+    stopped: AtomicBool,
+    /// The running journalctl child's pid.
+    child: std::sync::Mutex<Option<u32>>,
+    /// Wakes a sleeper; notified under `child`'s lock.
+    woken: std::sync::Condvar,
+    /// An eventfd made readable by the stop, for a reader waiting in
+    /// poll(2); None when none could be made (that reader then looks at the
+    /// flag every [`kmsg_reader::POLL_STOP`]).
+    wake: Option<std::os::fd::OwnedFd>,
+}
+
+impl Default for Stop {
+    fn default() -> Self {
+        use rustix::event::{EventfdFlags, eventfd};
+        Stop {
+            stopped: AtomicBool::new(false),
+            child: Default::default(),
+            woken: Default::default(),
+            wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).ok(),
+        }
+    }
+}
 
 impl StopFlag {
     pub fn stop(&self) {
-        self.0.store(true, Ordering::SeqCst);
-        let child = self.1.lock().unwrap_or_else(|e| e.into_inner());
+        self.0.stopped.store(true, Ordering::SeqCst);
+        if let Some(fd) = &self.0.wake {
+            // Only a full counter refuses, and then it is readable already.
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
+        let child = self.0.child.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(pid) = *child {
             // SAFETY: signalling our own child process.
             unsafe {
@@ -219,17 +245,33 @@ impl StopFlag {
         }
         // Under the lock: a sleeper checks the flag under it before it
         // waits, so it either sees the flag or gets this.
-        self.2.notify_all();
+        self.0.woken.notify_all();
     }
     fn stopped(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.0.stopped.load(Ordering::SeqCst)
+    }
+
+    /// A guard that stops the reader when it is dropped.
+    pub fn stop_on_drop(&self) -> StopOnDrop {
+        StopOnDrop(self.clone())
+    }
+
+    /// Records the journalctl child a stop must kill (None once reaped).
+    fn set_child(&self, pid: Option<u32>) {
+        *self.0.child.lock().unwrap_or_else(|e| e.into_inner()) = pid;
+    }
+
+    /// The descriptor that becomes readable when stopped, if there is one.
+    fn wake_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.0.wake.as_ref().map(|fd| fd.as_fd())
     }
 
     /// Sleeps `pause`, or less when stopped meanwhile (without waking in
     /// between: a reader backing off costs no wake-ups). True when stopped.
     fn sleep(&self, pause: Duration) -> bool {
         let until = std::time::Instant::now() + pause;
-        let mut guard = self.1.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.0.child.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if self.stopped() {
                 return true;
@@ -239,11 +281,22 @@ impl StopFlag {
                 return false;
             }
             guard = self
-                .2
+                .0
+                .woken
                 .wait_timeout(guard, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+}
+
+/// Stops its reader when dropped ([`StopFlag::stop_on_drop`]).
+#[must_use = "the reader is stopped when this is dropped"]
+pub struct StopOnDrop(StopFlag);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.stop();
     }
 }
 
@@ -278,6 +331,10 @@ mod tests {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
+
+    /// Held by the tests that start kernel log readers, so one test can
+    /// tell its reader's thread from the others'.
+    static KMSG_READERS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
     /// Roots are resolved once, at start: replacing a root by a link
     /// afterwards does not move it, and a link under it leading out stays
@@ -676,6 +733,7 @@ mod tests {
     /// at 0: all of them are read (they used to be skipped up to 1000).
     #[tokio::test]
     async fn a_new_boots_kmsg_records_with_low_sequence_numbers_are_read() {
+        let _readers = KMSG_READERS.lock().await;
         let scratch = Scratch::new("kmsg-boot");
         let path = scratch.0.join("kmsg");
         std::fs::write(
@@ -1079,6 +1137,7 @@ mod tests {
 
     #[tokio::test]
     async fn kmsg_stand_in_resume_and_floods_stay_bounded() {
+        let _readers = KMSG_READERS.lock().await;
         let scratch = Scratch::new("kmsg");
         let dir = &scratch.0;
         let path = dir.join("kmsg");
@@ -1196,5 +1255,84 @@ mod tests {
         let t = std::time::Instant::now();
         assert!(stop.sleep(Duration::from_secs(60)));
         assert!(t.elapsed() < Duration::from_secs(1));
+    }
+
+    /// The kernel log reader on the real /dev/kmsg, from its end: on a quiet
+    /// kernel log its thread does not wake to look at its stop (it did,
+    /// every second), and a stop ends it at once.
+    #[test]
+    fn a_quiet_kernel_log_costs_its_reader_no_wake_ups_and_a_stop_ends_it_at_once() {
+        let _readers = KMSG_READERS.blocking_lock();
+        let kmsg_threads = || -> std::collections::BTreeSet<i32> {
+            std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .filter_map(|t| {
+                    let t = t.ok()?;
+                    let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+                    (comm.trim() == "nodeguard-kmsg")
+                        .then(|| t.file_name().to_str()?.parse().ok())?
+                })
+                .collect()
+        };
+        let switches = |tid: i32| -> Option<u64> {
+            let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()?;
+            Some(
+                status
+                    .lines()
+                    .filter(|l| l.contains("ctxt_switches:"))
+                    .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                    .sum(),
+            )
+        };
+        // Readers of earlier tests end within their 100 ms pause.
+        let t = std::time::Instant::now();
+        while !kmsg_threads().is_empty() && t.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let others = kmsg_threads();
+        let (tx, mut rx) = mpsc::channel(1024);
+        let stop = StopFlag::default();
+        spawn_kmsg(
+            PathBuf::from("/dev/kmsg"),
+            &[PathBuf::from("/dev")],
+            KmsgStart::End,
+            tx,
+            Default::default(),
+            stop.clone(),
+        )
+        .expect("the test reads /dev/kmsg");
+        // The thread names itself once it runs.
+        let t = std::time::Instant::now();
+        let mut ours: Vec<i32> = Vec::new();
+        while ours.is_empty() && t.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(10));
+            ours = kmsg_threads().difference(&others).copied().collect();
+        }
+        assert_eq!(ours.len(), 1, "one new reader thread: {ours:?}");
+        let tid = ours[0];
+        std::thread::sleep(Duration::from_millis(200));
+        while rx.try_recv().is_ok() {}
+        let before = switches(tid).unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        let woke = switches(tid).unwrap() - before;
+        // Each batch of records the kernel prints meanwhile wakes it.
+        let mut batches = 0;
+        while rx.try_recv().is_ok() {
+            batches += 1;
+        }
+        assert!(
+            woke <= batches + 1,
+            "the reader woke {woke} times in 3 s for {batches} batch(es) of records"
+        );
+        let t = std::time::Instant::now();
+        stop.stop();
+        while switches(tid).is_some() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let ended = t.elapsed();
+        assert!(
+            ended < Duration::from_millis(500),
+            "the reader ended {ended:?} after the stop"
+        );
     }
 }

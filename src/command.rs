@@ -49,7 +49,11 @@ pub enum Ran {
         output: String,
         stdout: String,
     },
-    TimedOut,
+    /// Ran past its timeout, and its whole process group was killed.
+    /// `code`: the command's own exit code when it had exited before and
+    /// what it started held its output open (`None`: the kill ended it);
+    /// `stdout`: what it wrote until then, trimmed.
+    TimedOut { code: Option<i32>, stdout: String },
 }
 
 /// Where commands run (`--command-root`): in the agent's own file system,
@@ -266,44 +270,58 @@ pub async fn run_command(
     let group = EndGroup(child.id());
     let mut stdout = child.stdout.take().expect("piped");
     let mut stderr = child.stderr.take().expect("piped");
+    let deadline = tokio::time::Instant::now() + timeout;
     let read = async { tokio::join!(read_capped(&mut stdout), read_capped(&mut stderr)) };
-    let run = async {
-        let (out, err) = read.await;
-        let status = child.wait().await;
-        (status, out, err)
-    };
-    let ran = tokio::time::timeout(timeout, run).await;
-    if ran.is_err() {
-        // Timed out: the whole group is killed (as node-problem-detector
-        // does), the command reaped (by tokio), then the rest of the group.
-        group.kill();
-        let _ = tokio::time::timeout(REAP_WAIT, child.wait()).await;
-        group.reap().await;
-    } else {
-        // Exited: what it left running goes on (as with node-problem-
-        // detector); what of it has ended already is reaped.
-        group.reap_ended();
-    }
-    match ran {
-        Err(_) => Ok(Ran::TimedOut),
-        Ok((Err(source), _, _)) => Err(CommandError::Wait {
-            program: program.clone(),
-            source,
-        }),
-        Ok((Ok(status), out, err)) => {
-            let stdout = String::from_utf8_lossy(&out).trim().to_string();
-            let output = if stdout.is_empty() {
-                String::from_utf8_lossy(&err).trim().to_string()
-            } else {
-                stdout.clone()
-            };
-            Ok(Ran::Exited {
-                code: status.code(),
-                output,
-                stdout,
-            })
+    let mut read = std::pin::pin!(read);
+    // Its output until the pipes close (every writer gone), then its exit,
+    // both within the timeout. Past it, the whole group is killed (as
+    // node-problem-detector does), which closes the pipes: what it wrote
+    // is still read, and its exit status is what it was (a command that
+    // had exited while what it started kept its output open keeps its
+    // code, as in node-problem-detector).
+    let (out, err, ended) = match tokio::time::timeout_at(deadline, &mut read).await {
+        Ok((out, err)) => match tokio::time::timeout_at(deadline, child.wait()).await {
+            Ok(status) => (out, err, Some(status)),
+            Err(_) => (out, err, None),
+        },
+        Err(_) => {
+            group.kill();
+            let (out, err) = tokio::time::timeout(REAP_WAIT, &mut read)
+                .await
+                .unwrap_or_default();
+            (out, err, None)
         }
-    }
+    };
+    let Some(status) = ended else {
+        group.kill();
+        let code = match tokio::time::timeout(REAP_WAIT, child.wait()).await {
+            Ok(Ok(status)) => status.code(),
+            _ => None,
+        };
+        group.reap().await;
+        return Ok(Ran::TimedOut {
+            code,
+            stdout: String::from_utf8_lossy(&out).trim().to_string(),
+        });
+    };
+    // Exited: what it left running goes on (as with node-problem-
+    // detector); what of it has ended already is reaped.
+    group.reap_ended();
+    let status = status.map_err(|source| CommandError::Wait {
+        program: program.clone(),
+        source,
+    })?;
+    let stdout = String::from_utf8_lossy(&out).trim().to_string();
+    let output = if stdout.is_empty() {
+        String::from_utf8_lossy(&err).trim().to_string()
+    } else {
+        stdout.clone()
+    };
+    Ok(Ran::Exited {
+        code: status.code(),
+        output,
+        stdout,
+    })
 }
 
 /// How long the end of a command's process group is waited for.

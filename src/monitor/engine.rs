@@ -959,7 +959,13 @@ impl Engine {
                 q.clear();
             }
         }
-        let message = truncate(&message);
+        // NPD keeps a plugin's output as its cut left it (a space at the
+        // end too); other messages are trimmed.
+        let message = if self.npd_plugin {
+            crate::report::clip(&message, MESSAGE_LIMIT)
+        } else {
+            truncate(&message)
+        };
         match (rule.kind, rule.condition) {
             (ProblemKind::Temporary, _) | (ProblemKind::Permanent, None) => {
                 out.push(Action::Event {

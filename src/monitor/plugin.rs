@@ -66,11 +66,7 @@ pub(super) async fn run_plugins(
                 let _ended = ended;
                 counters.lines.fetch_add(1, Ordering::Relaxed);
                 let ran = run_command(&command, timeout, &root).await;
-                let status = match &ran {
-                    Ok(Ran::Exited { code: Some(0), .. }) => PluginStatus::Ok,
-                    Ok(Ran::Exited { code: Some(1), .. }) => PluginStatus::Problem,
-                    _ => PluginStatus::Unknown,
-                };
+                let status = plugin_status(&ran, npd);
                 if let Err(e) = &ran {
                     counters.malformed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(command = ?command, error = %e, "plugin did not run");
@@ -80,7 +76,9 @@ pub(super) async fn run_plugins(
                 } else {
                     let output = match ran {
                         Ok(Ran::Exited { output, .. }) => output,
-                        Ok(Ran::TimedOut) => format!("timed out after {}s", timeout.as_secs()),
+                        Ok(Ran::TimedOut { .. }) => {
+                            format!("timed out after {}s", timeout.as_secs())
+                        }
                         Err(e) => e.to_string(),
                     };
                     let output = crate::report::clip(&output, OUTPUT_LIMIT);
@@ -101,20 +99,39 @@ impl Drop for Ended {
     }
 }
 
+/// A check's result: exit code 0 OK, 1 a problem, anything else (another
+/// code, a signal, a timeout, not run) Unknown. Monitors imported from
+/// node-problem-detector (`npd`) judge a check that timed out as NPD does,
+/// by the check's own exit code: one that had exited while what it started
+/// kept its output open (killed with its group at the timeout) is judged
+/// by its code; one the kill ended is Unknown.
+fn plugin_status(ran: &Result<Ran, crate::command::CommandError>, npd: bool) -> PluginStatus {
+    let code = match ran {
+        Ok(Ran::Exited { code, .. }) => *code,
+        Ok(Ran::TimedOut { code, .. }) if npd => *code,
+        _ => None,
+    };
+    match code {
+        Some(0) => PluginStatus::Ok,
+        Some(1) => PluginStatus::Problem,
+        _ => PluginStatus::Unknown,
+    }
+}
+
 /// A check's output as node-problem-detector's custom plugin monitor keeps
 /// it: stdout alone; on a timeout "Timeout when running plugin …" (NPD's
-/// words, with the state Go prints for a killed process; what the check
-/// wrote before is not kept here, and NPD's cut below hides it for most
-/// paths); "Error in starting plugin…" when it could not start; cut at
+/// words, with the state Go prints for the check's end, and what it wrote
+/// until then); "Error in starting plugin…" when it could not start; cut at
 /// `max` bytes (on a character boundary).
 fn npd_output(program: &str, ran: Result<Ran, crate::command::CommandError>, max: usize) -> String {
     use crate::monitor::engine::go_quote;
     let output = match ran {
         Ok(Ran::Exited { stdout, .. }) => stdout,
-        Ok(Ran::TimedOut) => format!(
-            "Timeout when running plugin {}: state - signal: killed. output - {}",
+        Ok(Ran::TimedOut { code, stdout }) => format!(
+            "Timeout when running plugin {}: state - {}. output - {}",
             go_quote(program),
-            go_quote("")
+            code.map_or("signal: killed".to_string(), |c| format!("exit status {c}")),
+            go_quote(&stdout)
         ),
         Err(crate::command::CommandError::Wait { .. }) => {
             "Error in waiting for plugin. Please check the error log".to_string()
@@ -133,6 +150,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_timed_out_check_is_judged_by_its_own_code_only_when_imported_from_npd() {
+        let timed_out = |code| {
+            Ok(Ran::TimedOut {
+                code,
+                stdout: String::new(),
+            })
+        };
+        for npd in [false, true] {
+            assert_eq!(plugin_status(&timed_out(None), npd), PluginStatus::Unknown);
+        }
+        assert_eq!(plugin_status(&timed_out(Some(0)), true), PluginStatus::Ok);
+        assert_eq!(
+            plugin_status(&timed_out(Some(1)), true),
+            PluginStatus::Problem
+        );
+        assert_eq!(
+            plugin_status(&timed_out(Some(3)), true),
+            PluginStatus::Unknown
+        );
+        assert_eq!(
+            plugin_status(&timed_out(Some(0)), false),
+            PluginStatus::Unknown
+        );
+        let exited = |code| {
+            Ok(Ran::Exited {
+                code,
+                output: String::new(),
+                stdout: String::new(),
+            })
+        };
+        for npd in [false, true] {
+            assert_eq!(plugin_status(&exited(Some(0)), npd), PluginStatus::Ok);
+            assert_eq!(plugin_status(&exited(Some(1)), npd), PluginStatus::Problem);
+            assert_eq!(plugin_status(&exited(Some(2)), npd), PluginStatus::Unknown);
+            assert_eq!(plugin_status(&exited(None), npd), PluginStatus::Unknown);
+        }
+    }
+
+    #[test]
     fn npd_output_is_stdout_cut_at_bytes_and_npds_timeout_words() {
         let exited = |stdout: &str| {
             Ok(Ran::Exited {
@@ -146,14 +202,29 @@ mod tests {
         assert_eq!(npd_output("/p", exited("abcdef"), 3), "abc");
         // "é" is two bytes: never cut inside it.
         assert_eq!(npd_output("/p", exited("aé"), 2), "a");
+        let killed = |stdout: &str| {
+            Ok(Ran::TimedOut {
+                code: None,
+                stdout: stdout.into(),
+            })
+        };
         let full = "Timeout when running plugin \"/usr/local/check.sh\": state - signal: killed. output - \"\"";
         assert_eq!(
-            npd_output("/usr/local/check.sh", Ok(Ran::TimedOut), 80),
+            npd_output("/usr/local/check.sh", killed(""), 80),
             full[..80]
         );
         assert_eq!(
-            npd_output("/p", Ok(Ran::TimedOut), 200),
-            "Timeout when running plugin \"/p\": state - signal: killed. output - \"\""
+            npd_output("/p", killed("waiting"), 200),
+            "Timeout when running plugin \"/p\": state - signal: killed. output - \"waiting\""
+        );
+        // Exited, but what it started held its output past the timeout.
+        let outlived = Ok(Ran::TimedOut {
+            code: Some(1),
+            stdout: "broke".into(),
+        });
+        assert_eq!(
+            npd_output("/p", outlived, 200),
+            "Timeout when running plugin \"/p\": state - exit status 1. output - \"broke\""
         );
         assert_eq!(
             npd_output("/p", Err(crate::command::CommandError::Empty), 80),

@@ -452,7 +452,7 @@ async fn exec(
         Err(e) => return Err(ProberError(e.to_string())),
     };
     match ran {
-        Ran::TimedOut => Ok(Outcome::failure(format!(
+        Ran::TimedOut { .. } => Ok(Outcome::failure(format!(
             "timed out after {}s",
             timeout.as_secs_f64()
         ))),

@@ -1221,6 +1221,100 @@ async fn kubelet_unit_rig(
     }
 }
 
+/// node-problem-detector's health checker for the kubelet
+/// (`health-checker-kubelet.json` of its release), imported: the kubelet's
+/// healthz alone decides, within NPD's `--health-check-timeout` (10 s in
+/// that config), as NPD's health checker judges it. No `kubelet.service` is
+/// loaded (a kubelet run by another unit, or none): a healthz answering at
+/// once is healthy, and so is one answering in 6 s (both were unhealthy:
+/// the unit was required, and the healthz had 5 s); a 500 is not.
+#[tokio::test]
+async fn an_imported_kubelet_health_checker_judges_by_healthz_within_npds_timeout() {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    use support::dbus::{LogindPeer, PrivateBus};
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "npd-healthz").await;
+    let bus = PrivateBus::start();
+    let _peer = LogindPeer::start(&bus.address, Duration::from_secs(5), None).await;
+    // 0: 200 at once, 1: 200 after 6 s, 2: 500.
+    let mode = std::sync::Arc::new(AtomicU8::new(2));
+    let app = {
+        let mode = mode.clone();
+        axum::Router::new().route(
+            "/healthz",
+            axum::routing::get(move || {
+                let mode = mode.clone();
+                async move {
+                    match mode.load(Ordering::SeqCst) {
+                        0 => (axum::http::StatusCode::OK, "ok"),
+                        1 => {
+                            tokio::time::sleep(Duration::from_secs(6)).await;
+                            (axum::http::StatusCode::OK, "ok")
+                        }
+                        _ => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "sick"),
+                    }
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let config = npd_configs().join("health-checker-kubelet.json");
+    let (code, yaml, notes) = nodeguard(&["import-npd", config.to_str().unwrap()]);
+    assert_eq!(code, 0, "{notes}");
+    let docs = nodeguard::policy::load_policies("imported", &yaml).unwrap();
+    let mut monitors =
+        serde_json::to_value(&docs[0].policy.as_ref().unwrap().spec.monitors).unwrap();
+    let systemd = &mut monitors[0]["source"]["systemd"];
+    assert_eq!(systemd["healthTimeoutSeconds"], 10, "{yaml}");
+    // The kubelet's healthz here is this test's; checked every second.
+    systemd["healthUrl"] = format!("http://{addr}/healthz").into();
+    systemd["intervalSeconds"] = 1.into();
+    let policy = unique_name("npd-healthz");
+    apply_monitors(&admin, &policy, &node.name, monitors).await;
+    let address = bus.address.clone();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
+        c.system_bus_address = Some(address)
+    })
+    .await;
+    // Checked: a 500 is unhealthy (and no kubelet.service is loaded).
+    wait_condition(
+        &admin,
+        &node.name,
+        "KubeletUnhealthy",
+        "True",
+        Duration::from_secs(20),
+        "KubeletUnhealthy=True: the healthz answers 500",
+    )
+    .await;
+    // The healthz answers: healthy, with no kubelet.service.
+    mode.store(0, Ordering::SeqCst);
+    wait_condition(
+        &admin,
+        &node.name,
+        "KubeletUnhealthy",
+        "False",
+        Duration::from_secs(20),
+        "KubeletUnhealthy=False: the healthz answers, no kubelet.service loaded",
+    )
+    .await;
+    // Three slow answers and more: never unhealthy.
+    mode.store(1, Ordering::SeqCst);
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until {
+        let c = node_conditions(&admin, &node.name, "KubeletUnhealthy").await;
+        assert!(
+            c.first().is_some_and(|c| c.status == "False"),
+            "a healthz answering in 6 s, within NPD's 10 s: {c:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 /// The repair cooldown is measured on the monotonic clock: a unit that
 /// started long ago and fails is repaired even when the wall clock was set
 /// back since its start (its realtime start reads as in the future).

@@ -31,26 +31,63 @@ pub(super) async fn unit_health(
     src: &crate::policy::monitors::SystemdUnitSource,
     probers: Option<&crate::probe::prober::Probers>,
 ) -> Result<UnitHealth, zbus::Error> {
-    use zbus::proxy::CacheProperties;
     let manager = zbus_systemd::systemd1::ManagerProxy::new(conn).await?;
-    let path = match manager.get_unit(src.unit.clone()).await {
-        Ok(p) => p,
-        Err(zbus::Error::MethodError(name, msg, _))
-            if name.as_str() == "org.freedesktop.systemd1.NoSuchUnit" =>
-        {
-            return Ok(UnitHealth {
-                healthy: false,
-                message: format!(
+    let (active, mut message, started_usec, started_monotonic_usec) =
+        match manager.get_unit(src.unit.clone()).await {
+            Ok(path) => unit_state(conn, &src.unit, path).await?,
+            Err(zbus::Error::MethodError(name, msg, _))
+                if name.as_str() == "org.freedesktop.systemd1.NoSuchUnit" =>
+            {
+                let message = format!(
                     "{} is not loaded{}",
                     src.unit,
                     msg.map(|m| format!(" ({m})")).unwrap_or_default()
-                ),
-                started_usec: 0,
-                started_monotonic_usec: 0,
-            });
+                );
+                (false, message, 0, 0)
+            }
+            Err(e) => return Err(e),
+        };
+    // The unit's state decides, unless the health URL alone does.
+    let mut healthy = active || (!src.require_active && src.health_url.is_some());
+    if healthy && let (Some(url), Some(p)) = (&src.health_url, probers) {
+        let action = crate::probe::prober::Action::Http {
+            url: url.clone(),
+            headers: Vec::new(),
+            status: (200, 299),
+            body_contains: None,
+            insecure: true,
+        };
+        let timeout = Duration::from_secs(src.health_timeout_seconds.unwrap_or(5).max(1).into());
+        match p.run(&action, timeout).await {
+            Ok(o) if o.result == crate::probe::core::ProbeResult::Success => {}
+            Ok(o) => {
+                healthy = false;
+                message = format!("{message}, but {url} answers: {}", o.detail);
+            }
+            Err(e) => {
+                // Not checked: the unit's state stands, when it decides;
+                // when the URL alone decides, nothing says healthy.
+                healthy = active;
+                message = format!("{message} ({url} not checked: {e})");
+            }
         }
-        Err(e) => return Err(e),
-    };
+    }
+    Ok(UnitHealth {
+        healthy,
+        message: format!("{message}."),
+        started_usec,
+        started_monotonic_usec,
+    })
+}
+
+/// A loaded unit's state: (active, what to say of it, its last start in
+/// realtime and monotonic microseconds).
+async fn unit_state(
+    conn: &zbus::Connection,
+    name: &str,
+    path: zbus::OwnedObjectPath,
+) -> Result<(bool, String, u64, u64), zbus::Error> {
+    use zbus::proxy::CacheProperties;
     let unit = zbus_systemd::systemd1::UnitProxy::builder(conn)
         .path(path.clone())
         .cache_properties(CacheProperties::No)
@@ -77,31 +114,12 @@ pub(super) async fn unit_health(
     let restarts = restarts
         .map(|n| format!(", restarted {n} time(s)"))
         .unwrap_or_default();
-    let mut healthy = active == "active";
-    let mut message = format!("{} is {active} ({sub}){restarts}{since}", src.unit);
-    if healthy && let (Some(url), Some(p)) = (&src.health_url, probers) {
-        let action = crate::probe::prober::Action::Http {
-            url: url.clone(),
-            headers: Vec::new(),
-            status: (200, 299),
-            body_contains: None,
-            insecure: true,
-        };
-        match p.run(&action, Duration::from_secs(5)).await {
-            Ok(o) if o.result == crate::probe::core::ProbeResult::Success => {}
-            Ok(o) => {
-                healthy = false;
-                message = format!("{message}, but {url} answers: {}", o.detail);
-            }
-            Err(e) => message = format!("{message} ({url} not checked: {e})"),
-        }
-    }
-    Ok(UnitHealth {
-        healthy,
-        message: format!("{message}."),
+    Ok((
+        active == "active",
+        format!("{name} is {active} ({sub}){restarts}{since}"),
         started_usec,
         started_monotonic_usec,
-    })
+    ))
 }
 
 /// Checks a systemd unit on the monitor's interval, reports each verdict to

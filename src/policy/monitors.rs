@@ -313,6 +313,19 @@ pub struct SystemdUnitSource {
     /// Also require this URL to answer 2xx (e.g. the kubelet's healthz).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_url: Option<String>,
+    /// How long `healthUrl` has to answer (node-problem-detector's
+    /// `--health-check-timeout`); unset: 5 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 300))]
+    pub health_timeout_seconds: Option<u32>,
+    /// Whether the unit must be active to be healthy (the default). False,
+    /// with a `healthUrl`: the URL alone decides, as node-problem-detector's
+    /// health checker judges the kubelet and kube-proxy, and the unit is
+    /// read for the repair's cooldown only (a kubelet run by another unit,
+    /// or none, is judged by its healthz; without the unit nothing is
+    /// repaired).
+    #[serde(default = "default_require_active", skip_serializing_if = "is_true")]
+    pub require_active: bool,
     /// Repair an unhealthy unit by signalling its main process (as
     /// `systemctl kill --kill-who=main`; systemd restarts it), only once it
     /// has run for `cooldownSeconds` since its last start, so a unit that
@@ -323,6 +336,14 @@ pub struct SystemdUnitSource {
 
 fn default_service_interval() -> u32 {
     10
+}
+
+fn default_require_active() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
@@ -432,13 +453,15 @@ pub struct PluginSource {
     pub max_output_length: u32,
     /// Judge results as node-problem-detector's custom plugin monitor does
     /// (set by `nodeguard import-npd`): a check that exits with another
-    /// code than 0 or 1, cannot start or times out makes its condition
-    /// Unknown (NPD's reason and message rules) and, for a temporary rule,
-    /// an Event; a check's output is its stdout alone, cut at
-    /// `maxOutputLength` bytes; a timeout says "Timeout when running plugin
-    /// …"; every condition change is an Event worded as NPD's ("Node
-    /// condition X is now: …"). Unset: an unknown result changes nothing, a
-    /// check's output falls back to stderr.
+    /// code than 0 or 1, cannot start or is killed at its timeout makes its
+    /// condition Unknown (NPD's reason and message rules) and, for a
+    /// temporary rule, an Event; one that exited while a child it left kept
+    /// its output open past the timeout is judged by its exit code; a
+    /// check's output is its stdout alone, cut at `maxOutputLength` bytes; a
+    /// timeout says "Timeout when running plugin …"; every condition change
+    /// is an Event worded as NPD's ("Node condition X is now: …"). Unset:
+    /// an unknown result changes nothing, a timeout is one, a check's
+    /// output falls back to stderr.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub npd_results: bool,
 }

@@ -889,6 +889,15 @@ fn health_checker(
                 unit,
                 interval_seconds: interval.clamp(1, 3600),
                 health_url: health_url.map(str::to_string),
+                // NPD's health checker: the URL alone decides, within
+                // --health-check-timeout (10 s by default).
+                health_timeout_seconds: health_url.map(|_| {
+                    flag(args, "health-check-timeout")
+                        .and_then(go_duration_seconds)
+                        .unwrap_or(10)
+                        .clamp(1, 300)
+                }),
+                require_active: health_url.is_none(),
                 repair: repair.then(|| RepairSpec {
                     cooldown_seconds: flag(args, "cooldown-time")
                         .and_then(go_duration_seconds)
@@ -1027,8 +1036,16 @@ mod tests {
             Some("http://127.0.0.1:10248/healthz")
         );
         assert_eq!(s.interval_seconds, 10);
+        // NPD judges the kubelet by its healthz alone, within 10 s unless
+        // --health-check-timeout says otherwise.
+        assert_eq!(
+            (s.health_timeout_seconds, s.require_active),
+            (Some(10), false)
+        );
         let r = s.repair.unwrap();
         assert_eq!((r.cooldown_seconds, r.signal), (60, RepairSignal::Term));
+        let (s, _) = unit(&["--component=kubelet", "--health-check-timeout=30s"]);
+        assert_eq!(s.unwrap().health_timeout_seconds, Some(30));
         assert!(
             notes.iter().any(|n| n.contains("--allow-repair-unit")),
             "{notes:?}"
@@ -1037,6 +1054,7 @@ mod tests {
         let s = s.unwrap();
         assert_eq!(s.unit, "containerd-custom.service");
         assert_eq!(s.health_url, None);
+        assert_eq!((s.health_timeout_seconds, s.require_active), (None, true));
         assert_eq!(s.repair.unwrap().cooldown_seconds, 120, "NPD's default");
         assert!(notes.iter().any(|n| n.contains("crictl pods")), "{notes:?}");
         let (s, _) = unit(&["--component=kube-proxy", "--enable-repair=false"]);

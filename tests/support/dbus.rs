@@ -478,11 +478,12 @@ enum SystemdError {
 
 #[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
 impl SystemdManager {
-    fn get_unit(&self, name: String) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
+    /// As systemd: a unit not loaded is `NoSuchUnit`.
+    fn get_unit(&self, name: String) -> Result<zbus::OwnedObjectPath, SystemdError> {
         if self.0.lock().unwrap().units.contains_key(&name) {
             Ok(zbus::OwnedObjectPath::try_from(unit_path(&name)).unwrap())
         } else {
-            Err(zbus::fdo::Error::Failed(format!("Unit {name} not loaded.")))
+            Err(SystemdError::NoSuchUnit(format!("Unit {name} not loaded.")))
         }
     }
 

@@ -508,10 +508,20 @@ async fn repeated_events_aggregate_into_a_series() {
             .await
             .unwrap();
         assert_eq!(
-            core.source.and_then(|s| s.component),
+            core.source.clone().and_then(|s| s.component),
             source.map(str::to_string),
             "{reason}: the source component kubectl shows"
         );
+        if source.is_some() {
+            // As on NPD's Events: the legacy count and times that readers
+            // of core Events (kubectl's sort, event exporters) go by.
+            assert_eq!(core.count, Some(4), "{reason}: {core:?}");
+            let (first, last) = (
+                core.first_timestamp.clone().expect("firstTimestamp").0,
+                core.last_timestamp.clone().expect("lastTimestamp").0,
+            );
+            assert!(last >= first, "{reason}: {first} then {last}");
+        }
     }
     agent.stop().await;
 }

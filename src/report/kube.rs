@@ -246,6 +246,13 @@ impl EventPort for KubeEvents {
             let patch =
                 serde_json::json!({"series": {"count": count, "lastObservedTime": MicroTime(now)}});
             let patched = if r.core {
+                // And the legacy count and last time that readers of core
+                // Events (kubectl's sort, event exporters) go by, as on
+                // node-problem-detector's Events.
+                let mut patch = patch;
+                patch["count"] = count.into();
+                patch["lastTimestamp"] =
+                    serde_json::to_value(Time(now)).expect("a time serializes");
                 Api::<CoreEvent>::namespaced(self.client.clone(), "default")
                     .patch(&r.name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -301,6 +308,10 @@ impl EventPort for KubeEvents {
                 reporting_component: Some(REPORTING_CONTROLLER.into()),
                 reporting_instance: Some(self.instance.clone()),
                 type_: Some(type_.into()),
+                // The legacy fields node-problem-detector's Events carry.
+                count: Some(1),
+                first_timestamp: Some(Time(now)),
+                last_timestamp: Some(Time(now)),
                 ..Default::default()
             };
             match Api::<CoreEvent>::namespaced(self.client.clone(), "default")

@@ -190,6 +190,69 @@ fn the_rule_renders_only_when_enabled_and_served_and_follows_its_values() {
     );
 }
 
+/// The PodMonitor takes relabelings after its own (NPD's ServiceMonitor's
+/// `host_ip`, which a migrated rule or dashboard may group by) and
+/// metricRelabelings, as the migration guide says.
+#[test]
+fn the_pod_monitor_takes_npds_relabelings_after_its_own() {
+    let dir = TempDir::new("podmonitor-values");
+    let values = dir.path.join("values.yaml");
+    std::fs::write(
+        &values,
+        "metrics:\n  podMonitor:\n    enabled: true\n    relabelings:\n      - sourceLabels: [__meta_kubernetes_pod_host_ip]\n        targetLabel: host_ip\n    metricRelabelings:\n      - sourceLabels: [__name__]\n        regex: go_.*\n        action: drop\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(helm_binary())
+        .args(["template", "x"])
+        .arg(repo_root().join("charts/nodeguard"))
+        .args(["--kube-version", &template_kube_version()])
+        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
+        .arg("-f")
+        .arg(&values)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let monitor: serde_json::Value = text
+        .split("\n---")
+        .filter(|d| d.contains("kind: PodMonitor"))
+        .map(|d| serde_saphyr::from_str(d).expect("the PodMonitor is YAML"))
+        .next()
+        .expect("a PodMonitor");
+    let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(
+        endpoint["relabelings"],
+        serde_json::json!([
+            {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+            {"sourceLabels": ["__meta_kubernetes_pod_host_ip"], "targetLabel": "host_ip"},
+        ]),
+        "{text}"
+    );
+    assert_eq!(
+        endpoint["metricRelabelings"],
+        serde_json::json!([{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}]),
+        "{text}"
+    );
+    // Neither by default.
+    let plain = std::process::Command::new(helm_binary())
+        .args(["template", "x"])
+        .arg(repo_root().join("charts/nodeguard"))
+        .args(["--kube-version", &template_kube_version()])
+        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
+        .args(["--set", "metrics.podMonitor.enabled=true"])
+        .output()
+        .unwrap();
+    let plain = String::from_utf8(plain.stdout).unwrap();
+    assert!(
+        !plain.contains("metricRelabelings") && !plain.contains("host_ip"),
+        "{plain}"
+    );
+}
+
 #[test]
 fn the_reads_of_an_expression_are_its_metrics_and_labels() {
     let reads_of = |expr: &str| -> Vec<(String, Vec<String>)> {

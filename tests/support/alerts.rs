@@ -313,3 +313,173 @@ fn render_labels(labels: &[(&str, &str)]) -> String {
         .collect::<Vec<_>>()
         .join(",")
 }
+
+/// One alert of the shape node-problem-detector's users write on its
+/// exporter: the community chart's PrometheusRule has only two, a rule per
+/// reason on `increase(problem_counter{reason="R"}[2m]) > 0` and a rule per
+/// permanent problem on `increase(problem_gauge{reason="R",type="T"}[2m]) > 0`,
+/// both `for: 1s`.
+pub struct NpdAlert {
+    pub name: String,
+    pub metric: &'static str,
+    pub matchers: Vec<(String, String)>,
+    pub severity: &'static str,
+}
+
+/// The NPD-shaped alerts for every rule of an NPD monitor config (its
+/// `rules`: a counter alert per reason, a gauge alert per permanent rule).
+pub fn npd_style_alerts(config: &Value) -> Vec<NpdAlert> {
+    let mut out: Vec<NpdAlert> = Vec::new();
+    for rule in config["rules"].as_array().expect("an NPD config's rules") {
+        let reason = rule["reason"]
+            .as_str()
+            .expect("a rule's reason")
+            .to_string();
+        let counter = format!("Counter{reason}");
+        if !out.iter().any(|a| a.name == counter) {
+            out.push(NpdAlert {
+                name: counter,
+                metric: "problem_counter",
+                matchers: vec![("reason".into(), reason.clone())],
+                severity: "warning",
+            });
+        }
+        if rule["type"] == "permanent" {
+            let condition = rule["condition"]
+                .as_str()
+                .expect("a permanent rule's condition");
+            let gauge = format!("Gauge{condition}{reason}");
+            if !out.iter().any(|a| a.name == gauge) {
+                out.push(NpdAlert {
+                    name: gauge,
+                    metric: "problem_gauge",
+                    matchers: vec![
+                        ("reason".into(), reason),
+                        ("type".into(), condition.to_string()),
+                    ],
+                    severity: "critical",
+                });
+            }
+        }
+    }
+    out
+}
+
+/// `alerts` as a promtool rule file's content.
+pub fn npd_alert_groups(alerts: &[NpdAlert]) -> Value {
+    let rules: Vec<Value> = alerts
+        .iter()
+        .map(|a| {
+            let selector = a
+                .matchers
+                .iter()
+                .map(|(k, v)| format!("{k}={}", serde_json::to_string(v).unwrap()))
+                .collect::<Vec<_>>()
+                .join(",");
+            json!({
+                "alert": a.name,
+                "expr": format!("increase({}{{{selector}}}[2m]) > 0", a.metric),
+                "for": "1s",
+                "labels": {"severity": a.severity},
+            })
+        })
+        .collect();
+    json!({"groups": [{"name": "npd", "rules": rules}]})
+}
+
+/// The alerts of `alerts` that fire when an exporter's series step from
+/// the scrape `before` to `after`: every series an alert selects that is in
+/// both scrapes and larger after, with the labels Prometheus gives the alert
+/// (the series', the target's, the rule's), sorted.
+pub fn npd_alerts_firing(
+    alerts: &[NpdAlert],
+    before: &str,
+    after: &str,
+    target: &[(&str, &str)],
+) -> Vec<(String, std::collections::BTreeMap<String, String>)> {
+    let (before, after) = (samples(before), samples(after));
+    let selected = |s: &&Sample, a: &NpdAlert| {
+        s.name == a.metric
+            && a.matchers
+                .iter()
+                .all(|(k, v)| s.labels.iter().any(|(l, w)| l == k && w == v))
+    };
+    let mut out = Vec::new();
+    for a in alerts {
+        for s in after.iter().filter(|s| selected(s, a)) {
+            let was = before
+                .iter()
+                .filter(|b| selected(b, a))
+                .find(|b| b.labels == s.labels);
+            if was.is_some_and(|b| s.value > b.value) {
+                let mut labels: std::collections::BTreeMap<String, String> =
+                    s.labels.iter().cloned().collect();
+                for (k, v) in target {
+                    labels.insert(k.to_string(), v.to_string());
+                }
+                labels.insert("severity".into(), a.severity.into());
+                out.push((a.name.clone(), labels));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A promtool unit test of the rules in rules.yaml over one target's two
+/// scrapes as Prometheus would store them at a 15 s scrape and evaluation
+/// interval: `before` at 0 to 45 s, `after` from 60 s to 6 min (a series
+/// missing from a scrape is a gap there). At 2 min exactly the alerts in
+/// `firing` fire, and every other alert of `alerts` is quiet.
+pub fn step_test(
+    alerts: &[NpdAlert],
+    before: &str,
+    after: &str,
+    target: &[(&str, &str)],
+    firing: &[(String, std::collections::BTreeMap<String, String>)],
+) -> Value {
+    const BEFORE: usize = 4;
+    const AFTER: usize = 21;
+    let mut by_series: std::collections::BTreeMap<String, [Option<f64>; 2]> = Default::default();
+    for (i, text) in [before, after].into_iter().enumerate() {
+        for s in samples(text) {
+            if !s.value.is_finite() {
+                continue;
+            }
+            let mut labels: Vec<(&str, &str)> = s
+                .labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            labels.extend_from_slice(target);
+            let key = format!("{}{{{}}}", s.name, render_labels(&labels));
+            by_series.entry(key).or_default()[i] = Some(s.value);
+        }
+    }
+    let series: Vec<Value> = by_series
+        .into_iter()
+        .map(|(series, [b, a])| {
+            let value = |x: Option<f64>| x.map_or("_".to_string(), |x| x.to_string());
+            let values: Vec<String> = std::iter::repeat_n(value(b), BEFORE)
+                .chain(std::iter::repeat_n(value(a), AFTER))
+                .collect();
+            json!({"series": series, "values": values.join(" ")})
+        })
+        .collect();
+    let cases: Vec<Value> = alerts
+        .iter()
+        .map(|a| {
+            let exp: Vec<Value> = firing
+                .iter()
+                .filter(|(name, _)| *name == a.name)
+                .map(|(_, labels)| json!({"exp_labels": labels}))
+                .collect();
+            json!({"eval_time": "2m", "alertname": a.name, "exp_alerts": exp})
+        })
+        .collect();
+    json!({
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "alert_rule_test": cases}],
+    })
+}

@@ -265,23 +265,7 @@ pub fn quiet_test(
         format!("up{{{}}}", render_labels(&up)),
         vec![Some(1.0); scrapes.len()],
     );
-    for (i, text) in scrapes.iter().enumerate() {
-        for s in samples(text) {
-            if !s.value.is_finite() {
-                continue;
-            }
-            let mut labels: Vec<(&str, &str)> = s
-                .labels
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            labels.extend_from_slice(target);
-            let key = format!("{}{{{}}}", s.name, render_labels(&labels));
-            by_series
-                .entry(key)
-                .or_insert_with(|| vec![None; scrapes.len()])[i] = Some(s.value);
-        }
-    }
+    by_series.extend(series_of(scrapes, target));
     let hold = minutes.saturating_sub(scrapes.len() as u32 - 1);
     let series: Vec<Value> = by_series
         .into_iter()
@@ -304,6 +288,34 @@ pub fn quiet_test(
         "evaluation_interval": "1m",
         "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": tests}],
     })
+}
+
+/// Every finite sample of `scrapes` as a promtool series of one target
+/// with `target` labels, and its value in each scrape (`None` where a
+/// scrape lacks it).
+fn series_of(
+    scrapes: &[&str],
+    target: &[(&str, &str)],
+) -> std::collections::BTreeMap<String, Vec<Option<f64>>> {
+    let mut by_series: std::collections::BTreeMap<String, Vec<Option<f64>>> = Default::default();
+    for (i, text) in scrapes.iter().enumerate() {
+        for s in samples(text) {
+            if !s.value.is_finite() {
+                continue;
+            }
+            let mut labels: Vec<(&str, &str)> = s
+                .labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            labels.extend_from_slice(target);
+            let key = format!("{}{{{}}}", s.name, render_labels(&labels));
+            by_series
+                .entry(key)
+                .or_insert_with(|| vec![None; scrapes.len()])[i] = Some(s.value);
+        }
+    }
+    by_series
 }
 
 fn render_labels(labels: &[(&str, &str)]) -> String {
@@ -440,25 +452,10 @@ pub fn step_test(
 ) -> Value {
     const BEFORE: usize = 4;
     const AFTER: usize = 21;
-    let mut by_series: std::collections::BTreeMap<String, [Option<f64>; 2]> = Default::default();
-    for (i, text) in [before, after].into_iter().enumerate() {
-        for s in samples(text) {
-            if !s.value.is_finite() {
-                continue;
-            }
-            let mut labels: Vec<(&str, &str)> = s
-                .labels
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            labels.extend_from_slice(target);
-            let key = format!("{}{{{}}}", s.name, render_labels(&labels));
-            by_series.entry(key).or_default()[i] = Some(s.value);
-        }
-    }
-    let series: Vec<Value> = by_series
+    let series: Vec<Value> = series_of(&[before, after], target)
         .into_iter()
-        .map(|(series, [b, a])| {
+        .map(|(series, values)| {
+            let (b, a) = (values[0], values[1]);
             let value = |x: Option<f64>| x.map_or("_".to_string(), |x| x.to_string());
             let values: Vec<String> = std::iter::repeat_n(value(b), BEFORE)
                 .chain(std::iter::repeat_n(value(a), AFTER))

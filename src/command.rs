@@ -282,7 +282,10 @@ pub async fn run_command(
     let (out, err, ended) = match tokio::time::timeout_at(deadline, &mut read).await {
         Ok((out, err)) => match tokio::time::timeout_at(deadline, child.wait()).await {
             Ok(status) => (out, err, Some(status)),
-            Err(_) => (out, err, None),
+            Err(_) => {
+                group.kill();
+                (out, err, None)
+            }
         },
         Err(_) => {
             group.kill();
@@ -293,7 +296,6 @@ pub async fn run_command(
         }
     };
     let Some(status) = ended else {
-        group.kill();
         let code = match tokio::time::timeout(REAP_WAIT, child.wait()).await {
             Ok(Ok(status)) => status.code(),
             _ => None,

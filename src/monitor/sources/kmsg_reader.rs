@@ -153,49 +153,42 @@ pub fn spawn_kmsg(
 /// Whether a read of `fd` would return at once (a record is waiting, or
 /// the end of a regular file).
 pub(super) fn readable_now(fd: std::os::fd::RawFd) -> bool {
-    readable_within(fd, Duration::ZERO)
+    readable(fd, None, Some(Duration::ZERO))
 }
 
 /// How long the kernel log reader waits for a record before it looks at
 /// its stop flag again, when the flag has no descriptor to wait on.
 pub(super) const POLL_STOP: Duration = Duration::from_secs(1);
 
-/// Waits until a read of `fd` would return (a record, an error such as
-/// overwritten records, or the end of a regular file: true) or `stop` is
-/// stopped (false); without the stop's descriptor, at most [`POLL_STOP`].
+/// Waits until a read of `fd` would return (true) or `stop` is stopped
+/// (false); without the stop's descriptor, at most [`POLL_STOP`].
 pub(super) fn readable_or_stopped(fd: std::os::fd::RawFd, stop: &StopFlag) -> bool {
-    let Some(wake) = stop.wake_fd() else {
-        return readable_within(fd, POLL_STOP);
-    };
-    let mut p = [
-        libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&wake),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    // SAFETY: poll on two descriptors this reader holds open.
-    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
-    // An error other than a signal: the read says what it is.
-    (r > 0 && p[0].revents != 0)
-        || (r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+    use std::os::fd::AsRawFd;
+    match stop.wake_fd() {
+        Some(wake) => readable(fd, Some(wake.as_raw_fd()), None),
+        None => readable(fd, None, Some(POLL_STOP)),
+    }
 }
 
-/// Whether a read of `fd` would return within `wait` (a record, an error
-/// such as overwritten records, or the end of a regular file).
-pub(super) fn readable_within(fd: std::os::fd::RawFd, wait: Duration) -> bool {
-    let mut p = libc::pollfd {
+/// Whether a read of `fd` would return (a record, an error such as
+/// overwritten records, or the end of a regular file) within `wait`
+/// (`None`: however long it takes), before `or_else` becomes readable.
+fn readable(
+    fd: std::os::fd::RawFd,
+    or_else: Option<std::os::fd::RawFd>,
+    wait: Option<Duration>,
+) -> bool {
+    let poll_fd = |fd| libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: poll on one descriptor this reader owns.
-    let r = unsafe { libc::poll(&mut p, 1, wait.as_millis() as libc::c_int) };
+    // poll(2) leaves out an entry whose descriptor is negative.
+    let mut p = [poll_fd(fd), poll_fd(or_else.unwrap_or(-1))];
+    let timeout = wait.map_or(-1, |w| w.as_millis() as libc::c_int);
+    // SAFETY: poll on descriptors this reader holds open.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout) };
     // An error other than a signal: the read says what it is.
-    r > 0 || (r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+    (r > 0 && p[0].revents != 0)
+        || (r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
 }

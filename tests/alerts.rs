@@ -173,21 +173,31 @@ fn the_rule_renders_only_when_enabled_and_served_and_follows_its_values() {
         );
     }
     // The PodMonitor gives every series the node the agent guards.
-    let chart = repo_root().join("charts/nodeguard");
-    let out = std::process::Command::new(helm_binary())
-        .args(["template", "x"])
-        .arg(&chart)
-        .args(["--kube-version", &template_kube_version()])
-        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
-        .args(["--set", "metrics.podMonitor.enabled=true"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = render_with_pod_monitor(&["--set", "metrics.podMonitor.enabled=true"]);
     assert!(
         text.contains("sourceLabels: [__meta_kubernetes_pod_node_name]")
             && text.contains("targetLabel: node"),
         "{text}"
     );
+}
+
+/// `helm template` of the chart with the Prometheus Operator's PodMonitor
+/// API served and `args` (values); what it rendered.
+fn render_with_pod_monitor(args: &[&str]) -> String {
+    let out = std::process::Command::new(helm_binary())
+        .args(["template", "x"])
+        .arg(repo_root().join("charts/nodeguard"))
+        .args(["--kube-version", &template_kube_version()])
+        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
 
 /// The PodMonitor takes relabelings after its own (NPD's ServiceMonitor's
@@ -202,27 +212,8 @@ fn the_pod_monitor_takes_npds_relabelings_after_its_own() {
         "metrics:\n  podMonitor:\n    enabled: true\n    relabelings:\n      - sourceLabels: [__meta_kubernetes_pod_host_ip]\n        targetLabel: host_ip\n    metricRelabelings:\n      - sourceLabels: [__name__]\n        regex: go_.*\n        action: drop\n",
     )
     .unwrap();
-    let out = std::process::Command::new(helm_binary())
-        .args(["template", "x"])
-        .arg(repo_root().join("charts/nodeguard"))
-        .args(["--kube-version", &template_kube_version()])
-        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
-        .arg("-f")
-        .arg(&values)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    let monitor: serde_json::Value = text
-        .split("\n---")
-        .filter(|d| d.contains("kind: PodMonitor"))
-        .map(|d| serde_saphyr::from_str(d).expect("the PodMonitor is YAML"))
-        .next()
-        .expect("a PodMonitor");
+    let text = render_with_pod_monitor(&["-f", values.to_str().unwrap()]);
+    let monitor = document_of(&text, "PodMonitor").expect("a PodMonitor");
     let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
     assert_eq!(
         endpoint["relabelings"],
@@ -238,15 +229,7 @@ fn the_pod_monitor_takes_npds_relabelings_after_its_own() {
         "{text}"
     );
     // Neither by default.
-    let plain = std::process::Command::new(helm_binary())
-        .args(["template", "x"])
-        .arg(repo_root().join("charts/nodeguard"))
-        .args(["--kube-version", &template_kube_version()])
-        .args(["--api-versions", "monitoring.coreos.com/v1/PodMonitor"])
-        .args(["--set", "metrics.podMonitor.enabled=true"])
-        .output()
-        .unwrap();
-    let plain = String::from_utf8(plain.stdout).unwrap();
+    let plain = render_with_pod_monitor(&["--set", "metrics.podMonitor.enabled=true"]);
     assert!(
         !plain.contains("metricRelabelings") && !plain.contains("host_ip"),
         "{plain}"

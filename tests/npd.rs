@@ -572,8 +572,8 @@ async fn npd_and_nodeguard_write_the_same_events_and_conditions_for_one_kern_log
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
     // NPD's problem metrics, under NPD's names, from each one's scrape.
-    let (npd_metrics, ng_metrics) = same_problem_metrics(npd.metrics, agent.addr).await;
     let after = same_problem_scrapes(npd.metrics, agent.addr).await;
+    let (npd_metrics, ng_metrics) = (problem_samples(&after.0), problem_samples(&after.1));
     let npd_log = npd.output();
     drop(npd);
     agent.stop().await;
@@ -627,35 +627,38 @@ async fn same_problem_metrics(
     npd: std::net::SocketAddr,
     agent: std::net::SocketAddr,
 ) -> (Vec<String>, Vec<String>) {
-    let scrape = |addr| async move {
-        let (code, body) = http_get(addr, "/metrics").await;
-        assert_eq!(code, 200, "{body}");
-        let mut s = samples_of(&body, "problem_counter");
-        s.extend(samples_of(&body, "problem_gauge"));
-        s
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let (a, b) = (scrape(npd).await, scrape(agent).await);
-        if (!a.is_empty() && a == b) || std::time::Instant::now() > deadline {
-            return (a, b);
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let (a, b) = same_problem_scrapes(npd, agent).await;
+    (problem_samples(&a), problem_samples(&b))
+}
+
+/// The `problem_counter` and `problem_gauge` samples of a scrape.
+fn problem_samples(body: &str) -> Vec<String> {
+    let mut s = samples_of(body, "problem_counter");
+    s.extend(samples_of(body, "problem_gauge"));
+    s
 }
 
 /// Whole /metrics of NPD's exporter at `npd` and of the agent at `agent`,
-/// once their `problem_counter` and `problem_gauge` samples agree (see
-/// [`same_problem_metrics`]); (NPD's, the agent's).
+/// scraped until their `problem_counter` and `problem_gauge` samples agree
+/// or 20 s pass; (NPD's, the agent's).
 async fn same_problem_scrapes(
     npd: std::net::SocketAddr,
     agent: std::net::SocketAddr,
 ) -> (String, String) {
-    same_problem_metrics(npd, agent).await;
-    (
-        http_get(npd, "/metrics").await.1,
-        http_get(agent, "/metrics").await.1,
-    )
+    let scrape = |addr| async move {
+        let (code, body) = http_get(addr, "/metrics").await;
+        assert_eq!(code, 200, "{body}");
+        body
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (a, b) = (scrape(npd).await, scrape(agent).await);
+        let (sa, sb) = (problem_samples(&a), problem_samples(&b));
+        if (!sa.is_empty() && sa == sb) || std::time::Instant::now() > deadline {
+            return (a, b);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Runs `alerts` (NPD-shaped, support::alerts::npd_style_alerts) with the

@@ -54,12 +54,18 @@ pub fn render_rule_for(
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).into_owned());
     }
-    let text = String::from_utf8(out.stdout).unwrap();
-    Ok(text
+    Ok(document_of(
+        &String::from_utf8(out.stdout).unwrap(),
+        "PrometheusRule",
+    ))
+}
+
+/// The first document of `kind` in rendered YAML, as JSON.
+pub fn document_of(rendered: &str, kind: &str) -> Option<Value> {
+    rendered
         .split("\n---")
-        .filter(|d| d.contains("kind: PrometheusRule"))
-        .map(|d| serde_saphyr::from_str::<Value>(d).expect("the PrometheusRule is YAML"))
-        .next())
+        .find(|d| d.contains(&format!("kind: {kind}")))
+        .map(|d| serde_saphyr::from_str::<Value>(d).expect("a rendered document is YAML"))
 }
 
 /// The rendered rule with the alerts (and the PodMonitor they read) on, as

@@ -1952,6 +1952,98 @@ async fn a_monitor_whose_source_ends_fails_livez_naming_it() {
 /// clear would remove it while the other is still True. Within a policy it
 /// is a validation problem naming both; across policies the later monitor
 /// is dropped with a PolicyConflict Event, as for a shared condition type.
+/// An imported plugin whose check cannot tell (exit 3) makes its condition
+/// Unknown with the check's output as the message, clipped as a True
+/// condition's message is, however long `maxOutputLength` lets it be.
+#[tokio::test]
+async fn an_unknown_plugin_result_is_clipped_like_a_problem() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "unkclip").await;
+    let policy = unique_name("unkclip");
+    let script = "printf 'x%.0s' $(seq 2000); exit 3";
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "chatty",
+            "source": {"plugin": {"intervalSeconds": 1, "timeoutSeconds": 5,
+                                  "maxOutputLength": 4096, "npdResults": true}},
+            "conditions": [{"type": "ChattyProblem", "reason": "ChattyIsFine", "message": "fine"}],
+            "rules": [{"type": "permanent", "condition": "ChattyProblem", "reason": "ChattyIsDown",
+                       "command": ["/bin/sh", "-c", script]}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "ChattyProblem",
+        "Unknown",
+        Duration::from_secs(15),
+        "ChattyProblem=Unknown from exit 3",
+    )
+    .await;
+    let c = node_conditions(&admin, &node.name, "ChattyProblem").await;
+    let message = c[0].message.clone().unwrap_or_default();
+    assert!(
+        message.len() <= 512 && message.starts_with("xxxx") && message.ends_with('…'),
+        "{} bytes: {message}",
+        message.len()
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
+/// A `healthUrl` the prober cannot request (no scheme, as NPD's flags take
+/// a host:port) is refused where the operator looks, with its path, not
+/// run with the check silently undone.
+#[tokio::test]
+async fn a_health_url_that_cannot_be_requested_is_refused_with_its_path() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "badhealth").await;
+    let policy = unique_name("badhealth");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([{
+            "name": "kubelet",
+            "source": {"systemd": {"unit": "kubelet.service", "healthUrl": "127.0.0.1:10248/healthz"}},
+            "conditions": [{"type": "KubeletUnhealthy", "reason": "KubeletIsHealthy", "message": "fine"}],
+            "rules": [{"type": "permanent", "condition": "KubeletUnhealthy", "reason": "KubeletUnhealthy"}],
+        }]),
+    )
+    .await;
+    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
+    let mut message = String::new();
+    eventually(
+        Duration::from_secs(15),
+        "NodeGuardPolicyInvalid=True naming healthUrl",
+        || {
+            let admin = admin.clone();
+            let node = node.name.clone();
+            async move {
+                condition(&admin, &node, "NodeGuardPolicyInvalid")
+                    .await
+                    .is_some_and(|c| c.0 == "True" && c.2.contains("source.systemd.healthUrl"))
+            }
+        },
+    )
+    .await;
+    if let Some(c) = condition(&admin, &node.name, "NodeGuardPolicyInvalid").await {
+        message = c.2;
+    }
+    assert!(message.contains("cannot be requested"), "{message}");
+    assert!(
+        !agent.reporter.desired().contains_key("KubeletUnhealthy"),
+        "the refused monitor must not run: {message}"
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 #[tokio::test]
 async fn conditions_sharing_a_taint_are_rejected() {
     let admin = admin_client().await;

@@ -912,7 +912,8 @@ impl Engine {
         s.active = false;
         s.unknown = true;
         s.reason = cond.default_reason.clone();
-        s.message = output.to_string();
+        // Clipped as a True condition's message is.
+        s.message = crate::report::clip(output, MESSAGE_LIMIT);
         s.since = now;
         out.push(Action::Unknown {
             type_: cond.type_.clone(),

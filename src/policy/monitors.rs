@@ -310,7 +310,8 @@ pub struct SystemdUnitSource {
     #[serde(default = "default_service_interval")]
     #[schemars(range(min = 1, max = 3600))]
     pub interval_seconds: u32,
-    /// Also require this URL to answer 2xx (e.g. the kubelet's healthz).
+    /// Also require this URL to answer 2xx (e.g. the kubelet's healthz): an
+    /// absolute http:// or https:// URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_url: Option<String>,
     /// How long `healthUrl` has to answer (node-problem-detector's

@@ -541,6 +541,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
     let mut last_selection: Option<Selection> = None;
     let mut last_labels = None;
     let mut last_good = std::collections::BTreeMap::new();
+    let mut validations = crate::policy::Validations::default();
     let spread = crate::report::conditions::spread_offset(&s.node_name, s.policy_spread);
     loop {
         let node_snapshot = s.node.borrow_and_update().clone();
@@ -558,6 +559,7 @@ async fn node_state_loop(mut s: NodeStateLoop) {
                 &labels,
                 &s.trust,
                 &mut last_good,
+                &mut validations,
             );
             if last_selection.as_ref() != Some(&selection) {
                 // A policy edit changes every selected node at once: their

@@ -46,7 +46,11 @@ pub struct Verdict {
 
 /// The verdict for one policy (pure).
 pub fn verdict(p: &NodeGuardPolicy) -> Verdict {
-    let problems = validate(p);
+    verdict_of(p, &validate(p))
+}
+
+/// The verdict for `p`, whose problems are `problems`.
+fn verdict_of(p: &NodeGuardPolicy, problems: &[crate::policy::Problem]) -> Verdict {
     let generation = p.metadata.generation.unwrap_or_default();
     match problems.first() {
         None => Verdict {
@@ -167,6 +171,8 @@ pub async fn run_policy_status(
     // When this agent last renewed the lease it holds.
     let mut renewed: Option<tokio::time::Instant> = None;
     let mut written: BTreeMap<String, Verdict> = BTreeMap::new();
+    // Each renewal looks at every policy: validated once per spec.
+    let mut validations = crate::policy::Validations::default();
     // The first look is at once: the first agent of a cluster writes.
     let mut next_look = tokio::time::Instant::now();
     loop {
@@ -212,9 +218,14 @@ pub async fn run_policy_status(
             .as_ref()
             .map(|s| s.values().cloned().collect())
             .unwrap_or_default();
+        validations.retain(|name| {
+            snapshot
+                .iter()
+                .any(|p| p.metadata.name.as_deref() == Some(name))
+        });
         for p in snapshot {
             let name = p.metadata.name.clone().unwrap_or_default();
-            let v = verdict(&p);
+            let v = verdict_of(&p, &validations.problems(&p));
             if up_to_date(&p, &v) || written.get(&name) == Some(&v) {
                 continue;
             }

@@ -45,7 +45,7 @@ pub use select::{
 pub use selector::Selector;
 pub use trust::{NodeTrust, Refusal};
 pub use validate::validate;
-pub use validate::{validate_shutdown, validate_watchdog};
+pub use validate::{Validations, validate_shutdown, validate_watchdog};
 
 /// API group of every nodeguard resource.
 pub const GROUP: &str = "nodeguard.io";

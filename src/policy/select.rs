@@ -1,8 +1,10 @@
 //! Which policies apply to a node, and what they add up to.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::trust::{Item, NodeTrust, Refusal};
+use super::validate::Validations;
 use super::{NodeGuardPolicy, Problem, Selector, validate};
 
 /// The outcome of selecting policies for one node's labels.
@@ -387,39 +389,54 @@ fn gate_missing_why(out: &Selection, policy: &str, gate: &str, holder: Option<&s
 /// Like [`select`], but an invalid policy that was valid before keeps its
 /// last good version in force (and is still reported invalid). `last_good`
 /// is updated: valid policies are remembered, deleted ones forgotten.
+/// Each policy is validated once per spec (`validations`).
 pub fn select_with_last_good<'a>(
     policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
     labels: &BTreeMap<String, String>,
     trust: &NodeTrust,
     last_good: &mut BTreeMap<String, NodeGuardPolicy>,
+    validations: &mut Validations,
 ) -> Selection {
     let policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
-    last_good.retain(|name, _| {
+    let present = |name: &str| {
         policies
             .iter()
-            .any(|p| p.metadata.name.as_deref() == Some(name.as_str()))
-    });
-    let mut effective: Vec<NodeGuardPolicy> = Vec::new();
+            .any(|p| p.metadata.name.as_deref() == Some(name))
+    };
+    last_good.retain(|name, _| present(name));
+    validations.retain(present);
+    let mut effective: Vec<(NodeGuardPolicy, Arc<Vec<Problem>>)> = Vec::new();
     let mut replaced: Vec<(String, Vec<Problem>, i64)> = Vec::new();
     for p in policies {
         let name = p.metadata.name.clone().unwrap_or_default();
-        let problems = validate(p);
+        let problems = validations.problems(p);
         if problems.is_empty() {
             last_good.insert(name, p.clone());
-            effective.push(p.clone());
+            effective.push((p.clone(), problems));
         } else if let Some(good) = last_good
             .get(&name)
             .filter(|g| g.metadata.uid == p.metadata.uid)
         {
             // (A policy deleted and created again under its name is another
             // policy: the old one's last good version does not carry over.)
-            replaced.push((name, problems, good.metadata.generation.unwrap_or_default()));
-            effective.push(good.clone());
+            replaced.push((
+                name,
+                problems.to_vec(),
+                good.metadata.generation.unwrap_or_default(),
+            ));
+            // Valid when it was remembered.
+            effective.push((good.clone(), Arc::default()));
         } else {
-            effective.push(p.clone());
+            effective.push((p.clone(), problems));
         }
     }
-    let mut out = select(effective.iter(), labels, trust);
+    let mut out = select_validated(
+        effective
+            .iter()
+            .map(|(p, problems)| (p, problems.as_slice())),
+        labels,
+        trust,
+    );
     // Only where its last good version is in force: a node it does not
     // select has nothing to say about it (a fleet's every node would
     // report one bad edit).
@@ -438,6 +455,23 @@ pub fn select<'a>(
     labels: &BTreeMap<String, String>,
     trust: &NodeTrust,
 ) -> Selection {
+    let validated: Vec<(&NodeGuardPolicy, Vec<Problem>)> =
+        policies.into_iter().map(|p| (p, validate(p))).collect();
+    select_validated(
+        validated
+            .iter()
+            .map(|(p, problems)| (*p, problems.as_slice())),
+        labels,
+        trust,
+    )
+}
+
+/// [`select`] of policies validated before, each with its problems.
+fn select_validated<'a>(
+    policies: impl IntoIterator<Item = (&'a NodeGuardPolicy, &'a [Problem])>,
+    labels: &BTreeMap<String, String>,
+    trust: &NodeTrust,
+) -> Selection {
     let mut out = Selection::default();
     let mut watchdog = FirstWins::default();
     let mut shutdown = FirstWins::default();
@@ -445,9 +479,9 @@ pub fn select<'a>(
     let mut monitor_from: BTreeMap<String, String> = BTreeMap::new();
     // Policy name → when it was created, for the node's limits.
     let mut created: BTreeMap<String, Option<jiff::Timestamp>> = BTreeMap::new();
-    let mut policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
-    policies.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    for p in policies {
+    let mut policies: Vec<(&NodeGuardPolicy, &[Problem])> = policies.into_iter().collect();
+    policies.sort_by(|a, b| a.0.metadata.name.cmp(&b.0.metadata.name));
+    for (p, problems) in policies {
         let name = p.metadata.name.clone().unwrap_or_default();
         let mut sel_problems = Vec::new();
         let matches = match &p.spec.node_selector {
@@ -455,7 +489,6 @@ pub fn select<'a>(
             Some(s) => Selector::parse(s, "spec.nodeSelector", &mut sel_problems)
                 .map(|s| s.matches(labels)),
         };
-        let problems = validate(p);
         match (problems.is_empty(), matches) {
             (true, Some(true)) => {
                 if let Some(h) = &p.spec.healthz {
@@ -528,7 +561,7 @@ pub fn select<'a>(
                     .insert(name.clone(), p.metadata.generation.unwrap_or_default());
                 out.applied.push(name);
             }
-            (false, Some(true) | None) => out.invalid.push((name, problems)),
+            (false, Some(true) | None) => out.invalid.push((name, problems.to_vec())),
             _ => {}
         }
     }
@@ -669,18 +702,36 @@ mod tests {
         let mut last_good = BTreeMap::new();
         let mut good = policy("p", &[], &["a.io/t"]);
         good.metadata.generation = Some(1);
-        let s = select_with_last_good([&good], &labels(&[]), &NodeTrust::default(), &mut last_good);
+        let s = select_with_last_good(
+            [&good],
+            &labels(&[]),
+            &NodeTrust::default(),
+            &mut last_good,
+            &mut Validations::default(),
+        );
         assert_eq!(s.applied, ["p"]);
         let mut bad = policy("p", &[], &["Not A Key"]);
         bad.metadata.generation = Some(2);
-        let s = select_with_last_good([&bad], &labels(&[]), &NodeTrust::default(), &mut last_good);
+        let s = select_with_last_good(
+            [&bad],
+            &labels(&[]),
+            &NodeTrust::default(),
+            &mut last_good,
+            &mut Validations::default(),
+        );
         assert_eq!(s.applied, ["p"], "generation 1 stays in force");
         assert_eq!(s.ineligible_taints, ["a.io/t"]);
         assert_eq!(s.invalid.len(), 1);
         assert_eq!(s.kept.get("p"), Some(&1));
         // Never valid: not applied at all.
         let mut fresh = BTreeMap::new();
-        let s = select_with_last_good([&bad], &labels(&[]), &NodeTrust::default(), &mut fresh);
+        let s = select_with_last_good(
+            [&bad],
+            &labels(&[]),
+            &NodeTrust::default(),
+            &mut fresh,
+            &mut Validations::default(),
+        );
         assert!(s.applied.is_empty() && s.kept.is_empty() && s.invalid.len() == 1);
         // Deleted and created again (a new uid) while invalid: the old
         // policy's last good version is not the new one's.
@@ -692,6 +743,7 @@ mod tests {
             &labels(&[]),
             &NodeTrust::default(),
             &mut remembered,
+            &mut Validations::default(),
         );
         let mut recreated = bad.clone();
         recreated.metadata.uid = Some("uid-2".into());
@@ -700,12 +752,59 @@ mod tests {
             &labels(&[]),
             &NodeTrust::default(),
             &mut remembered,
+            &mut Validations::default(),
         );
         assert!(s.applied.is_empty() && s.kept.is_empty(), "{s:?}");
         // Deleted: forgotten.
         let none: [&NodeGuardPolicy; 0] = [];
-        select_with_last_good(none, &labels(&[]), &NodeTrust::default(), &mut last_good);
+        select_with_last_good(
+            none,
+            &labels(&[]),
+            &NodeTrust::default(),
+            &mut last_good,
+            &mut Validations::default(),
+        );
         assert!(last_good.is_empty());
+    }
+
+    #[test]
+    fn each_spec_is_validated_once_however_often_the_node_or_a_status_changes() {
+        let mut last_good = BTreeMap::new();
+        let mut v = Validations::default();
+        let trust = NodeTrust::default();
+        let mut a = policy("a", &[], &["a.io/t"]);
+        let b = policy("b", &[("tier", "x")], &[]);
+        let mut pick = |policies: &[&NodeGuardPolicy], v: &mut Validations| {
+            select_with_last_good(
+                policies.iter().copied(),
+                &labels(&[]),
+                &trust,
+                &mut last_good,
+                v,
+            )
+        };
+        let first = pick(&[&a, &b], &mut v);
+        assert_eq!(v.validated(), 2, "both policies, once each");
+        // The Node's heartbeats, the status the lease holder writes, new
+        // labels: nothing of the specs changed.
+        a.status = Some(Default::default());
+        a.metadata.resource_version = Some("7".into());
+        for _ in 0..5 {
+            assert_eq!(pick(&[&a, &b], &mut v), first);
+        }
+        assert_eq!(v.validated(), 2);
+        // An invalid edit is validated, and its last good version is in
+        // force without validating either again.
+        a.spec.healthz.as_mut().unwrap().ineligible_taints = vec!["Not A Key".into()];
+        let s = pick(&[&a, &b], &mut v);
+        assert_eq!((s.applied.len(), s.invalid.len()), (1, 1), "{s:?}");
+        assert_eq!(v.validated(), 3);
+        assert_eq!(pick(&[&a, &b], &mut v), s);
+        assert_eq!(v.validated(), 3);
+        // Deleted: forgotten; created again with the same spec: validated.
+        pick(&[&b], &mut v);
+        pick(&[&a, &b], &mut v);
+        assert_eq!(v.validated(), 4);
     }
 
     #[test]
@@ -721,15 +820,33 @@ mod tests {
             (&[("tier", "a")], &mut here),
             (&[("tier", "b")], &mut elsewhere),
         ] {
-            select_with_last_good([&good], &labels(labels_), &trust, remembered);
+            select_with_last_good(
+                [&good],
+                &labels(labels_),
+                &trust,
+                remembered,
+                &mut Validations::default(),
+            );
         }
-        let s = select_with_last_good([&bad], &labels(&[("tier", "a")]), &trust, &mut here);
+        let s = select_with_last_good(
+            [&bad],
+            &labels(&[("tier", "a")]),
+            &trust,
+            &mut here,
+            &mut Validations::default(),
+        );
         assert_eq!(
             (s.applied.len(), s.invalid.len(), s.kept.get("p")),
             (1, 1, Some(&1))
         );
         // A node the policy does not select says nothing of it.
-        let s = select_with_last_good([&bad], &labels(&[("tier", "b")]), &trust, &mut elsewhere);
+        let s = select_with_last_good(
+            [&bad],
+            &labels(&[("tier", "b")]),
+            &trust,
+            &mut elsewhere,
+            &mut Validations::default(),
+        );
         assert!(
             s.applied.is_empty() && s.invalid.is_empty() && s.kept.is_empty(),
             "{s:?}"

@@ -47,6 +47,48 @@ pub fn validate(policy: &NodeGuardPolicy) -> Vec<Problem> {
     problems
 }
 
+/// Each policy's problems, validated once per name, namespace and spec:
+/// validating compiles every monitor's patterns (milliseconds for NPD's
+/// kernel rules), and the agent looks at every policy of the cluster again
+/// on each change of its Node (its own condition heartbeats among them) and
+/// of any policy (status writes among them), the status writer on each
+/// lease renewal.
+#[derive(Default)]
+pub struct Validations {
+    /// Name → (the namespace and spec validated, as JSON; their problems).
+    known: std::collections::BTreeMap<String, (String, std::sync::Arc<Vec<Problem>>)>,
+    validated: u64,
+}
+
+impl Validations {
+    /// [`validate`]`(p)`, from the last validation of the same name,
+    /// namespace and spec if there was one.
+    pub fn problems(&mut self, p: &NodeGuardPolicy) -> std::sync::Arc<Vec<Problem>> {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let key =
+            serde_json::to_string(&(&p.metadata.namespace, &p.spec)).expect("a policy serializes");
+        if let Some((k, problems)) = self.known.get(&name)
+            && *k == key
+        {
+            return problems.clone();
+        }
+        let problems = std::sync::Arc::new(validate(p));
+        self.validated += 1;
+        self.known.insert(name, (key, problems.clone()));
+        problems
+    }
+
+    /// Forgets the policies whose names `keep` refuses (deleted ones).
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.known.retain(|name, _| keep(name));
+    }
+
+    /// How many validations ran (not answered from an earlier one).
+    pub fn validated(&self) -> u64 {
+        self.validated
+    }
+}
+
 /// Cross-field rules of `spec.shutdown`.
 pub fn validate_shutdown(s: &super::ShutdownSpec, path: &str) -> Vec<Problem> {
     let mut problems = Vec::new();

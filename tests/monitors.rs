@@ -1992,56 +1992,65 @@ async fn an_unknown_plugin_result_is_clipped_like_a_problem() {
         "{} bytes: {message}",
         message.len()
     );
+    // Its Event (NPD's words) quotes the same clipped message.
+    let mut note = String::new();
+    eventually(Duration::from_secs(10), "the Unknown Event", || {
+        note = node_event_count(&node.name, "ChattyIsFine").1;
+        let found = note.contains("is now: Unknown");
+        async move { found }
+    })
+    .await;
+    assert!(
+        note.contains(&format!("message: \"{message}\"")),
+        "the Event quotes the condition's message: {note}"
+    );
     agent.stop().await;
     delete_policy(&admin, &policy).await;
 }
 
 /// A `healthUrl` the prober cannot request (no scheme, as NPD's flags take
-/// a host:port) is refused where the operator looks, with its path, not
-/// run with the check silently undone.
+/// a host:port) is refused by the API server with its path, where the
+/// operator applies it, instead of run with the check undone.
 #[tokio::test]
 async fn a_health_url_that_cannot_be_requested_is_refused_with_its_path() {
     let admin = admin_client().await;
-    let node = TestNode::selectable(&admin, "badhealth").await;
-    let policy = unique_name("badhealth");
-    apply_monitors(
-        &admin,
-        &policy,
-        &node.name,
+    let api: kube::Api<nodeguard::policy::NodeGuardPolicy> = kube::Api::all(admin.clone());
+    let monitor = |url: &str| {
         serde_json::json!([{
             "name": "kubelet",
-            "source": {"systemd": {"unit": "kubelet.service", "healthUrl": "127.0.0.1:10248/healthz"}},
+            "source": {"systemd": {"unit": "kubelet.service", "healthUrl": url}},
             "conditions": [{"type": "KubeletUnhealthy", "reason": "KubeletIsHealthy", "message": "fine"}],
             "rules": [{"type": "permanent", "condition": "KubeletUnhealthy", "reason": "KubeletUnhealthy"}],
-        }]),
-    )
-    .await;
-    let (agent, _state) = start_agent(admin.clone(), &node.name).await;
-    let mut message = String::new();
-    eventually(
-        Duration::from_secs(15),
-        "NodeGuardPolicyInvalid=True naming healthUrl",
-        || {
-            let admin = admin.clone();
-            let node = node.name.clone();
-            async move {
-                condition(&admin, &node, "NodeGuardPolicyInvalid")
-                    .await
-                    .is_some_and(|c| c.0 == "True" && c.2.contains("source.systemd.healthUrl"))
-            }
-        },
-    )
-    .await;
-    if let Some(c) = condition(&admin, &node.name, "NodeGuardPolicyInvalid").await {
-        message = c.2;
+        }])
+    };
+    let policy = |name: &str, url: &str| {
+        serde_json::from_value::<nodeguard::policy::NodeGuardPolicy>(serde_json::json!({
+            "apiVersion": "nodeguard.io/v1alpha1", "kind": "NodeGuardPolicy",
+            "metadata": {"name": name},
+            "spec": {"nodeSelector": {"matchLabels": {"nodeguard.io/none": "none"}}, "monitors": monitor(url)},
+        }))
+        .unwrap()
+    };
+    for url in ["127.0.0.1:10248/healthz", "tcp://127.0.0.1:10248/healthz"] {
+        let name = unique_name("badhealth");
+        let err = api
+            .create(&Default::default(), &policy(&name, url))
+            .await
+            .expect_err(&format!("{url:?} must be refused"));
+        let text = err.to_string();
+        assert!(
+            text.contains("spec.monitors[0].source.systemd.healthUrl"),
+            "{url:?}: {text}"
+        );
     }
-    assert!(message.contains("cannot be requested"), "{message}");
-    assert!(
-        !agent.reporter.desired().contains_key("KubeletUnhealthy"),
-        "the refused monitor must not run: {message}"
-    );
-    agent.stop().await;
-    delete_policy(&admin, &policy).await;
+    let name = unique_name("goodhealth");
+    api.create(
+        &Default::default(),
+        &policy(&name, "http://127.0.0.1:10248/healthz"),
+    )
+    .await
+    .expect("an http URL is taken");
+    delete_policy(&admin, &name).await;
 }
 
 #[tokio::test]

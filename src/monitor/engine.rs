@@ -922,7 +922,7 @@ impl Engine {
         });
         out.push(Action::Event {
             reason: cond.default_reason.clone(),
-            message: cond.npd_event("Unknown", &cond.default_reason, output),
+            message: cond.npd_event("Unknown", &cond.default_reason, &s.message),
         });
         // Not True: its taint goes (as a restatement would remove it).
         cond.untaint(untaint, out);

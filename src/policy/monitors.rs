@@ -301,6 +301,14 @@ impl Source<'_> {
     }
 }
 
+/// What the API server lets `healthUrl` be on a write: an http:// or
+/// https:// URL with a host and no white space, as the prober can request
+/// it (NPD's flags take `127.0.0.1:10248`, without the scheme). The agent
+/// does not refuse a policy stored before the schema said so (an upgrade
+/// would drop the whole policy): its unit's state decides, and the
+/// condition's message says the URL was not checked.
+pub const HEALTH_URL_PATTERN: &str = r"^[Hh][Tt][Tt][Pp][Ss]?://[^\s/?#]+([/?#]\S*)?$";
+
 /// A service checked like node-problem-detector's health checker.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -313,6 +321,7 @@ pub struct SystemdUnitSource {
     /// Also require this URL to answer 2xx (e.g. the kubelet's healthz): an
     /// absolute http:// or https:// URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = HEALTH_URL_PATTERN))]
     pub health_url: Option<String>,
     /// How long `healthUrl` has to answer (node-problem-detector's
     /// `--health-check-timeout`); unset: 5 s.
@@ -599,6 +608,40 @@ pub struct CountSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The schema's `healthUrl` pattern lets through what the prober can
+    /// request (an absolute http or https URI with a host, as `http::Uri`
+    /// parses it for hyper) and refuses the rest.
+    #[test]
+    fn the_health_url_pattern_is_what_the_prober_can_request() {
+        let pattern = regex::Regex::new(HEALTH_URL_PATTERN).unwrap();
+        let requestable = |u: &str| {
+            u.parse::<http::Uri>().is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https"))
+                    && uri.host().is_some_and(|h| !h.is_empty())
+            })
+        };
+        for (url, ok) in [
+            ("http://127.0.0.1:10248/healthz", true),
+            ("https://localhost:10256/healthz", true),
+            ("http://[::1]:10248/healthz", true),
+            ("http://127.0.0.1:10248", true),
+            ("http://127.0.0.1:10248?verbose", true),
+            ("HTTP://127.0.0.1:10248/healthz", true),
+            ("http://user:pw@127.0.0.1:10248/healthz", true),
+            ("127.0.0.1:10248/healthz", false),
+            ("localhost:10248", false),
+            ("/healthz", false),
+            ("tcp://127.0.0.1:10248/healthz", false),
+            ("http:///healthz", false),
+            ("http://127.0.0.1:10248/health z", false),
+            ("http://127.0.0.1:10248/healthz ", false),
+            ("", false),
+        ] {
+            assert_eq!(requestable(url), ok, "the prober, {url:?}");
+            assert_eq!(pattern.is_match(url), ok, "the pattern, {url:?}");
+        }
+    }
 
     /// The list of kinds, the fields of `LogSource` in the CRD, the CRD's
     /// rule and the message say the same.

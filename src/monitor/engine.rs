@@ -180,6 +180,8 @@ pub struct Engine {
     /// Conditions whose last taint update failed: retried by
     /// [`Engine::taint_retries`] until the Node matches.
     taint_failed: BTreeSet<String>,
+    /// A line matched a pattern since [`Engine::take_matched`].
+    matched: bool,
     /// Conditions whose failed taint add may have been applied: the taint
     /// is then nodeguard's, also to remove once the condition clears.
     taint_maybe_added: BTreeSet<String>,
@@ -468,6 +470,7 @@ impl Engine {
             npd,
             npd_plugin: spec.source.plugin.as_ref().is_some_and(|p| p.npd_results),
             taint_failed: BTreeSet::new(),
+            matched: false,
             taint_maybe_added: BTreeSet::new(),
         })
     }
@@ -761,6 +764,7 @@ impl Engine {
         // A line's revert matches count before its matches (log-counter
         // applies both before it compares with the threshold).
         let mut matched = self.patterns.matches(text);
+        self.matched |= !matched.is_empty();
         matched.sort_by_key(|i| !matches!(self.pattern_of[*i], PatternOf::Revert(_)));
         for idx in matched {
             match self.pattern_of[idx] {
@@ -1068,6 +1072,38 @@ impl Engine {
     /// counted conditions whose window no longer holds enough matches (as
     /// log-counter reports OK again: the oldest aged out, or a revert line
     /// took one off).
+    /// Whether [`Engine::on_tick`] may have something to do as time
+    /// passes: a True condition that clears after a quiet period, or one
+    /// held by an NPD counting rule whose window may empty. Otherwise time
+    /// alone changes nothing, and the monitor need not tick.
+    pub fn has_timed_work(&self) -> bool {
+        let counted = self.npd.is_some()
+            && self.rules.iter().enumerate().any(|(r, rule)| {
+                rule.count.is_some() && rule.condition.is_some_and(|c| self.holder(c) == Some(r))
+            });
+        counted
+            || self.conditions.iter().any(|c| {
+                c.clear_after.is_some()
+                    && self
+                        .state
+                        .get(&c.type_)
+                        .is_some_and(|s| s.active && s.last_match.is_some())
+            })
+    }
+
+    /// Whether a taint change failed and waits for
+    /// [`Engine::taint_retries`].
+    pub fn has_taint_retries(&self) -> bool {
+        !self.taint_failed.is_empty()
+    }
+
+    /// Whether a line since the last call matched a pattern (the engine's
+    /// state may have changed); lines that matched nothing moved only the
+    /// monitor's position.
+    pub fn take_matched(&mut self) -> bool {
+        std::mem::take(&mut self.matched)
+    }
+
     pub fn on_tick(&mut self, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
         if self.npd.is_some() {

@@ -344,6 +344,46 @@ mod tests {
         assert!(*port.present.lock().unwrap(), "someone else's taint stays");
     }
 
+    /// Lines that match nothing move only the monitor's position: it is
+    /// saved within CURSOR_SAVE, not written every second (a crash reads
+    /// those lines again and they match nothing again); a line that
+    /// matches is saved within a second.
+    #[tokio::test(start_paused = true)]
+    async fn a_position_alone_is_saved_within_half_a_minute_a_match_within_a_second() {
+        let dir = scratch("cursor-save");
+        let (spec, ctx, handle) = clearable(&dir, Arc::new(Flaky::default()));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(run_monitor(spec, ctx, handle, stop.clone()));
+        let append = |line: &str| {
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(dir.join("app.log"))
+                .unwrap();
+            std::io::Write::write_all(&mut f, line.as_bytes()).unwrap();
+            // The reader is a real thread: let it hand the line over
+            // before paused time moves on.
+            std::thread::sleep(Duration::from_millis(500));
+        };
+        let cursor = || load_state(&dir, "m").map(|(s, _)| s.cursor);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let at_start = cursor();
+        append("nothing to see\n");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let after_5s = cursor();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let after_35s = cursor();
+        append("app crashed again\n");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let after_match = cursor();
+        stop.cancel();
+        let _ = task.await;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(at_start.is_some());
+        assert_eq!(after_5s, at_start, "a position alone is not saved at once");
+        assert_ne!(after_35s, at_start, "a position alone is saved in the end");
+        assert_ne!(after_match, after_35s, "a match is saved within a second");
+    }
+
     /// Review finding: an add applied with its answer lost, the API server
     /// away for all five attempts, and the condition clearing before a
     /// retry worked: nothing removed the taint. It is removed once the API

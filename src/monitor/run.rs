@@ -70,6 +70,24 @@ impl EngineClock {
     }
 }
 
+/// How long a position moved by lines that matched nothing waits to be
+/// saved (a crash reads those lines again; they match nothing again).
+const CURSOR_SAVE: Duration = Duration::from_secs(30);
+
+/// Until `wake`, or until the source has news (lost lines, a refusal);
+/// with no `wake`, until news.
+async fn until_due(wake: Option<tokio::time::Instant>, news: &tokio::sync::Notify) {
+    match wake {
+        Some(at) => {
+            tokio::select! {
+                _ = tokio::time::sleep_until(at) => {}
+                _ = news.notified() => {}
+            }
+        }
+        None => news.notified().await,
+    }
+}
+
 /// Runs until `stop`; `Err` says why it ended otherwise.
 pub(super) async fn run_monitor<T: TaintPort>(
     spec: MonitorSpec,
@@ -275,10 +293,14 @@ pub(super) async fn run_monitor<T: TaintPort>(
     // second, so what changed while the directory was full or read-only is
     // written once it can be, with no new line to prompt it.
     let mut dirty = !save(&mut state, &engine);
+    // Lines that matched nothing moved only the position: saved within
+    // CURSOR_SAVE (a crash reads them again, and they match nothing again).
+    let mut cursor_moved = false;
     handle.updated();
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut last_tick = tokio::time::Instant::now();
     let mut last_save = tokio::time::Instant::now();
     let mut last_taint_retry = tokio::time::Instant::now();
+    let mut last_dropped_said: Option<tokio::time::Instant> = None;
     // What the reader last said about a refused file (after the start).
     let mut refused_seen: Option<String> = None;
     // Lines lost so far (a full queue, records the kernel overwrote), said
@@ -287,6 +309,31 @@ pub(super) async fn run_monitor<T: TaintPort>(
     // records overwritten while the agent was down among them, is said too.)
     let mut dropped_seen = 0;
     let ended = loop {
+        // The loop looks again with no line or check to prompt it only
+        // while something waits on time: a timed condition, a save, a
+        // taint retry, lost lines not said yet. An idle monitor sleeps
+        // until its source says something.
+        let wake = {
+            let mut at: Option<tokio::time::Instant> = None;
+            let mut by = |t: tokio::time::Instant| at = Some(at.map_or(t, |a| a.min(t)));
+            let second = Duration::from_secs(1);
+            if engine.has_timed_work() {
+                by(last_tick + second);
+            }
+            if dirty {
+                by(last_save + second);
+            }
+            if cursor_moved {
+                by(last_save + CURSOR_SAVE);
+            }
+            if engine.has_taint_retries() {
+                by(last_taint_retry + TAINT_RETRY);
+            }
+            if counters.dropped.load(std::sync::atomic::Ordering::Relaxed) > dropped_seen {
+                by(last_dropped_said.map_or(last_tick, |t| t + second));
+            }
+            at
+        };
         tokio::select! {
             _ = stop.cancelled() => break None,
             batch = rx.recv(), if lines_open => {
@@ -302,7 +349,6 @@ pub(super) async fn run_monitor<T: TaintPort>(
                 let mut now = clock.now(&mut engine);
                 for i in 0..batch.len() {
                     let actions = engine.on_line(batch.line(i), now);
-                    dirty = true;
                     if !actions.is_empty() {
                         apply(&actions, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
                         // Whose taint it is goes to disk at once: a restart
@@ -321,6 +367,11 @@ pub(super) async fn run_monitor<T: TaintPort>(
                 }
                 if let Some(cursor) = batch.into_last_cursor() {
                     state.cursor = cursor;
+                }
+                if engine.take_matched() {
+                    dirty = true;
+                } else {
+                    cursor_moved = true;
                 }
                 handle.updated();
             }
@@ -343,9 +394,13 @@ pub(super) async fn run_monitor<T: TaintPort>(
                     _ => "its checker ended".to_string(),
                 });
             }
-            _ = tick.tick() => {
+            _ = until_due(wake, &counters.news) => {
                 let dropped_now = counters.dropped.load(std::sync::atomic::Ordering::Relaxed);
-                if dropped_now > dropped_seen {
+                // Said at most once a second, however fast lines are lost.
+                if dropped_now > dropped_seen
+                    && last_dropped_said.is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+                {
+                    last_dropped_said = Some(tokio::time::Instant::now());
                     let message = format!(
                         "Monitor {} lost {} line(s) ({dropped_now} since it started): its queue was full or the kernel overwrote records before they were read, so problems in them were not seen.",
                         spec.name,
@@ -384,6 +439,7 @@ pub(super) async fn run_monitor<T: TaintPort>(
                     apply(&current, &mut engine, &ctx, &handle, &voice, blind.as_deref()).await;
                     handle.updated();
                 }
+                last_tick = tokio::time::Instant::now();
                 let mut actions = { let now = clock.now(&mut engine); engine.on_tick(now) };
                 if clock.take_shifted() {
                     dirty = true;
@@ -404,9 +460,13 @@ pub(super) async fn run_monitor<T: TaintPort>(
                         last_save = tokio::time::Instant::now();
                     }
                 }
-                // The cursor is saved at most once a second under load.
-                if dirty && last_save.elapsed() >= Duration::from_secs(1) {
+                // The state is saved at most once a second under load, a
+                // position alone once in CURSOR_SAVE.
+                if (dirty && last_save.elapsed() >= Duration::from_secs(1))
+                    || (cursor_moved && last_save.elapsed() >= CURSOR_SAVE)
+                {
                     dirty = !save(&mut state, &engine);
+                    cursor_moved = false;
                     last_save = tokio::time::Instant::now();
                 }
             }

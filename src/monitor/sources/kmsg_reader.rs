@@ -120,9 +120,7 @@ pub fn spawn_kmsg(
                         if let Some(l) = last_seq
                             && rec.sequence > l + 1
                         {
-                            counters
-                                .dropped
-                                .fetch_add(rec.sequence - l - 1, Ordering::Relaxed);
+                            counters.lost(rec.sequence - l - 1);
                         }
                         last_seq = Some(rec.sequence);
                         let cursor = Cursor {

@@ -131,6 +131,9 @@ pub struct SourceCounters {
     pub refused: std::sync::Mutex<Option<String>>,
     /// The bytes of lines waiting in the queue ([`QUEUE_BYTES`] at most).
     pub queued: QueuedBytes,
+    /// Notified when lines are lost or the refusal changes: the monitor's
+    /// loop says so without looking every second.
+    pub news: tokio::sync::Notify,
 }
 
 impl SourceCounters {
@@ -139,7 +142,17 @@ impl SourceCounters {
     }
 
     fn set_refused(&self, why: Option<String>) {
-        *self.refused.lock().unwrap_or_else(|e| e.into_inner()) = why;
+        let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        if *refused != why {
+            *refused = why;
+            self.news.notify_one();
+        }
+    }
+
+    /// `n` lines were lost before the monitor saw them.
+    pub(super) fn lost(&self, n: u64) {
+        self.dropped.fetch_add(n, Ordering::Relaxed);
+        self.news.notify_one();
     }
 
     /// Why the source's current file is refused, while it is.

@@ -207,14 +207,14 @@ pub(super) fn offer(
     }
     let n = batch.ends.len() as u64;
     if !counters.queued.try_take(batch.bytes) {
-        counters.dropped.fetch_add(n, Ordering::Relaxed);
+        counters.lost(n);
         *batch = Batcher::default();
         return !tx.is_closed();
     }
     match tx.try_send(batch.take(counters)) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
-            counters.dropped.fetch_add(n, Ordering::Relaxed);
+            counters.lost(n);
             true
         }
         Err(mpsc::error::TrySendError::Closed(_)) => false,

@@ -473,6 +473,55 @@ fn journal_entry(dir: &std::path::Path, n: u32, identifier: &str, message: &str)
     );
 }
 
+/// A journald monitor that has read nothing yet has no position saved (a
+/// restart starts at the journal's end). Its first entry's position is
+/// saved within a second, not with the half-minute saves of a position
+/// that only moved: a crash right after resumes there, and reads what was
+/// logged meanwhile.
+#[tokio::test]
+async fn a_journald_monitors_first_position_is_saved_within_a_second() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "jfirst").await;
+    let journal = TempDir::new("jfirst");
+    journal_entry(&journal.path, 1, "dockerd", "an old entry");
+    let policy = unique_name("jfirst");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([docker_journal_monitor(&journal.path)]),
+    )
+    .await;
+    let (agent, state) = start_agent(admin.clone(), &node.name).await;
+    wait_condition(
+        &admin,
+        &node.name,
+        "CorruptDockerOverlay2",
+        "False",
+        Duration::from_secs(15),
+        "CorruptDockerOverlay2=False",
+    )
+    .await;
+    let position = || saved_state(&state.path, "docker").map(|s| s["cursor"]["journal"].clone());
+    assert_eq!(
+        position(),
+        Some(serde_json::Value::Null),
+        "nothing read yet"
+    );
+    journal_entry(&journal.path, 2, "dockerd", "all is well");
+    eventually(
+        Duration::from_secs(5),
+        "the first entry's position on disk",
+        || {
+            let saved = position().is_some_and(|c| c.is_string());
+            async move { saved }
+        },
+    )
+    .await;
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
+}
+
 #[tokio::test]
 async fn journal_entries_of_one_identifier_set_a_condition() {
     let admin = admin_client().await;

@@ -1068,10 +1068,6 @@ impl Engine {
         cond.untaint(s.taint_added, out);
     }
 
-    /// Clears conditions whose quiet period has passed, and NPD-matching
-    /// counted conditions whose window no longer holds enough matches (as
-    /// log-counter reports OK again: the oldest aged out, or a revert line
-    /// took one off).
     /// Whether [`Engine::on_tick`] may have something to do as time
     /// passes: a True condition that clears after a quiet period, or one
     /// held by an NPD counting rule whose window may empty. Otherwise time
@@ -1104,6 +1100,10 @@ impl Engine {
         std::mem::take(&mut self.matched)
     }
 
+    /// Clears conditions whose quiet period has passed, and NPD-matching
+    /// counted conditions whose window no longer holds enough matches (as
+    /// log-counter reports OK again: the oldest aged out, or a revert line
+    /// took one off).
     pub fn on_tick(&mut self, now: Timestamp) -> Vec<Action> {
         let mut out = Vec::new();
         if self.npd.is_some() {

@@ -365,10 +365,15 @@ pub(super) async fn run_monitor<T: TaintPort>(
                         now = clock.now(&mut engine);
                     }
                 }
+                // A source's first position (a journal read from its end
+                // had none) is saved as a match is: until then a restart
+                // would start at the end again, past what was logged
+                // meanwhile.
+                let first = state.cursor == Default::default();
                 if let Some(cursor) = batch.into_last_cursor() {
                     state.cursor = cursor;
                 }
-                if engine.take_matched() {
+                if engine.take_matched() || first {
                     dirty = true;
                 } else {
                     cursor_moved = true;
@@ -473,6 +478,10 @@ pub(super) async fn run_monitor<T: TaintPort>(
         }
     };
     source_stop.stop();
+    // The engine's times follow any clock step before they are saved with
+    // the wall time of the save (an idle loop may not have read the clock
+    // since the step).
+    clock.now(&mut engine);
     save(&mut state, &engine);
     match ended {
         None => Ok(()),

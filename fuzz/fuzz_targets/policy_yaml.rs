@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use libfuzzer_sys::fuzz_target;
 use nodeguard::monitor::engine::Engine;
-use nodeguard::policy::{NodeTrust, load_policies, select_with_last_good};
+use nodeguard::policy::{NodeTrust, Validations, load_policies, select_with_last_good};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -25,7 +25,23 @@ fuzz_target!(|data: &[u8]| {
         ("node-role.kubernetes.io/worker".to_string(), String::new()),
     ]);
     let mut last_good = BTreeMap::new();
-    let selection = select_with_last_good(policies.iter(), &labels, &trust, &mut last_good);
+    let mut validations = Validations::default();
+    let selection = select_with_last_good(
+        policies.iter(),
+        &labels,
+        &trust,
+        &mut last_good,
+        &mut validations,
+    );
+    // Validated once: the same policies selected from the cache select the same.
+    let again = select_with_last_good(
+        policies.iter(),
+        &labels,
+        &trust,
+        &mut BTreeMap::new(),
+        &mut validations,
+    );
+    assert_eq!(selection, again);
     for m in &selection.monitors {
         let _ = Engine::new(m, "spec.monitors");
     }

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::k8s::watch::Snapshot;
-use crate::policy::{NodeGuardPolicy, validate};
+use crate::policy::NodeGuardPolicy;
 use crate::report::kube::FIELD_MANAGER;
 
 pub const LEASE_NAME: &str = "nodeguard-policy-status";
@@ -42,11 +42,6 @@ pub struct Verdict {
     pub accepted: bool,
     pub reason: String,
     pub message: String,
-}
-
-/// The verdict for one policy (pure).
-pub fn verdict(p: &NodeGuardPolicy) -> Verdict {
-    verdict_of(p, &validate(p))
 }
 
 /// The verdict for `p`, whose problems are `problems`.
@@ -218,11 +213,7 @@ pub async fn run_policy_status(
             .as_ref()
             .map(|s| s.values().cloned().collect())
             .unwrap_or_default();
-        validations.retain(|name| {
-            snapshot
-                .iter()
-                .any(|p| p.metadata.name.as_deref() == Some(name))
-        });
+        validations.retain_listed(snapshot.iter().map(|p| &**p));
         for p in snapshot {
             let name = p.metadata.name.clone().unwrap_or_default();
             let v = verdict_of(&p, &validations.problems(&p));
@@ -272,6 +263,7 @@ pub async fn run_policy_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::validate;
 
     #[test]
     fn followers_look_once_in_one_to_two_terms_spread_evenly() {
@@ -308,7 +300,7 @@ mod tests {
     fn verdicts_and_freshness() {
         let mut p = NodeGuardPolicy::new("p", Default::default());
         p.metadata.generation = Some(3);
-        let v = verdict(&p);
+        let v = verdict_of(&p, &validate(&p));
         assert!(v.accepted && v.generation == 3 && v.reason == "Valid");
         assert!(!up_to_date(&p, &v));
         p.status = Some(crate::policy::NodeGuardPolicyStatus {
@@ -326,7 +318,7 @@ mod tests {
         });
         assert!(up_to_date(&p, &v));
         p.metadata.namespace = Some("x".into());
-        let bad = verdict(&p);
+        let bad = verdict_of(&p, &validate(&p));
         assert!(!bad.accepted && bad.message.contains("metadata.namespace"));
         assert!(!up_to_date(&p, &bad));
     }

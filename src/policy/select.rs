@@ -398,13 +398,9 @@ pub fn select_with_last_good<'a>(
     validations: &mut Validations,
 ) -> Selection {
     let policies: Vec<&NodeGuardPolicy> = policies.into_iter().collect();
-    let present = |name: &str| {
-        policies
-            .iter()
-            .any(|p| p.metadata.name.as_deref() == Some(name))
-    };
-    last_good.retain(|name, _| present(name));
-    validations.retain(present);
+    let names = super::validate::listed_names(policies.iter().copied());
+    last_good.retain(|name, _| names.contains(name.as_str()));
+    validations.retain_listed(policies.iter().copied());
     let mut effective: Vec<(NodeGuardPolicy, Arc<Vec<Problem>>)> = Vec::new();
     let mut replaced: Vec<(String, Vec<Problem>, i64)> = Vec::new();
     for p in policies {
@@ -697,73 +693,53 @@ mod tests {
         );
     }
 
+    /// [`select_with_last_good`] for a node labelled `node`, trusting
+    /// nothing, with a fresh validation cache.
+    fn with_last_good<'a>(
+        policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
+        node: &[(&str, &str)],
+        last_good: &mut BTreeMap<String, NodeGuardPolicy>,
+    ) -> Selection {
+        select_with_last_good(
+            policies,
+            &labels(node),
+            &NodeTrust::default(),
+            last_good,
+            &mut Validations::default(),
+        )
+    }
+
     #[test]
     fn an_invalid_update_keeps_the_last_good_generation() {
         let mut last_good = BTreeMap::new();
         let mut good = policy("p", &[], &["a.io/t"]);
         good.metadata.generation = Some(1);
-        let s = select_with_last_good(
-            [&good],
-            &labels(&[]),
-            &NodeTrust::default(),
-            &mut last_good,
-            &mut Validations::default(),
-        );
+        let s = with_last_good([&good], &[], &mut last_good);
         assert_eq!(s.applied, ["p"]);
         let mut bad = policy("p", &[], &["Not A Key"]);
         bad.metadata.generation = Some(2);
-        let s = select_with_last_good(
-            [&bad],
-            &labels(&[]),
-            &NodeTrust::default(),
-            &mut last_good,
-            &mut Validations::default(),
-        );
+        let s = with_last_good([&bad], &[], &mut last_good);
         assert_eq!(s.applied, ["p"], "generation 1 stays in force");
         assert_eq!(s.ineligible_taints, ["a.io/t"]);
         assert_eq!(s.invalid.len(), 1);
         assert_eq!(s.kept.get("p"), Some(&1));
         // Never valid: not applied at all.
         let mut fresh = BTreeMap::new();
-        let s = select_with_last_good(
-            [&bad],
-            &labels(&[]),
-            &NodeTrust::default(),
-            &mut fresh,
-            &mut Validations::default(),
-        );
+        let s = with_last_good([&bad], &[], &mut fresh);
         assert!(s.applied.is_empty() && s.kept.is_empty() && s.invalid.len() == 1);
         // Deleted and created again (a new uid) while invalid: the old
         // policy's last good version is not the new one's.
         let mut good_v1 = good.clone();
         good_v1.metadata.uid = Some("uid-1".into());
         let mut remembered = BTreeMap::new();
-        select_with_last_good(
-            [&good_v1],
-            &labels(&[]),
-            &NodeTrust::default(),
-            &mut remembered,
-            &mut Validations::default(),
-        );
+        with_last_good([&good_v1], &[], &mut remembered);
         let mut recreated = bad.clone();
         recreated.metadata.uid = Some("uid-2".into());
-        let s = select_with_last_good(
-            [&recreated],
-            &labels(&[]),
-            &NodeTrust::default(),
-            &mut remembered,
-            &mut Validations::default(),
-        );
+        let s = with_last_good([&recreated], &[], &mut remembered);
         assert!(s.applied.is_empty() && s.kept.is_empty(), "{s:?}");
         // Deleted: forgotten.
         let none: [&NodeGuardPolicy; 0] = [];
-        select_with_last_good(
-            none,
-            &labels(&[]),
-            &NodeTrust::default(),
-            &mut last_good,
-            &mut Validations::default(),
-        );
+        with_last_good(none, &[], &mut last_good);
         assert!(last_good.is_empty());
     }
 
@@ -815,38 +791,19 @@ mod tests {
         good.metadata.generation = Some(1);
         let mut bad = policy("p", &[("tier", "a")], &["Not A Key"]);
         bad.metadata.generation = Some(2);
-        let trust = NodeTrust::default();
         for (labels_, remembered) in [
             (&[("tier", "a")], &mut here),
             (&[("tier", "b")], &mut elsewhere),
         ] {
-            select_with_last_good(
-                [&good],
-                &labels(labels_),
-                &trust,
-                remembered,
-                &mut Validations::default(),
-            );
+            with_last_good([&good], labels_, remembered);
         }
-        let s = select_with_last_good(
-            [&bad],
-            &labels(&[("tier", "a")]),
-            &trust,
-            &mut here,
-            &mut Validations::default(),
-        );
+        let s = with_last_good([&bad], &[("tier", "a")], &mut here);
         assert_eq!(
             (s.applied.len(), s.invalid.len(), s.kept.get("p")),
             (1, 1, Some(&1))
         );
         // A node the policy does not select says nothing of it.
-        let s = select_with_last_good(
-            [&bad],
-            &labels(&[("tier", "b")]),
-            &trust,
-            &mut elsewhere,
-            &mut Validations::default(),
-        );
+        let s = with_last_good([&bad], &[("tier", "b")], &mut elsewhere);
         assert!(
             s.applied.is_empty() && s.invalid.is_empty() && s.kept.is_empty(),
             "{s:?}"

@@ -78,15 +78,26 @@ impl Validations {
         problems
     }
 
-    /// Forgets the policies whose names `keep` refuses (deleted ones).
-    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
-        self.known.retain(|name, _| keep(name));
+    /// Forgets the policies not in `listed` (deleted ones).
+    pub fn retain_listed<'a>(&mut self, listed: impl IntoIterator<Item = &'a NodeGuardPolicy>) {
+        let names = listed_names(listed);
+        self.known.retain(|name, _| names.contains(name.as_str()));
     }
 
     /// How many validations ran (not answered from an earlier one).
     pub fn validated(&self) -> u64 {
         self.validated
     }
+}
+
+/// The names of `policies`.
+pub fn listed_names<'a>(
+    policies: impl IntoIterator<Item = &'a NodeGuardPolicy>,
+) -> std::collections::BTreeSet<&'a str> {
+    policies
+        .into_iter()
+        .filter_map(|p| p.metadata.name.as_deref())
+        .collect()
 }
 
 /// Cross-field rules of `spec.shutdown`.

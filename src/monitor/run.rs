@@ -74,6 +74,43 @@ impl EngineClock {
 /// saved (a crash reads those lines again; they match nothing again).
 const CURSOR_SAVE: Duration = Duration::from_secs(30);
 
+/// The shortest time between two saves of a changed state (a rule that
+/// matches every line of a flood is not an fsync per line), between two
+/// looks at timed conditions, and between two Events saying lines were
+/// lost.
+const EVERY_SECOND: Duration = Duration::from_secs(1);
+
+/// When the state is next due on disk: a change within a second of the
+/// last save, a position alone within [`CURSOR_SAVE`]; `None` when nothing
+/// waits. The loop's wake-up and its check read this one answer.
+fn save_due(
+    dirty: bool,
+    cursor_moved: bool,
+    last_save: tokio::time::Instant,
+) -> Option<tokio::time::Instant> {
+    if dirty {
+        Some(last_save + EVERY_SECOND)
+    } else if cursor_moved {
+        Some(last_save + CURSOR_SAVE)
+    } else {
+        None
+    }
+}
+
+/// When lost lines may next be said: at once the first time, then a
+/// second after the last time (`since` is any instant already past).
+fn lost_said_due(
+    last_said: Option<tokio::time::Instant>,
+    since: tokio::time::Instant,
+) -> tokio::time::Instant {
+    last_said.map_or(since, |t| t + EVERY_SECOND)
+}
+
+/// Whether `due` has come.
+fn is_due(due: tokio::time::Instant) -> bool {
+    due <= tokio::time::Instant::now()
+}
+
 /// Until `wake`, or until the source has news (lost lines, a refusal);
 /// with no `wake`, until news.
 async fn until_due(wake: Option<tokio::time::Instant>, news: &tokio::sync::Notify) {
@@ -316,21 +353,17 @@ pub(super) async fn run_monitor<T: TaintPort>(
         let wake = {
             let mut at: Option<tokio::time::Instant> = None;
             let mut by = |t: tokio::time::Instant| at = Some(at.map_or(t, |a| a.min(t)));
-            let second = Duration::from_secs(1);
             if engine.has_timed_work() {
-                by(last_tick + second);
+                by(last_tick + EVERY_SECOND);
             }
-            if dirty {
-                by(last_save + second);
-            }
-            if cursor_moved {
-                by(last_save + CURSOR_SAVE);
+            if let Some(t) = save_due(dirty, cursor_moved, last_save) {
+                by(t);
             }
             if engine.has_taint_retries() {
                 by(last_taint_retry + TAINT_RETRY);
             }
             if counters.dropped.load(std::sync::atomic::Ordering::Relaxed) > dropped_seen {
-                by(last_dropped_said.map_or(last_tick, |t| t + second));
+                by(lost_said_due(last_dropped_said, last_tick));
             }
             at
         };
@@ -402,9 +435,7 @@ pub(super) async fn run_monitor<T: TaintPort>(
             _ = until_due(wake, &counters.news) => {
                 let dropped_now = counters.dropped.load(std::sync::atomic::Ordering::Relaxed);
                 // Said at most once a second, however fast lines are lost.
-                if dropped_now > dropped_seen
-                    && last_dropped_said.is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-                {
+                if dropped_now > dropped_seen && is_due(lost_said_due(last_dropped_said, last_tick)) {
                     last_dropped_said = Some(tokio::time::Instant::now());
                     let message = format!(
                         "Monitor {} lost {} line(s) ({dropped_now} since it started): its queue was full or the kernel overwrote records before they were read, so problems in them were not seen.",
@@ -449,7 +480,7 @@ pub(super) async fn run_monitor<T: TaintPort>(
                 if clock.take_shifted() {
                     dirty = true;
                 }
-                if last_taint_retry.elapsed() >= TAINT_RETRY {
+                if is_due(last_taint_retry + TAINT_RETRY) {
                     last_taint_retry = tokio::time::Instant::now();
                     actions.extend(engine.taint_retries());
                 }
@@ -467,9 +498,7 @@ pub(super) async fn run_monitor<T: TaintPort>(
                 }
                 // The state is saved at most once a second under load, a
                 // position alone once in CURSOR_SAVE.
-                if (dirty && last_save.elapsed() >= Duration::from_secs(1))
-                    || (cursor_moved && last_save.elapsed() >= CURSOR_SAVE)
-                {
+                if save_due(dirty, cursor_moved, last_save).is_some_and(is_due) {
                     dirty = !save(&mut state, &engine);
                     cursor_moved = false;
                     last_save = tokio::time::Instant::now();

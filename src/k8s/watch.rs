@@ -293,10 +293,15 @@ struct Failing {
 
 /// Backoff between failed list/watch attempts: exponential from 250 ms,
 /// capped at 8 s while the API server may just be away (an outage, a
-/// restart), and at 60 s when it answered that the agent cannot have the
-/// resource (401, 403, 404: a missing CRD or RBAC rule, which a retry every
-/// few seconds cannot fix). Each delay is jittered down to half so
-/// thousands of agents do not retry in step. Reset when objects arrive.
+/// restart), and at 60 s once it has answered [`REFUSALS_BELIEVED`] times
+/// in a row that the agent cannot have the resource (401, 403, 404: a
+/// missing CRD or RBAC rule, which a retry every few seconds cannot fix).
+/// A refusal or two in a row is not believed: an API server that has just
+/// started answers 403 to everyone until its RBAC cache is loaded (the
+/// fleet bench's restart saw a quarter of 200 agents get one), and taking
+/// that for a missing rule doubled those agents' delay to 16 s after an
+/// outage had already grown it to 8 s. Each delay is jittered down to half
+/// so thousands of agents do not retry in step. Reset when objects arrive.
 ///
 /// kube's default (client-go's: 0.8 s up to 30 s, reset after 2 minutes)
 /// could leave a node agent blind for 30 s after an API server restart;
@@ -306,7 +311,13 @@ struct Failing {
 pub struct WatchBackoff {
     delay: Backoff,
     seed: u64,
+    /// Refusals (401, 403, 404) answered in a row.
+    refusals: u32,
 }
+
+/// How many refusals in a row are taken for the agent's configuration
+/// (the longer cap), not an API server still starting.
+pub const REFUSALS_BELIEVED: u32 = 3;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(8);
@@ -322,19 +333,22 @@ impl Default for WatchBackoff {
         WatchBackoff {
             delay: Backoff::new(BACKOFF_MIN, BACKOFF_MAX_CONFIGURATION),
             seed,
+            refusals: 0,
         }
     }
 }
 
 impl WatchBackoff {
-    /// The delay before the next attempt; `configuration`: the API server
-    /// refused the resource itself (the longer cap applies).
-    pub fn next_delay(&mut self, configuration: bool) -> Duration {
+    /// The delay before the next attempt; `refused`: the API server
+    /// refused the resource itself (the longer cap applies once that
+    /// repeats [`REFUSALS_BELIEVED`] times in a row).
+    pub fn next_delay(&mut self, refused: bool) -> Duration {
         // xorshift64: enough randomness for jitter, no dependency.
         self.seed ^= self.seed << 13;
         self.seed ^= self.seed >> 7;
         self.seed ^= self.seed << 17;
-        let cap = if configuration {
+        self.refusals = if refused { self.refusals + 1 } else { 0 };
+        let cap = if self.refusals >= REFUSALS_BELIEVED {
             BACKOFF_MAX_CONFIGURATION
         } else {
             BACKOFF_MAX
@@ -346,6 +360,7 @@ impl WatchBackoff {
 
     pub fn reset(&mut self) {
         self.delay.reset();
+        self.refusals = 0;
     }
 }
 
@@ -556,6 +571,8 @@ mod tests {
                 [250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000],
             ),
         ] {
+            // (Refusals from the first attempt on: the longer cap holds from
+            // the third, before the delay reaches the shorter one.)
             let mut b = WatchBackoff::default();
             let delays: Vec<Duration> = (0..10).map(|_| b.next_delay(configuration)).collect();
             for (d, cap) in delays.iter().zip(caps) {
@@ -568,6 +585,37 @@ mod tests {
             }
             b.reset();
             assert!(b.next_delay(configuration) <= BACKOFF_MIN);
+        }
+    }
+
+    /// An API server that has just started refuses everyone for a moment
+    /// (its RBAC cache is not loaded): after an outage has grown the delay
+    /// to its 8 s cap, one or two refusals keep it there; a third in a row
+    /// is the agent's configuration, and the delay grows to a minute.
+    #[test]
+    fn refusals_after_an_outage_keep_the_short_cap_until_they_repeat() {
+        let mut b = WatchBackoff::default();
+        for _ in 0..8 {
+            b.next_delay(false);
+        }
+        let cap = BACKOFF_MAX;
+        for i in 0..REFUSALS_BELIEVED - 1 {
+            let d = b.next_delay(true);
+            assert!(d <= cap && d >= cap / 2, "refusal {i}: {d:?}");
+        }
+        // Anything else in between starts the count again.
+        b.next_delay(false);
+        for i in 0..REFUSALS_BELIEVED - 1 {
+            let d = b.next_delay(true);
+            assert!(d <= cap, "refusal {i} after an unreachable server: {d:?}");
+        }
+        let mut grown = Vec::new();
+        for _ in 0..4 {
+            grown.push(b.next_delay(true));
+        }
+        for (d, want) in grown.iter().zip([8, 16, 32, 60]) {
+            let want = Duration::from_secs(want);
+            assert!(*d <= want && *d >= want / 2, "{grown:?}");
         }
     }
 

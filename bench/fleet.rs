@@ -38,7 +38,20 @@
 //!   LIST requests, how many of them the API server served from its watch
 //!   cache (`apiserver_cache_list_total`) and how many reached etcd
 //!   (`etcd_requests_total{operation=~"list.*"}`), the time until all are
-//!   ready.
+//!   ready;
+//! - an API server restart: the API server stopped under the running fleet
+//!   for `NODEGUARD_FLEET_OUTAGE_SECONDS` (default 30, `e2e/cluster/ctl`)
+//!   and started again: the fleet's requests in the first minute from its
+//!   start (the most in one second, those answered 429, the LISTs and when
+//!   the last one came), the time until the API server holds as many
+//!   watches as before the stop, LISTs of the agents' resources served from the
+//!   watch cache and sent to etcd since its start (every client's: the
+//!   node-problem-detector column, whose fleet lists nothing, shows the
+//!   control plane's own), the time until every fleet Node's conditions
+//!   carry a heartbeat written after the start, for nodeguard the time until
+//!   a policy edit made as soon as the API server is ready shows on every
+//!   Node, and conditions (type and status) present before the stop and
+//!   missing or changed after it.
 //!
 //! Then a projection to 5,000 nodes from the per-node figures, which is a
 //! projection, not a measurement.
@@ -101,6 +114,7 @@ struct Settings {
     pods: usize,
     steady: Duration,
     heartbeat: u64,
+    outage: Duration,
 }
 
 /// One fleet process; killed on drop whatever happened.
@@ -124,6 +138,8 @@ struct Audited {
     name: String,
     /// Seconds since the epoch.
     at: f64,
+    /// The response's status code (0 when the log has none).
+    code: u64,
 }
 
 /// The fleet's requests in the audit log after byte `offset`: one entry a
@@ -163,6 +179,7 @@ fn audited(log: &Path, offset: u64, user: &str) -> Vec<Audited> {
                 resource,
                 name: o["name"].as_str().unwrap_or("").to_string(),
                 at,
+                code: e["responseStatus"]["code"].as_u64().unwrap_or(0),
             }
         })
         .collect()
@@ -190,22 +207,27 @@ async fn apiserver_metrics(client: &Client) -> String {
     client.request_text(req).await.unwrap_or_default()
 }
 
-/// The resources the agents list, as the API server's storage names them.
-const LISTED: [(&str, &str); 3] = [
-    ("/pods", "pods"),
-    ("/minions", "nodes"),
+/// The resources the agents list, as the API server's storage names them:
+/// up to 1.33 by key prefix and type, from 1.34 by group and resource.
+const LISTED: [(&str, &str, &str, &str); 3] = [
+    ("/pods", "pods", "", "pods"),
+    ("/minions", "nodes", "", "nodes"),
     (
         "/nodeguard.io/nodeguardpolicies",
         "nodeguardpolicies.nodeguard.io",
+        "nodeguard.io",
+        "nodeguardpolicies",
     ),
 ];
 
 /// LISTs of the agents' resources served from the watch cache, and those
-/// sent to etcd, so far (every client's).
+/// sent to etcd, so far (every client's). The API server names these
+/// series one way up to 1.33 and another from 1.34; one of the two sums
+/// is zero.
 fn list_counters(metrics: &str) -> (f64, f64) {
     let mut cache = 0.0;
     let mut etcd = 0.0;
-    for (prefix, etcd_type) in LISTED {
+    for (prefix, etcd_type, group, resource) in LISTED {
         cache += metric_sum(
             metrics,
             "apiserver_cache_list_total",
@@ -215,6 +237,20 @@ fn list_counters(metrics: &str) -> (f64, f64) {
             metrics,
             "etcd_requests_total",
             &["operation=\"list", &format!("type=\"{etcd_type}\"")],
+        );
+        let named = [
+            format!("group=\"{group}\""),
+            format!("resource=\"{resource}\""),
+        ];
+        cache += metric_sum(
+            metrics,
+            "apiserver_storage_list_total",
+            &[&named[0], &named[1], "storage=\"watchcache\""],
+        );
+        etcd += metric_sum(
+            metrics,
+            "etcd_requests_total",
+            &["operation=\"list", &named[0], &named[1]],
         );
     }
     (cache, etcd)
@@ -228,35 +264,36 @@ fn watches(metrics: &str) -> f64 {
     )
 }
 
-/// The control plane's processes: CPU seconds and RSS (MiB) of each.
+/// The control plane's processes: CPU seconds and RSS (MiB) of each. The
+/// process ids are read at each look: the restart phase starts a new API
+/// server.
 struct ControlPlane {
-    apiserver: u32,
-    etcd: u32,
+    dir: PathBuf,
 }
 
 impl ControlPlane {
     fn find() -> ControlPlane {
-        let dir = kubeconfig_path().parent().unwrap().to_path_buf();
+        ControlPlane {
+            dir: kubeconfig_path().parent().unwrap().to_path_buf(),
+        }
+    }
+    fn pids(&self) -> (u32, u32) {
         let pid = |name: &str| -> u32 {
-            std::fs::read_to_string(dir.join(format!("{name}.pid")))
+            std::fs::read_to_string(self.dir.join(format!("{name}.pid")))
                 .unwrap()
                 .trim()
                 .parse()
                 .unwrap()
         };
-        ControlPlane {
-            apiserver: pid("kube-apiserver"),
-            etcd: pid("etcd"),
-        }
+        (pid("kube-apiserver"), pid("etcd"))
     }
     fn cpu(&self) -> (f64, f64) {
-        (cpu_seconds(self.apiserver), cpu_seconds(self.etcd))
+        let (apiserver, etcd) = self.pids();
+        (cpu_seconds(apiserver), cpu_seconds(etcd))
     }
     fn rss(&self) -> (f64, f64) {
-        (
-            status_mib(self.apiserver, "VmRSS:"),
-            status_mib(self.etcd, "VmRSS:"),
-        )
+        let (apiserver, etcd) = self.pids();
+        (status_mib(apiserver, "VmRSS:"), status_mib(etcd, "VmRSS:"))
     }
 }
 
@@ -291,6 +328,41 @@ struct Sample {
     rollout_cache_lists: f64,
     rollout_etcd_lists: f64,
     rollout_ready: f64,
+    restart: RestartSample,
+}
+
+/// The API server stopped under the fleet and started again.
+#[derive(Default, Clone, Debug)]
+struct RestartSample {
+    /// From the API server's start until it answered `/readyz`.
+    apiserver_ready: f64,
+    /// The fleet's requests in the first minute from the API server's start.
+    requests_first_minute: f64,
+    /// The most in one second.
+    peak_requests_per_s: f64,
+    /// From the API server's start until the fleet's last LIST (s).
+    last_list: f64,
+    lists: f64,
+    /// Of the fleet's requests, how many were answered 429 (the API
+    /// server's "too many requests", also its answer while a watch cache
+    /// initializes).
+    throttled: f64,
+    /// LISTs of pods, nodes and policies sent to etcd from the API server's
+    /// start (every client's, its own watch caches' included).
+    etcd_lists: f64,
+    cache_lists: f64,
+    /// From the API server's start until every fleet Node's conditions
+    /// carry a heartbeat written after it.
+    conditions_current: f64,
+    /// From the API server's start until it holds as many watches as
+    /// before the stop (the fleet's and the controllers').
+    watches_back: f64,
+    /// nodeguard only: a policy edit made once the API server is ready,
+    /// until every Node shows it (from the API server's start).
+    edit_shown: Option<f64>,
+    /// Conditions (type and status) present before the stop and missing or
+    /// changed after it, over all the fleet's Nodes.
+    lost: f64,
 }
 
 #[derive(Default, Clone, Debug)]
@@ -618,9 +690,212 @@ impl Fleet {
             "fleet: rollout: ready in {:.1} s, {} LISTs ({} from the watch cache, {} to etcd, all clients)",
             s.rollout_ready, s.rollout_lists, s.rollout_cache_lists, s.rollout_etcd_lists
         );
+        s.restart = self.restart(admin, side, run, &nodes).await;
+        for m in &mut members {
+            if let Ok(Some(status)) = m.child.try_wait() {
+                panic!(
+                    "a {} process on port {} exited during the API server's restart ({status}); its log is under {}",
+                    side.label(),
+                    m.port,
+                    self.work.display()
+                );
+            }
+        }
         drop(members);
         self.delete_nodes(admin, side, run).await;
         s
+    }
+
+    /// Each fleet Node's conditions: (type, status) pairs, and each one's
+    /// last heartbeat (seconds since the epoch).
+    async fn conditions(
+        &self,
+        admin: &Client,
+        side: Side,
+        run: usize,
+    ) -> BTreeMap<String, Vec<(String, String, f64)>> {
+        let group = format!("{}{run}", &side.label()[..3]);
+        let list = Api::<Node>::all(admin.clone())
+            .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={group}")))
+            .await
+            .unwrap();
+        list.items
+            .into_iter()
+            .map(|n| {
+                let name = n.metadata.name.unwrap_or_default();
+                let mut cs: Vec<(String, String, f64)> = n
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|c| {
+                        let beat = c
+                            .last_heartbeat_time
+                            .map_or(0.0, |t| t.0.as_millisecond() as f64 / 1000.0);
+                        (c.type_, c.status, beat)
+                    })
+                    .collect();
+                cs.sort_by(|a, b| a.0.cmp(&b.0));
+                (name, cs)
+            })
+            .collect()
+    }
+
+    /// The API server stopped for `NODEGUARD_FLEET_OUTAGE_SECONDS` under the
+    /// running fleet and started again: the fleet's requests from its start,
+    /// LISTs that reached etcd, until every Node's conditions are current
+    /// (and, for nodeguard, until an edit made once it is back shows on
+    /// every Node), and any condition lost.
+    async fn restart(
+        &self,
+        admin: &Client,
+        side: Side,
+        run: usize,
+        nodes: &[String],
+    ) -> RestartSample {
+        let before = self.conditions(admin, side, run).await;
+        let with_conditions = before.values().filter(|c| !c.is_empty()).count();
+        assert_eq!(
+            with_conditions,
+            nodes.len(),
+            "every fleet Node has conditions before the API server stops"
+        );
+        let watches_before = watches(&apiserver_metrics(admin).await);
+        let offset = file_len(&self.audit_log);
+        let epoch = || jiff::Timestamp::now().as_millisecond() as f64 / 1000.0;
+        eprintln!(
+            "fleet: run {run}, {}: stopping the API server for {} s",
+            side.label(),
+            self.settings.outage.as_secs()
+        );
+        cluster_ctl("stop", "kube-apiserver");
+        tokio::time::sleep(self.settings.outage).await;
+        let started = epoch();
+        cluster_ctl("start", "kube-apiserver");
+        let ready = epoch();
+        let mut r = RestartSample {
+            apiserver_ready: ready - started,
+            ..RestartSample::default()
+        };
+        let watches_back = {
+            let admin = admin.clone();
+            tokio::spawn(async move {
+                loop {
+                    let held = watches(&apiserver_metrics(&admin).await);
+                    if held >= watches_before {
+                        break epoch() - started;
+                    }
+                    assert!(
+                        epoch() - started < 300.0,
+                        "the API server holds {held} watches 300 s after its restart, {watches_before} before"
+                    );
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            })
+        };
+        if side == Side::Nodeguard {
+            let policies: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
+            self.apply_policy(
+                run,
+                &format!("The kernel has no deadlock (after the restart of run {run})."),
+            );
+            let generation = policies
+                .get(POLICY)
+                .await
+                .unwrap()
+                .metadata
+                .generation
+                .unwrap();
+            let want = format!("{POLICY}@{generation}");
+            let group = format!("{}{run}", &side.label()[..3]);
+            let node_api: Api<Node> = Api::all(admin.clone());
+            r.edit_shown = Some(loop {
+                let list = node_api
+                    .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={group}")))
+                    .await
+                    .unwrap();
+                let shown = list
+                    .items
+                    .iter()
+                    .filter(|n| {
+                        n.metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(nodeguard::agent::EFFECTIVE_ANNOTATION))
+                            .is_some_and(|v| v.split(',').any(|p| p == want))
+                    })
+                    .count();
+                if shown == nodes.len() {
+                    break epoch() - started;
+                }
+                assert!(
+                    epoch() - started < 300.0,
+                    "{shown} of {} nodes show {want} 300 s after the API server's restart",
+                    nodes.len()
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            });
+        }
+        // Every condition's heartbeat after the start (heartbeats have
+        // whole seconds).
+        let after = loop {
+            let now = self.conditions(admin, side, run).await;
+            let stale = now
+                .values()
+                .filter(|cs| cs.is_empty() || cs.iter().any(|c| c.2 < started.floor()))
+                .count();
+            if stale == 0 {
+                r.conditions_current = epoch() - started;
+                break now;
+            }
+            assert!(
+                epoch() - started < 300.0,
+                "{stale} of {} nodes have a condition with no heartbeat 300 s after the API server's restart",
+                nodes.len()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        r.watches_back = watches_back.await.unwrap();
+        for (node, cs) in &before {
+            let now = after.get(node).map(Vec::as_slice).unwrap_or_default();
+            r.lost += cs
+                .iter()
+                .filter(|c| !now.iter().any(|n| n.0 == c.0 && n.1 == c.1))
+                .count() as f64;
+        }
+        // Relists still under way, then the first minute in the audit log.
+        let minute = started + 60.0;
+        let wait = minute - epoch() + 3.0;
+        if wait > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(wait)).await;
+        }
+        let (cache, etcd) = list_counters(&apiserver_metrics(admin).await);
+        r.cache_lists = cache;
+        r.etcd_lists = etcd;
+        let requests: Vec<Audited> = audited(&self.audit_log, offset, &side.user())
+            .into_iter()
+            .filter(|q| q.at >= started && q.at < minute)
+            .collect();
+        let mut per_second: BTreeMap<i64, usize> = BTreeMap::new();
+        for q in &requests {
+            *per_second
+                .entry((q.at - started).floor() as i64)
+                .or_default() += 1;
+        }
+        r.requests_first_minute = requests.len() as f64;
+        r.peak_requests_per_s = per_second.values().copied().max().unwrap_or(0) as f64;
+        r.throttled = requests.iter().filter(|q| q.code == 429).count() as f64;
+        let lists: Vec<&Audited> = requests.iter().filter(|q| q.verb == "list").collect();
+        r.lists = lists.len() as f64;
+        r.last_list = lists.iter().map(|q| q.at - started).fold(0.0, f64::max);
+        let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+        for q in &requests {
+            *kinds
+                .entry(format!("{} {} {}", q.verb, q.resource, q.code))
+                .or_default() += 1;
+        }
+        eprintln!("fleet: restart: {r:?}; requests {kinds:?}; per second {per_second:?}");
+        r
     }
 
     /// The shipped default policy, selecting this run's fleet, with one
@@ -862,6 +1137,7 @@ fn main() {
         pods: env_or("NODEGUARD_FLEET_PODS", 30),
         steady: Duration::from_secs(env_or("NODEGUARD_FLEET_STEADY_SECONDS", 120)),
         heartbeat: env_or("NODEGUARD_FLEET_HEARTBEAT_SECONDS", 60),
+        outage: Duration::from_secs(env_or("NODEGUARD_FLEET_OUTAGE_SECONDS", 30)),
     };
     let repo = repo_root();
     let policy = kubeconfig_path().with_file_name("audit-policy.yaml");
@@ -1062,6 +1338,67 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         "rollout: until every one is ready again (s)",
         &|s| Some(s.rollout_ready),
         1,
+    );
+    let out = st.outage.as_secs();
+    row(
+        &format!("restart (API server away {out} s): from its start until it is ready (s)"),
+        &|s| Some(s.restart.apiserver_ready),
+        1,
+    );
+    row(
+        "restart: the fleet's requests in the first minute from the API server's start",
+        &|s| Some(s.restart.requests_first_minute),
+        0,
+    );
+    row(
+        "restart: the fleet's requests, the most in one second",
+        &|s| Some(s.restart.peak_requests_per_s),
+        0,
+    );
+    row(
+        "restart: the fleet's requests answered 429",
+        &|s| Some(s.restart.throttled),
+        0,
+    );
+    row(
+        "restart: LIST requests from the fleet",
+        &|s| Some(s.restart.lists),
+        0,
+    );
+    row(
+        "restart: from the API server's start until the fleet's last LIST (s)",
+        &|s| Some(s.restart.last_list),
+        1,
+    );
+    row(
+        "restart: LISTs of pods, nodes, policies served from the watch cache (all clients)",
+        &|s| Some(s.restart.cache_lists),
+        0,
+    );
+    row(
+        "restart: LISTs of pods, nodes, policies sent to etcd (all clients, the API server's own watch caches included)",
+        &|s| Some(s.restart.etcd_lists),
+        0,
+    );
+    row(
+        "restart: until the API server holds as many watches as before the stop (s)",
+        &|s| Some(s.restart.watches_back),
+        1,
+    );
+    row(
+        "restart: until every Node's conditions carry a heartbeat from after the start (s)",
+        &|s| Some(s.restart.conditions_current),
+        1,
+    );
+    row(
+        "restart: a policy edit made once it is ready, until every Node shows it (s, from the start; the agents spread its writes, as in the edit above)",
+        &|s| s.restart.edit_shown,
+        1,
+    );
+    row(
+        "restart: conditions lost or changed, whole fleet",
+        &|s| Some(s.restart.lost),
+        0,
     );
 
     // The projection.

@@ -2091,8 +2091,26 @@ async fn a_health_url_that_cannot_be_requested_is_refused_with_its_path() {
             text.contains("spec.monitors[0].source.systemd.healthUrl"),
             "{url:?}: {text}"
         );
+        // `nodeguard check` says so of the same file before it is applied.
+        let dir = TempDir::new("badhealth");
+        let file = dir.path.join("policy.json");
+        std::fs::write(&file, serde_json::to_vec(&policy(&name, url)).unwrap()).unwrap();
+        let (code, out, _) = nodeguard(&["check", "-f", file.to_str().unwrap()]);
+        assert!(
+            code == 1 && out.contains("spec.monitors[0].source.systemd.healthUrl"),
+            "`nodeguard check` of {url:?}: exit {code}, {out}"
+        );
     }
     let name = unique_name("goodhealth");
+    let dir = TempDir::new("goodhealth");
+    let file = dir.path.join("policy.json");
+    std::fs::write(
+        &file,
+        serde_json::to_vec(&policy(&name, "http://127.0.0.1:10248/healthz")).unwrap(),
+    )
+    .unwrap();
+    let (code, out, _) = nodeguard(&["check", "-f", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "`nodeguard check` of an http URL: {out}");
     api.create(
         &Default::default(),
         &policy(&name, "http://127.0.0.1:10248/healthz"),

@@ -1,6 +1,7 @@
 //! Reading policies from YAML files (for `nodeguard check`): structural
 //! errors and unknown fields with their paths, then the same semantic
-//! [`validate`](super::validate) the agent applies to policies from the API.
+//! [`validate`](super::validate) the agent applies to policies from the API,
+//! and the CRD schema's rules that `validate` leaves to the API server.
 
 use super::{NodeGuardPolicy, PolicyError, Problem, validate};
 
@@ -81,6 +82,7 @@ fn load_one(
     let policy = match parsed {
         Ok(policy) => {
             problems.extend(validate(&policy));
+            problems.extend(schema_refusals(&policy));
             Some(policy)
         }
         Err(err) => {
@@ -104,6 +106,35 @@ fn load_one(
     })
 }
 
+/// What the CRD's schema refuses on a write that [`validate`] leaves to it
+/// (the agent runs a policy stored before the schema said so, rather than
+/// drop it whole): said here, so a file is not found wrong only when it is
+/// applied.
+fn schema_refusals(policy: &NodeGuardPolicy) -> Vec<Problem> {
+    static URL: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(super::monitors::HEALTH_URL_PATTERN)
+            .expect("the healthUrl pattern compiles")
+    });
+    let url = &*URL;
+    policy
+        .spec
+        .monitors
+        .iter()
+        .enumerate()
+        .filter_map(|(i, m)| {
+            let health = m.source.systemd.as_ref()?.health_url.as_ref()?;
+            (!url.is_match(health)).then(|| {
+                Problem::new(
+                    format!("spec.monitors[{i}].source.systemd.healthUrl"),
+                    format!(
+                        "{health:?} is not an absolute http:// or https:// URL with a host; the API server refuses it"
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +151,26 @@ mod tests {
         assert_eq!(docs.len(), 2);
         assert!(docs.iter().all(|d| d.problems.is_empty()), "{docs:?}");
         assert_eq!(docs[1].name.as_deref(), Some("b"));
+    }
+
+    /// What the CRD's pattern refuses on a write, `check` refuses in a
+    /// file, with its path; the agent's own `validate` does not.
+    #[test]
+    fn a_health_url_the_api_server_refuses_is_a_problem_of_the_file() {
+        let file = |url: &str| {
+            format!(
+                "apiVersion: nodeguard.io/v1alpha1\nkind: NodeGuardPolicy\nmetadata: {{name: a}}\n\
+                 spec:\n  monitors:\n  - name: kubelet\n    source: {{systemd: {{unit: kubelet.service, healthUrl: {url:?}}}}}\n\
+                 \x20   conditions: [{{type: KubeletUnhealthy, reason: KubeletIsHealthy, message: fine}}]\n\
+                 \x20   rules: [{{type: permanent, condition: KubeletUnhealthy, reason: KubeletUnhealthy}}]\n"
+            )
+        };
+        let docs = load_policies("t.yaml", &file("http://127.0.0.1:10248/healthz")).unwrap();
+        assert!(docs[0].problems.is_empty(), "{:?}", docs[0].problems);
+        let docs = load_policies("t.yaml", &file("127.0.0.1:10248/healthz")).unwrap();
+        let paths: Vec<&str> = docs[0].problems.iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, ["spec.monitors[0].source.systemd.healthUrl"]);
+        assert!(validate(docs[0].policy.as_ref().unwrap()).is_empty());
     }
 
     #[test]

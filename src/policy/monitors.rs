@@ -302,12 +302,17 @@ impl Source<'_> {
 }
 
 /// What the API server lets `healthUrl` be on a write: an http:// or
-/// https:// URL with a host and no white space, as the prober can request
-/// it (NPD's flags take `127.0.0.1:10248`, without the scheme). The agent
-/// does not refuse a policy stored before the schema said so (an upgrade
-/// would drop the whole policy): its unit's state decides, and the
-/// condition's message says the URL was not checked.
-pub const HEALTH_URL_PATTERN: &str = r"^[Hh][Tt][Tt][Pp][Ss]?://[^\s/?#]+([/?#]\S*)?$";
+/// https:// URL with a host in printable ASCII, and no space or ASCII
+/// control character after it, as the prober (`http::Uri`) can request it
+/// (NPD's flags take `127.0.0.1:10248`, without the scheme). Spelled in
+/// byte ranges, not `\s` and `\S`: the API server's regular expressions
+/// (Go's) take `\s` for ASCII white space only, Rust's for Unicode's, and
+/// `nodeguard check` must refuse what the API server refuses, no more. The agent does not refuse a policy stored before the
+/// schema said so (an upgrade would drop the whole policy): its unit's
+/// state decides, and the condition's message says the URL was not
+/// checked.
+pub const HEALTH_URL_PATTERN: &str =
+    r##"^[Hh][Tt][Tt][Pp][Ss]?://[!-"$-.0->@-~]+([/?#][^\x00-\x20\x7F]*)?$"##;
 
 /// A service checked like node-problem-detector's health checker.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
@@ -636,6 +641,10 @@ mod tests {
             ("http:///healthz", false),
             ("http://127.0.0.1:10248/health z", false),
             ("http://127.0.0.1:10248/healthz ", false),
+            ("http://127.0.0.1:10248/health\u{a0}z", true),
+            ("http://127.0.0.1:10248/health\u{b}z", false),
+            ("http://h\u{e9}te:10248/healthz", false),
+            ("http://127.0.0.1:10248/healthz\t", false),
             ("", false),
         ] {
             assert_eq!(requestable(url), ok, "the prober, {url:?}");

@@ -75,7 +75,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -1160,23 +1160,54 @@ fn main() {
             kubeconfigs,
             control_plane,
         };
-        let mut samples = Vec::new();
-        for run in 1..=runs {
-            let order = if run % 2 == 1 {
-                [Side::Nodeguard, Side::Npd]
-            } else {
-                [Side::Npd, Side::Nodeguard]
-            };
-            for side in order {
-                let s = fleet.run_side(&admin, side, run).await;
-                samples.push((side, s));
+        // A run that panicked leaves nothing behind: 200 Nodes without a
+        // kubelet would make every DaemonSet of the test suite wait on
+        // them (a rolling update counts their pending pods unavailable).
+        delete_fleet(&admin).await;
+        let runs_all = async {
+            let mut samples = Vec::new();
+            for run in 1..=runs {
+                let order = if run % 2 == 1 {
+                    [Side::Nodeguard, Side::Npd]
+                } else {
+                    [Side::Npd, Side::Nodeguard]
+                };
+                for side in order {
+                    let s = fleet.run_side(&admin, side, run).await;
+                    samples.push((side, s));
+                }
             }
-        }
+            samples
+        };
+        let samples = match std::panic::AssertUnwindSafe(runs_all).catch_unwind().await {
+            Ok(samples) => samples,
+            Err(panic) => {
+                eprintln!("fleet: the bench failed; deleting the fleet's Nodes and pods");
+                delete_fleet(&admin).await;
+                std::panic::resume_unwind(panic)
+            }
+        };
+        delete_fleet(&admin).await;
         let _ = kubectl_status(&["delete", "--ignore-not-found", "nodeguardpolicy", POLICY]);
         report(&fleet, runs, &samples);
         samples
     });
     drop(samples);
+}
+
+/// Every fleet Node and pod, whichever run made them.
+async fn delete_fleet(admin: &Client) {
+    let lp = ListParams::default().labels(FLEET_LABEL);
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let _ = Api::<Pod>::namespaced(admin.clone(), NS)
+        .delete_collection(&now, &ListParams::default())
+        .await;
+    let _ = Api::<Node>::all(admin.clone())
+        .delete_collection(&DeleteParams::default(), &lp)
+        .await;
 }
 
 fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {

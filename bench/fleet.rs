@@ -110,6 +110,11 @@ impl Side {
     fn user(self) -> String {
         format!("system:serviceaccount:{NS}:{}", self.account())
     }
+    /// The `FLEET_LABEL` value of this side's Nodes in run `run` (and the
+    /// middle of their names).
+    fn group(self, run: usize) -> String {
+        format!("{}{run}", &self.label()[..3])
+    }
 }
 
 struct Settings {
@@ -398,14 +403,14 @@ struct Fleet {
 impl Fleet {
     fn nodes(&self, side: Side, run: usize) -> Vec<String> {
         (0..self.settings.agents)
-            .map(|i| format!("fleet-{}{run}-{i:03}", &side.label()[..3]))
+            .map(|i| format!("fleet-{}-{i:03}", side.group(run)))
             .collect()
     }
 
     /// Creates the run's Nodes and their pods.
     async fn create_nodes(&self, admin: &Client, side: Side, run: usize, nodes: &[String]) {
         let t0 = Instant::now();
-        let group = format!("{}{run}", &side.label()[..3]);
+        let group = side.group(run);
         let node_api: Api<Node> = Api::all(admin.clone());
         let pod_api: Api<Pod> = Api::namespaced(admin.clone(), NS);
         let creates = nodes.iter().flat_map(|node| {
@@ -452,7 +457,7 @@ impl Fleet {
     }
 
     async fn delete_nodes(&self, admin: &Client, side: Side, run: usize) {
-        let group = format!("{}{run}", &side.label()[..3]);
+        let group = side.group(run);
         let lp = ListParams::default().labels(&format!("{FLEET_LABEL}={group}"));
         let now = DeleteParams {
             grace_period_seconds: Some(0),
@@ -728,7 +733,7 @@ impl Fleet {
         side: Side,
         run: usize,
     ) -> BTreeMap<String, Vec<(String, String, f64)>> {
-        let group = format!("{}{run}", &side.label()[..3]);
+        let group = side.group(run);
         let list = Api::<Node>::all(admin.clone())
             .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={group}")))
             .await
@@ -890,7 +895,8 @@ impl Fleet {
         let mut policy: serde_json::Value =
             serde_yaml_from(&String::from_utf8(out.stdout).unwrap());
         policy["metadata"]["name"] = serde_json::json!(POLICY);
-        policy["spec"]["nodeSelector"] = serde_json::json!({"matchLabels": {FLEET_LABEL: format!("{}{run}", &Side::Nodeguard.label()[..3])}});
+        policy["spec"]["nodeSelector"] =
+            serde_json::json!({"matchLabels": {FLEET_LABEL: Side::Nodeguard.group(run)}});
         let monitors = policy["spec"]["monitors"].as_array_mut().unwrap();
         monitors[0]["conditions"][0]["message"] = serde_json::json!(message);
         let path = self.work.join("policy.json");
@@ -930,7 +936,7 @@ impl Fleet {
         assert_eq!(generation, before + 1, "the edit made a new generation");
         let want = format!("{POLICY}@{generation}");
         let node_api: Api<Node> = Api::all(admin.clone());
-        let group = format!("{}{run}", &Side::Nodeguard.label()[..3]);
+        let group = Side::Nodeguard.group(run);
         let converged = loop {
             let list = node_api
                 .list(&ListParams::default().labels(&format!("{FLEET_LABEL}={group}")))

@@ -7,6 +7,8 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube::Api;
@@ -435,4 +437,224 @@ async fn a_shutdown_taint_the_api_server_was_away_for_is_removed_once_it_is_back
     agent.stop().await;
     let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(admin.clone());
     let _ = api.delete(&policy, &Default::default()).await;
+}
+
+/// A list or watch of nodes as [`RefuseNodes`] saw it.
+#[derive(Clone, Debug)]
+struct NodesRequest {
+    sent: Instant,
+    /// Sent as a user without rights.
+    impersonated: bool,
+    /// When its response's head came, and its status.
+    answered: Option<(Instant, u16)>,
+}
+
+/// Once armed, sends each list or watch of nodes as a user the API server
+/// gives no rights, until `refusals` of them have been answered 403: real
+/// refusals from the real API server, the way one that has just started
+/// answers until its RBAC cache is loaded. Requests that reach no server
+/// (an outage) use none up. Logs every request for nodes.
+#[derive(Clone, Default)]
+struct Refusals {
+    armed: Arc<AtomicBool>,
+    refusals: u32,
+    refused: Arc<AtomicU32>,
+    log: Arc<Mutex<Vec<NodesRequest>>>,
+}
+
+#[derive(Clone)]
+struct RefuseNodes<S> {
+    inner: S,
+    refusals: Refusals,
+}
+
+impl<S, B> tower::Service<http::Request<kube::client::Body>> for RefuseNodes<S>
+where
+    S: tower::Service<http::Request<kube::client::Body>, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<kube::client::Body>) -> Self::Future {
+        if req.uri().path() != "/api/v1/nodes" {
+            return Box::pin(self.inner.call(req));
+        }
+        let r = self.refusals.clone();
+        let impersonated = r.armed.load(SeqCst) && r.refused.load(SeqCst) < r.refusals;
+        if impersonated {
+            req.headers_mut().insert(
+                "Impersonate-User",
+                http::HeaderValue::from_static("nodeguard-test:no-rights"),
+            );
+        }
+        let index = {
+            let mut log = r.log.lock().unwrap();
+            log.push(NodesRequest {
+                sent: Instant::now(),
+                impersonated,
+                answered: None,
+            });
+            log.len() - 1
+        };
+        let response = self.inner.call(req);
+        Box::pin(async move {
+            let response = response.await;
+            if let Ok(resp) = &response {
+                let status = resp.status().as_u16();
+                r.log.lock().unwrap()[index].answered = Some((Instant::now(), status));
+                if impersonated && status == 403 {
+                    r.refused.fetch_add(1, SeqCst);
+                }
+            }
+            response
+        })
+    }
+}
+
+/// An API server that has just started refuses a request or two (403 to
+/// everyone until its RBAC cache is loaded; here made certain by sending
+/// those requests as a user without rights). After a 30 s outage has grown
+/// the watch's backoff to its 8 s cap, two refusals in a row keep it there:
+/// 4–8 s before each next attempt. Taking each refusal for a missing RBAC
+/// rule (the 60 s cap from the first) made the delay after the second
+/// 8–16 s, and 16–32 s after a third.
+#[tokio::test]
+async fn refusals_from_a_just_restarted_api_server_keep_the_short_backoff() {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::runtime::watcher;
+    use nodeguard::k8s::watch::{Snapshot, keep_whole, watch_objects};
+
+    let _turn = API_DOWN.lock().await;
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "refused", &[]).await;
+
+    let refusals = Refusals {
+        refusals: 2,
+        ..Refusals::default()
+    };
+    let layer = {
+        let refusals = refusals.clone();
+        tower::layer::layer_fn(move |inner| RefuseNodes {
+            inner,
+            refusals: refusals.clone(),
+        })
+    };
+    let client: kube::Client = kube::client::ClientBuilder::try_from(admin_config().await)
+        .unwrap()
+        .with_layer(&layer)
+        .build();
+    // The mark label of the Node as the watch last delivered it.
+    let seen = Arc::new(Mutex::new(None::<String>));
+    let health = nodeguard::server::Health::new();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let task = {
+        let (handle, stop, seen) = (
+            health.register("refused", Duration::from_secs(300)),
+            stop.clone(),
+            seen.clone(),
+        );
+        let fields = format!("metadata.name={}", node.name);
+        tokio::spawn(async move {
+            watch_objects(
+                Api::<Node>::all(client),
+                watcher::Config::default().fields(&fields),
+                keep_whole,
+                handle,
+                stop,
+                move |nodes: &Snapshot<Node>| {
+                    *seen.lock().unwrap() = nodes
+                        .values()
+                        .next()
+                        .and_then(|n| n.metadata.labels.as_ref())
+                        .and_then(|l| l.get("nodeguard.io/mark").cloned());
+                },
+            )
+            .await
+        })
+    };
+    eventually(Duration::from_secs(20), "first list", || {
+        std::future::ready(health.report().loops["refused"].synced)
+    })
+    .await;
+
+    cluster_ctl("stop", "kube-apiserver");
+    let guard = RestartOnDrop("kube-apiserver");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    // Armed before the start: the first requests the new server answers
+    // are the refused ones.
+    let outage_requests = refusals.log.lock().unwrap().len();
+    refusals.armed.store(true, SeqCst);
+    api_server_back();
+    std::mem::forget(guard);
+
+    // Two refusals in a row, then a request sent as the agent.
+    let pair = |log: &[NodesRequest]| {
+        let refused = |r: &NodesRequest| r.impersonated && r.answered.is_some_and(|a| a.1 == 403);
+        (0..log.len().saturating_sub(2))
+            .find(|&i| refused(&log[i]) && refused(&log[i + 1]) && !log[i + 2].impersonated)
+    };
+    eventually(
+        Duration::from_secs(60),
+        "two refusals in a row, then the agent's own request",
+        || std::future::ready(pair(&refusals.log.lock().unwrap()).is_some()),
+    )
+    .await;
+    let log = refusals.log.lock().unwrap().clone();
+    let i = pair(&log).unwrap();
+    let answered = |r: &NodesRequest| r.answered.unwrap().0;
+    let after_first = log[i + 1].sent - answered(&log[i]);
+    let after_second = log[i + 2].sent - answered(&log[i + 1]);
+    eprintln!(
+        "{outage_requests} requests before the outage ended; then: {:?}; delay after the first refusal {after_first:?}, after the second {after_second:?}",
+        log[outage_requests..]
+            .iter()
+            .map(|r| (r.impersonated, r.answered.map(|a| a.1)))
+            .collect::<Vec<_>>()
+    );
+    // The short cap (8 s, jittered down to half at most) after each.
+    assert!(
+        after_first <= Duration::from_millis(8100),
+        "delay after the first refusal: {after_first:?}, over the 8 s cap"
+    );
+    assert!(
+        after_second <= Duration::from_millis(8100),
+        "delay after the second refusal: {after_second:?}, over the 8 s cap"
+    );
+    // And at that cap: the backoff the outage grew was kept, not reset.
+    assert!(
+        after_second >= Duration::from_millis(3900),
+        "delay after the second refusal: {after_second:?}, under half the 8 s cap: the backoff was reset"
+    );
+
+    // The watch works again: a label set now reaches it (the agent's own
+    // watch may first be told its revision is gone, and relist after one
+    // more short delay).
+    let nodes: Api<Node> = Api::all(admin.clone());
+    nodes
+        .patch(
+            &node.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                serde_json::json!({"metadata": {"labels": {"nodeguard.io/mark": "after"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(15),
+        "the label through the watch",
+        || std::future::ready(seen.lock().unwrap().as_deref() == Some("after")),
+    )
+    .await;
+    stop.cancel();
+    task.await.unwrap();
 }

@@ -298,9 +298,12 @@ struct Failing {
 /// missing CRD or RBAC rule, which a retry every few seconds cannot fix).
 /// A refusal or two in a row is not believed: an API server that has just
 /// started answers 403 to everyone until its RBAC cache is loaded (the
-/// fleet bench's restart saw a quarter of 200 agents get one), and taking
-/// that for a missing rule doubled those agents' delay to 16 s after an
-/// outage had already grown it to 8 s. Each delay is jittered down to half
+/// fleet bench's restart saw a quarter of 200 agents get one). Taken for a
+/// missing rule, the first refusal lifted the cap, so after an outage had
+/// grown the delay to 8 s it went on doubling: 8–16 s after a second
+/// refusal (or a 429 while the caches load), 16–32 s after a third.
+/// `tests/outage.rs` has the real API server refuse twice after an outage
+/// and times the delays. Each delay is jittered down to half
 /// so thousands of agents do not retry in step. Reset when objects arrive.
 ///
 /// kube's default (client-go's: 0.8 s up to 30 s, reset after 2 minutes)

@@ -80,6 +80,64 @@ pub fn status_mib(pid: u32, key: &str) -> f64 {
     kb / 1024.0
 }
 
+/// Forgets which of `pid`'s pages were touched (`/proc/PID/clear_refs`),
+/// so that [`executable_pages_mib`] then counts those touched since.
+pub fn clear_touched(pid: u32) {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "1").unwrap_or_else(|e| {
+        panic!("/proc/{pid}/clear_refs: {e} (the bench needs to own the process)")
+    });
+}
+
+/// Of `pid`'s mappings of its own executable (the file `/proc/PID/exe`
+/// names, matched by inode: its path may carry " (deleted)" or a space):
+/// the file's pages resident, and of them those touched since
+/// [`clear_touched`], in MiB: smaps `Rss` and `Referenced`, each less the
+/// mapping's `Anonymous` (a static-pie binary's relocated data is copied on
+/// write: anonymous, counted with the heap; of a mapping with such pages,
+/// the touched ones are taken to be those first). The kernel maps a file's
+/// pages around each one faulted (64 KiB by default), so resident counts
+/// pages never run. Touched is an upper bound of what ran: on x86 the pages
+/// mapped around a fault within the window count as touched too.
+pub fn executable_pages_mib(pid: u32) -> (f64, f64) {
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(format!("/proc/{pid}/exe"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/exe: {e}"))
+        .ino()
+        .to_string();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    // Per mapping of the executable: Rss, Referenced, Anonymous (KiB).
+    let mut mappings: Vec<[f64; 3]> = Vec::new();
+    let mut ours = false;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            // A mapping's header: "start-end perms offset dev inode [path]".
+            Some(w) if w.contains('-') && !w.ends_with(':') => {
+                ours = words.nth(3) == Some(inode.as_str());
+                if ours {
+                    mappings.push([0.0; 3]);
+                }
+            }
+            Some(key @ ("Rss:" | "Referenced:" | "Anonymous:")) if ours => {
+                let kib: f64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+                let m = mappings.last_mut().expect("a header came first");
+                m[["Rss:", "Referenced:", "Anonymous:"]
+                    .iter()
+                    .position(|k| *k == key)
+                    .unwrap()] = kib;
+            }
+            _ => {}
+        }
+    }
+    let rss: f64 = mappings.iter().map(|[r, _, a]| r - a).sum();
+    let touched: f64 = mappings.iter().map(|[_, t, a]| (t - a).max(0.0)).sum();
+    assert!(
+        mappings.iter().any(|m| m[0] > 0.0),
+        "no resident page of {pid}'s executable (inode {inode}) in its smaps"
+    );
+    (rss / 1024.0, touched / 1024.0)
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

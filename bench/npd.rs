@@ -31,7 +31,8 @@
 //! `e2e/image` leaves in `target/x86_64-unknown-linux-musl/release/`
 //! (`bench/run` builds it first), or `NODEGUARD_BENCH_BINARY`. The idle RSS
 //! is also split into the agent's own process (and of it, anonymous memory:
-//! heap and stacks) and its children.
+//! heap and stacks; and its executable's pages, resident and touched within
+//! the idle window) and its children.
 
 #[path = "common.rs"]
 mod common;
@@ -77,6 +78,10 @@ struct Sample {
     idle_rss_self_mib: f64,
     /// Of that, anonymous memory (heap, stacks): `RssAnon`.
     idle_rss_anon_mib: f64,
+    /// The executable's own pages: resident at the window's end, and of
+    /// them those touched within the window.
+    idle_exe_rss_mib: f64,
+    idle_exe_touched_mib: f64,
     idle_writes_per_min: f64,
     idle_lease_writes_per_min: f64,
     latency: f64,
@@ -354,6 +359,7 @@ impl Bench {
         tokio::time::sleep(Duration::from_secs(5)).await;
         let audit_start = std::fs::metadata(&self.audit_log).unwrap().len();
         let cpu0 = tree_cpu_seconds(pid);
+        clear_touched(pid);
         let i0 = Instant::now();
         tokio::time::sleep(self.idle).await;
         let idle = i0.elapsed().as_secs_f64();
@@ -361,6 +367,7 @@ impl Bench {
         s.idle_rss_mib = tree_rss_mib(pid);
         s.idle_rss_self_mib = status_mib(pid, "VmRSS:");
         s.idle_rss_anon_mib = status_mib(pid, "RssAnon:");
+        (s.idle_exe_rss_mib, s.idle_exe_touched_mib) = executable_pages_mib(pid);
         let audit = std::fs::read(&self.audit_log).unwrap();
         let window = String::from_utf8_lossy(&audit[audit_start as usize..]);
         s.idle_writes_per_min = audit_writes(&window, p.user_agent, "") as f64 * 60.0 / idle;
@@ -605,6 +612,7 @@ fn main() {
         "idle CPU (% of one core)",
         "idle RSS",
         "… the agent's own process / of it, anonymous (heap, stacks)",
+        "… of it, the executable's pages: resident / touched in the idle window",
         "idle API writes per minute (audit log)",
         "… of which Lease renewals (the one elected policy-status writer per cluster)",
         "detection latency: line to condition True in the API",
@@ -616,7 +624,7 @@ fn main() {
     ];
     let cells = |p: Peer| -> Vec<String> {
         if !wanted(p) {
-            return vec!["—".to_string(); 13];
+            return vec!["—".to_string(); 14];
         }
         vec![
             format!("{:.2} s", col(p, &|s| s.startup_condition)),
@@ -630,6 +638,11 @@ fn main() {
                 "{:.1} / {:.1} MiB",
                 col(p, &|s| s.idle_rss_self_mib),
                 col(p, &|s| s.idle_rss_anon_mib)
+            ),
+            format!(
+                "{:.1} / {:.1} MiB",
+                col(p, &|s| s.idle_exe_rss_mib),
+                col(p, &|s| s.idle_exe_touched_mib)
             ),
             format!("{:.1}", col(p, &|s| s.idle_writes_per_min)),
             format!("{:.1}", col(p, &|s| s.idle_lease_writes_per_min)),
@@ -658,9 +671,9 @@ fn main() {
         cells(Peer::NodeguardDefault),
     );
     for (i, name) in names.iter().enumerate() {
-        // The default-policy run measures startup and idle only (rows 0-6)
+        // The default-policy run measures startup and idle only (rows 0-7)
         // and its peak; its log sources are the host's.
-        let d = if (7..12).contains(&i) {
+        let d = if (8..13).contains(&i) {
             "—"
         } else {
             def[i].as_str()
@@ -669,6 +682,8 @@ fn main() {
     }
     println!(
         "\nCPU is utime+stime of the peer's process and its children (nodeguard's journald monitors run journalctl) over the window, RSS their sum; the flood's CPU includes everything the process did meanwhile (reading, matching, Events, condition writes). \
+         The executable's pages are the smaps `Rss` of the mappings of the peer's own binary less their anonymous (copied-on-write) pages, and of them `Referenced` after the window began with `/proc/PID/clear_refs`: \
+         the kernel maps a file's pages around each one faulted (64 KiB), so what is resident exceeds what runs; touched is an upper bound (pages mapped around a fault within the window count too). \
          API writes are the audit log's ResponseComplete entries with the peer's user agent. Artifacts and logs: target/bench/npd/."
     );
 }

@@ -301,7 +301,7 @@ struct Failing {
 /// fleet bench's restart saw a quarter of 200 agents get one). Taken for a
 /// missing rule, the first refusal lifted the cap, so after an outage had
 /// grown the delay to 8 s it went on doubling: 8–16 s after a second
-/// refusal (or a 429 while the caches load), 16–32 s after a third.
+/// refusal in a row, 16–32 s after a third.
 /// `tests/outage.rs` has the real API server refuse twice after an outage
 /// and times the delays. Each delay is jittered down to half
 /// so thousands of agents do not retry in step. Reset when objects arrive.

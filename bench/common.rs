@@ -118,13 +118,15 @@ pub fn executable_pages_mib(pid: u32) -> (f64, f64) {
                     mappings.push([0.0; 3]);
                 }
             }
-            Some(key @ ("Rss:" | "Referenced:" | "Anonymous:")) if ours => {
-                let kib: f64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+            Some(key) if ours => {
+                let slot = match key {
+                    "Rss:" => 0,
+                    "Referenced:" => 1,
+                    "Anonymous:" => 2,
+                    _ => continue,
+                };
                 let m = mappings.last_mut().expect("a header came first");
-                m[["Rss:", "Referenced:", "Anonymous:"]
-                    .iter()
-                    .position(|k| *k == key)
-                    .unwrap()] = kib;
+                m[slot] = words.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
             }
             _ => {}
         }

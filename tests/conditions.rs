@@ -288,6 +288,59 @@ async fn removed_sources_are_deleted_and_restarts_neither_duplicate_nor_drop() {
     agent.stop().await;
 }
 
+/// An agent restarted within a heartbeat of its last write finds its
+/// conditions current and writes nothing; it must still heartbeat when they
+/// fall due, though nothing else changes the Node (no kubelet here, as on a
+/// node whose status the kubelet writes only every few minutes).
+#[tokio::test]
+async fn a_restarted_agent_whose_conditions_are_current_keeps_heartbeating() {
+    const HEARTBEAT: Duration = Duration::from_secs(8);
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "restart-heartbeat", &[]).await;
+    let heartbeat = |c: &mut nodeguard::agent::AgentConfig| c.report.heartbeat = HEARTBEAT;
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, heartbeat).await;
+    let steady = || desired(Status::False, "Steady", "Nothing wrong.");
+    agent.reporter.set("SteadyCheck", steady());
+    eventually(
+        Duration::from_secs(10),
+        "SteadyCheck on the node",
+        || async {
+            node_conditions(&admin, &node.name, "SteadyCheck")
+                .await
+                .len()
+                == 1
+        },
+    )
+    .await;
+    agent.stop().await;
+
+    let (agent, _state2) = start_agent_with(admin.clone(), &node.name, |c| {
+        heartbeat(c);
+        c.declared_conditions = vec!["SteadyCheck".into()];
+    })
+    .await;
+    agent.reporter.set("SteadyCheck", steady());
+    let before = node_conditions(&admin, &node.name, "SteadyCheck")
+        .await
+        .remove(0);
+    eventually(
+        HEARTBEAT * 3,
+        "a heartbeat from the restarted agent",
+        || async {
+            node_conditions(&admin, &node.name, "SteadyCheck")
+                .await
+                .first()
+                .is_some_and(|c| c.last_heartbeat_time > before.last_heartbeat_time)
+        },
+    )
+    .await;
+    let after = node_conditions(&admin, &node.name, "SteadyCheck")
+        .await
+        .remove(0);
+    assert_eq!(after.last_transition_time, before.last_transition_time);
+    agent.stop().await;
+}
+
 /// PATCHes of `nodes/<node>/status` in the API server's audit log.
 fn audit_status_patches(node: &str) -> usize {
     audit_completed()

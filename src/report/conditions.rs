@@ -169,6 +169,31 @@ pub fn plan(
     })
 }
 
+/// How long until a heartbeat of the evaluated conditions in `desired` falls
+/// due on `node` (the soonest of them), when [`plan`] found nothing to write:
+/// a writer that has not written yet (an agent restarted within a heartbeat
+/// of its last write) times its first heartbeat by this, not by a write of
+/// its own. `None` when no evaluated condition is on the Node. A heartbeat
+/// that reads as later than `now` (the wall clock set back) is taken as
+/// written `now`: due in at most one `heartbeat`.
+pub fn heartbeat_due_in(
+    desired: &DesiredSet,
+    node: &NodeState,
+    now: Timestamp,
+    heartbeat: Duration,
+) -> Option<Duration> {
+    desired
+        .iter()
+        .filter(|(_, want)| want.is_some())
+        .filter_map(|(type_, _)| node.get(type_))
+        .map(|o| match o.last_heartbeat {
+            None => Duration::ZERO,
+            Some(h) if h > now => heartbeat,
+            Some(h) => heartbeat.saturating_sub(now.duration_since(h).unsigned_abs()),
+        })
+        .min()
+}
+
 /// Whether a condition is `True` in `desired` and not on the Node (types
 /// in `exempt` aside): a problem waiting to be written, which must not
 /// wait for a policy edit's spread.
@@ -281,6 +306,68 @@ mod tests {
         let d = set(vec![("A", want(Status::False, "Fine"))]);
         let n = node(vec![obs("A", "False", "Fine", 0, 100)], &["A"]);
         assert_eq!(plan(&d, None, &n, t(399), HB), None);
+    }
+
+    fn node_with(conds: Vec<Observed>) -> NodeState {
+        NodeState {
+            owned: conds.iter().map(|c| c.type_.clone()).collect(),
+            conditions: conds,
+            effective: None,
+        }
+    }
+
+    #[test]
+    fn heartbeat_due_in_counts_from_the_oldest_evaluated_heartbeat() {
+        let desired: DesiredSet = [
+            ("A".to_string(), want(Status::False, "Fine")),
+            ("B".to_string(), want(Status::False, "Fine")),
+            // Declared, not evaluated: carried over, never heartbeated.
+            ("C".to_string(), None),
+        ]
+        .into();
+        let node = node_with(vec![
+            obs("A", "False", "Fine", 0, 100),
+            obs("B", "False", "Fine", 0, 40),
+            obs("C", "False", "Fine", 0, 0),
+        ]);
+        assert_eq!(
+            heartbeat_due_in(&desired, &node, t(200), HB),
+            Some(Duration::from_secs(140)),
+            "B, heartbeated at 40, is due at 340"
+        );
+        assert_eq!(
+            heartbeat_due_in(&desired, &node, t(400), HB),
+            Some(Duration::ZERO),
+            "overdue is due now"
+        );
+    }
+
+    #[test]
+    fn heartbeat_due_in_without_anything_to_heartbeat() {
+        let declared: DesiredSet = [("C".to_string(), None)].into();
+        let node = node_with(vec![obs("C", "False", "Fine", 0, 0)]);
+        assert_eq!(heartbeat_due_in(&declared, &node, t(10), HB), None);
+        let desired: DesiredSet = [("A".to_string(), want(Status::True, "Bad"))].into();
+        assert_eq!(
+            heartbeat_due_in(&desired, &NodeState::default(), t(10), HB),
+            None,
+            "not on the Node: the plan writes it, no heartbeat to time"
+        );
+    }
+
+    #[test]
+    fn heartbeat_due_in_a_heartbeat_without_time_or_from_the_future() {
+        let desired: DesiredSet = [("A".to_string(), want(Status::False, "Fine"))].into();
+        let mut no_time = obs("A", "False", "Fine", 0, 0);
+        no_time.last_heartbeat = None;
+        assert_eq!(
+            heartbeat_due_in(&desired, &node_with(vec![no_time]), t(10), HB),
+            Some(Duration::ZERO)
+        );
+        // The wall clock was set back below the heartbeat on the Node: one
+        // heartbeat from now, not the time until the clock catches up.
+        let ahead = node_with(vec![obs("A", "False", "Fine", 0, 5_000)]);
+        assert_eq!(heartbeat_due_in(&desired, &ahead, t(10), HB), Some(HB));
     }
 
     #[test]

@@ -598,10 +598,15 @@ pub async fn run_condition_writer<P: StatusPort>(
     let shared = &reporter.shared;
     let mut applied: Option<Observation> = None;
     let mut last_write: Option<Instant> = None;
+    // Before this writer's first write: when the heartbeats it found on the
+    // Node fall due (a restarted agent that found them current). Taken at
+    // each wait and set again by the plan that finds nothing due, so a
+    // time past cannot wake the loop again and again.
+    let mut found_due: Option<Instant> = None;
     let mut failing = false;
     health.updated();
     loop {
-        let heartbeat_at = last_write.map(|t| t + config.heartbeat);
+        let heartbeat_at = last_write.map(|t| t + config.heartbeat).or(found_due.take());
         tokio::select! {
             _ = shutdown.cancelled() => {
                 final_write(&reporter, &port, &observed, &applied, config.heartbeat).await;
@@ -704,6 +709,13 @@ pub async fn run_condition_writer<P: StatusPort>(
             let Some(plan) =
                 conditions::plan(&desired, effective.as_deref(), &obs.state, now, heartbeat)
             else {
+                if last_write.is_none() {
+                    // Nothing written yet and nothing due: wake when what
+                    // the Node holds falls due (at least a second on, so
+                    // second-granular times on the Node cannot spin this).
+                    found_due = conditions::heartbeat_due_in(&desired, &obs.state, now, heartbeat)
+                        .map(|d| Instant::now() + d.max(Duration::from_secs(1)));
+                }
                 break;
             };
             match port

@@ -444,6 +444,53 @@ async fn heartbeats_refresh_and_keep_transition_times() {
     h.shutdown.cancel();
 }
 
+/// A writer that starts on a Node whose conditions already say what it
+/// wants (an agent restarted within a heartbeat of its last write) writes
+/// nothing at first, and still heartbeats once the Node's heartbeat falls
+/// due, with nothing else happening to wake it.
+#[tokio::test(start_paused = true)]
+async fn a_new_writer_that_finds_its_conditions_current_still_heartbeats() {
+    let config = ReportConfig {
+        heartbeat: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let h = start(config);
+    // The previous agent's write, 20 s ago.
+    let written = jiff::Timestamp::now() - jiff::SignedDuration::from_secs(20);
+    let want = desired(Status::False, "Fine");
+    h.port.with(|n| {
+        n.state.conditions = vec![Observed {
+            type_: "A".into(),
+            status: "False".into(),
+            reason: want.reason.clone(),
+            message: want.message.clone(),
+            last_transition: Some(written),
+            last_heartbeat: Some(written),
+        }];
+        n.state.owned = ["A".to_string()].into();
+        n.rv += 1;
+    });
+    h.observed.send_replace(Some(h.port.observation()));
+    h.reporter.set("A", want);
+    h.reporter.mark_initialized();
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 0, "nothing is due yet");
+    // Due 40 s after the start; a second of slack.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        1,
+        "the heartbeat that fell due was written"
+    );
+    let after = h.port.get("A").unwrap();
+    assert!(after.last_heartbeat > Some(written));
+    assert_eq!(after.last_transition, Some(written));
+    // And from then on, one a heartbeat.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(h.port.with(|n| n.applies), 2);
+    h.shutdown.cancel();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_condition_removed_by_someone_else_is_reasserted() {
     let h = start(ReportConfig::default());

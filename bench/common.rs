@@ -80,6 +80,24 @@ pub fn status_mib(pid: u32, key: &str) -> f64 {
     kb / 1024.0
 }
 
+/// The sum of `keys` (`Pss:`, `Private_Dirty:`, ...) in /proc/PID/smaps_rollup,
+/// in MiB (0 once the process is gone). RSS counts the pages a process
+/// shares with every other copy of the same binary and libraries in full:
+/// what one more process costs is its private pages, and what a set of
+/// processes costs together is the sum of their `Pss`.
+pub fn rollup_mib(pid: u32, keys: &[&str]) -> f64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let kb: f64 = rollup
+        .lines()
+        .filter_map(|l| {
+            let (key, rest) = l.split_once(char::is_whitespace)?;
+            keys.contains(&key).then_some(rest)
+        })
+        .filter_map(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+        .sum();
+    kb / 1024.0
+}
+
 /// Forgets which of `pid`'s pages were touched (`/proc/PID/clear_refs`),
 /// so that [`executable_pages_mib`] then counts those touched since.
 pub fn clear_touched(pid: u32) {

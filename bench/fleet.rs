@@ -56,8 +56,16 @@
 //!   after a restart does, so the order of the sides does not change the
 //!   steady figures.
 //!
+//! Memory three ways: one agent's RSS (the binary and libraries shared with
+//! every other copy counted in full), its private pages (what one more agent
+//! costs the host; size a larger run by it) and the whole fleet's PSS.
+//!
 //! Then a projection to 5,000 nodes from the per-node figures, which is a
-//! projection, not a measurement.
+//! projection, not a measurement. With `NODEGUARD_FLEET_BASELINE` naming a
+//! markdown file with this bench's table from a run at another size (`bench/run
+//! fleet-large` passes the fleet section of bench/RESULTS.md), a last table
+//! puts each figure beside the baseline's, per node where it is the whole
+//! fleet's, with their ratio: whether the projection holds.
 //!
 //! `NODEGUARD_BENCH_RUNS` runs (default 3) alternate which side goes first;
 //! each figure is the median over runs. The co-located processes share one
@@ -330,6 +338,12 @@ struct Sample {
     etcd_cpu: f64,
     watches: f64,
     member_rss: f64,
+    /// One agent's private pages (with children), median: what one more
+    /// agent costs the host.
+    member_private: f64,
+    /// The whole fleet's proportional set size: what all of it costs the
+    /// host together (shared pages counted once).
+    fleet_pss: f64,
     member_cpu: f64,
     edit: Option<EditSample>,
     rollout_lists: f64,
@@ -678,6 +692,20 @@ impl Fleet {
             .collect();
         rss.sort_by(f64::total_cmp);
         s.member_rss = rss[rss.len() / 2];
+        let private: Vec<f64> = member_trees
+            .iter()
+            .map(|t| {
+                t.iter()
+                    .map(|&p| rollup_mib(p, &["Private_Clean:", "Private_Dirty:"]))
+                    .sum()
+            })
+            .collect();
+        s.member_private = median(private);
+        s.fleet_pss = member_trees
+            .iter()
+            .flatten()
+            .map(|&p| rollup_mib(p, &["Pss:"]))
+            .sum();
         s.member_cpu = (member_cpu1 - member_cpu0) / secs * 100.0 / n as f64;
         eprintln!("fleet: steady: {s:?}");
 
@@ -1231,13 +1259,23 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         Some(v) => format!("{v:.digits$}"),
         None => "—".to_string(),
     };
-    let row = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
-        println!(
-            "| {name} | {} | {} |",
-            cell(col(Side::Nodeguard, f), digits),
-            cell(col(Side::Npd, f), digits)
-        );
+    // Every row printed, for the comparison with a baseline of another size.
+    let printed: std::cell::RefCell<Vec<Printed>> = Default::default();
+    let put = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize, whole_fleet| {
+        let (ng, npd) = (col(Side::Nodeguard, f), col(Side::Npd, f));
+        println!("| {name} | {} | {} |", cell(ng, digits), cell(npd, digits));
+        printed.borrow_mut().push(Printed {
+            name: name.to_string(),
+            values: [ng, npd],
+            whole_fleet,
+        });
     };
+    // A figure of one agent, one node or one moment.
+    let row =
+        |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| put(name, f, digits, false);
+    // A figure of the whole fleet: per node when compared across sizes.
+    let total =
+        |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| put(name, f, digits, true);
     println!(
         "\nA fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
          nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
@@ -1261,13 +1299,13 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     keys.dedup();
     for k in &keys {
         let k2 = k.clone();
-        row(
+        total(
             &format!("steady: `{k}` per second, whole fleet"),
             &move |s| Some(s.steady_rps.get(&k2).copied().unwrap_or(0.0)),
             2,
         );
     }
-    row(
+    total(
         "steady: all requests per second, whole fleet",
         &|s| Some(s.steady_rps.values().fold(0.0, |a, b| a + b)),
         2,
@@ -1282,22 +1320,22 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| Some(s.steady_reads_per_node_per_min),
         2,
     );
-    row(
+    total(
         "steady: watches the fleet holds open at the API server",
         &|s| Some(s.watches),
         0,
     );
-    row(
+    total(
         "steady: API server CPU above idle (% of one core)",
         &|s| Some(s.apiserver_cpu),
         1,
     );
-    row(
+    total(
         "steady: etcd CPU above idle (% of one core)",
         &|s| Some(s.etcd_cpu),
         1,
     );
-    row(
+    total(
         "steady: API server RSS above idle (MiB)",
         &|s| Some(s.apiserver_rss),
         0,
@@ -1306,6 +1344,16 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         "steady: one agent's RSS, median (MiB, with children)",
         &|s| Some(s.member_rss),
         1,
+    );
+    row(
+        "steady: one agent's private memory, median (MiB, with children; what one more agent costs the host)",
+        &|s| Some(s.member_private),
+        1,
+    );
+    total(
+        "steady: the whole fleet's PSS (MiB; what it costs the host, shared pages counted once)",
+        &|s| Some(s.fleet_pss),
+        0,
     );
     row(
         "steady: one agent's CPU (% of one core)",
@@ -1322,7 +1370,7 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| s.edit.as_ref().map(|e| e.writes_per_node_mean),
         2,
     );
-    row(
+    total(
         "policy edit: peak writes per second at the API server",
         &|s| s.edit.as_ref().map(|e| e.peak_writes_per_s),
         0,
@@ -1337,17 +1385,17 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| s.edit.as_ref().map(|e| e.converged),
         1,
     );
-    row(
+    total(
         "rollout: LIST requests from the fleet",
         &|s| Some(s.rollout_lists),
         0,
     );
-    row(
+    total(
         "rollout: LISTs of pods, nodes, policies served from the watch cache (all clients)",
         &|s| Some(s.rollout_cache_lists),
         0,
     );
-    row(
+    total(
         "rollout: LISTs of pods, nodes, policies sent to etcd (all clients)",
         &|s| Some(s.rollout_etcd_lists),
         0,
@@ -1363,22 +1411,22 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| Some(s.restart.apiserver_ready),
         1,
     );
-    row(
+    total(
         "restart: the fleet's requests in the first minute from the API server's start",
         &|s| Some(s.restart.requests_first_minute),
         0,
     );
-    row(
+    total(
         "restart: the fleet's requests, the most in one second",
         &|s| Some(s.restart.peak_requests_per_s),
         0,
     );
-    row(
+    total(
         "restart: the fleet's requests answered 429 (from the start until the measures end, at least 63 s)",
         &|s| Some(s.restart.throttled),
         0,
     );
-    row(
+    total(
         "restart: LIST requests from the fleet (likewise)",
         &|s| Some(s.restart.lists),
         0,
@@ -1388,12 +1436,12 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| s.restart.last_list,
         1,
     );
-    row(
+    total(
         "restart: LISTs of pods, nodes, policies served from the watch cache in the first 63 s (all clients)",
         &|s| Some(s.restart.cache_lists),
         0,
     );
-    row(
+    total(
         "restart: LISTs of pods, nodes, policies sent to etcd in the first 63 s (all clients, the API server's own watch caches included)",
         &|s| Some(s.restart.etcd_lists),
         0,
@@ -1403,17 +1451,17 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| s.restart.conditions_current,
         1,
     );
-    row(
+    total(
         "restart: conditions still without a heartbeat from after the start 300 s after it, whole fleet",
         &|s| Some(s.restart.not_current),
         0,
     );
-    row(
+    total(
         "restart: conditions already two heartbeats stale before the stop (left out above), whole fleet",
         &|s| Some(s.restart.stale_before),
         0,
     );
-    row(
+    total(
         "restart: conditions lost or changed, whole fleet",
         &|s| Some(s.restart.lost),
         0,
@@ -1467,4 +1515,115 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         cell(writes.zip(spread).map(|(w, s)| w * 5000.0 / s.max(1.0)), 0)
     );
     proj("rollout: LIST requests", &|s| Some(s.rollout_lists), 0);
+
+    if let Ok(path) = std::env::var("NODEGUARD_FLEET_BASELINE") {
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("NODEGUARD_FLEET_BASELINE {path}: {e}"));
+        let baseline = Baseline::parse(&text)
+            .unwrap_or_else(|| panic!("NODEGUARD_FLEET_BASELINE {path}: no fleet table in it"));
+        compare(&baseline, st.agents, &printed.into_inner());
+    }
+}
+
+/// A row of the table as printed, medians of both sides.
+struct Printed {
+    name: String,
+    values: [Option<f64>; 2],
+    /// The whole fleet's figure (compared per node across sizes), not one
+    /// agent's, one node's or one moment's.
+    whole_fleet: bool,
+}
+
+/// The table of an earlier run of this bench at another size, as
+/// `bench/run` keeps it in bench/RESULTS.md.
+struct Baseline {
+    agents: usize,
+    rows: BTreeMap<String, [Option<f64>; 2]>,
+}
+
+impl Baseline {
+    fn parse(markdown: &str) -> Option<Baseline> {
+        let agents = markdown
+            .split("A fleet of ")
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .replace(',', "")
+            .parse()
+            .ok()?;
+        let mut rows = BTreeMap::new();
+        let table = markdown
+            .lines()
+            .skip_while(|l| !l.starts_with("| figure | nodeguard | node-problem-detector |"))
+            .skip(2)
+            .take_while(|l| l.starts_with("| "));
+        for line in table {
+            let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+            if let [name, ng, npd] = cells[..] {
+                rows.insert(name.to_string(), [ng.parse().ok(), npd.parse().ok()]);
+            }
+        }
+        (!rows.is_empty()).then_some(Baseline { agents, rows })
+    }
+}
+
+/// Three significant digits, for per-node figures that range from
+/// thousandths to hundreds.
+fn significant(v: f64) -> String {
+    if v == 0.0 {
+        return "0".to_string();
+    }
+    let digits = (2 - v.abs().log10().floor() as i32).max(0) as usize;
+    format!("{v:.digits$}")
+}
+
+/// Each figure at this size beside the baseline's, per node where it is the
+/// whole fleet's, and their ratio: whether the per-node figures (and so the
+/// projection) hold from the baseline's size to this one.
+fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
+    let (b, n) = (baseline.agents, agents);
+    println!(
+        "\n**{n} agents against {b}** (the {b}-agent table above this section's, from its own command line): \
+         each figure of the table above beside the same figure at {b} agents, per node where it is the whole fleet's; \
+         the ratio is {n}'s over {b}'s, 1.00 where the per-node figure holds (and so the projection)\n"
+    );
+    println!(
+        "| figure | nodeguard at {b} | at {n} | ratio | node-problem-detector at {b} | at {n} | ratio |\n|---|---:|---:|---:|---:|---:|---:|"
+    );
+    let mut missing = Vec::new();
+    for row in rows {
+        let Some(old) = baseline.rows.get(&row.name) else {
+            missing.push(row.name.as_str());
+            continue;
+        };
+        let scale = |v: Option<f64>, nodes: usize| {
+            v.map(|v| if row.whole_fleet { v / nodes as f64 } else { v })
+        };
+        let mut cells = Vec::new();
+        for (then, now) in old.iter().zip(row.values) {
+            let (then, now) = (scale(*then, b), scale(now, n));
+            cells.push(then.map_or("—".into(), significant));
+            cells.push(now.map_or("—".into(), significant));
+            cells.push(match (then, now) {
+                (Some(t), Some(v)) if t != 0.0 => format!("{:.2}", v / t),
+                _ => "—".into(),
+            });
+        }
+        let name = if row.whole_fleet {
+            format!("{}, per node", row.name.replace(", whole fleet", ""))
+        } else {
+            row.name.clone()
+        };
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+    if !missing.is_empty() {
+        println!(
+            "\nNot in the {b}-agent table (measured since): {}.",
+            missing
+                .iter()
+                .map(|m| format!("“{m}”"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
 }

@@ -288,56 +288,126 @@ async fn removed_sources_are_deleted_and_restarts_neither_duplicate_nor_drop() {
     agent.stop().await;
 }
 
+const HEARTBEAT: Duration = Duration::from_secs(8);
+
+/// Starts an agent for `node` whose `SteadyCheck` condition stays False,
+/// heartbeating every [`HEARTBEAT`], and waits until the Node shows it.
+async fn steady_agent(
+    admin: &kube::Client,
+    node: &str,
+) -> (nodeguard::agent::RunningAgent, TempDir) {
+    let (agent, state) = start_agent_with(admin.clone(), node, |c| {
+        c.report.heartbeat = HEARTBEAT;
+        c.declared_conditions = vec!["SteadyCheck".into()];
+    })
+    .await;
+    agent.reporter.set(
+        "SteadyCheck",
+        desired(Status::False, "Steady", "Nothing wrong."),
+    );
+    eventually(
+        Duration::from_secs(10),
+        "SteadyCheck on the node",
+        || async { node_conditions(admin, node, "SteadyCheck").await.len() == 1 },
+    )
+    .await;
+    (agent, state)
+}
+
+async fn steady_heartbeat(
+    admin: &kube::Client,
+    node: &str,
+) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time> {
+    node_conditions(admin, node, "SteadyCheck")
+        .await
+        .remove(0)
+        .last_heartbeat_time
+}
+
 /// An agent restarted within a heartbeat of its last write finds its
 /// conditions current and writes nothing; it must still heartbeat when they
 /// fall due, though nothing else changes the Node (no kubelet here, as on a
 /// node whose status the kubelet writes only every few minutes).
 #[tokio::test]
 async fn a_restarted_agent_whose_conditions_are_current_keeps_heartbeating() {
-    const HEARTBEAT: Duration = Duration::from_secs(8);
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "restart-heartbeat", &[]).await;
-    let heartbeat = |c: &mut nodeguard::agent::AgentConfig| c.report.heartbeat = HEARTBEAT;
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, heartbeat).await;
-    let steady = || desired(Status::False, "Steady", "Nothing wrong.");
-    agent.reporter.set("SteadyCheck", steady());
-    eventually(
-        Duration::from_secs(10),
-        "SteadyCheck on the node",
-        || async {
-            node_conditions(&admin, &node.name, "SteadyCheck")
-                .await
-                .len()
-                == 1
-        },
-    )
-    .await;
+    let (agent, _state) = steady_agent(&admin, &node.name).await;
     agent.stop().await;
 
-    let (agent, _state2) = start_agent_with(admin.clone(), &node.name, |c| {
-        heartbeat(c);
-        c.declared_conditions = vec!["SteadyCheck".into()];
-    })
-    .await;
-    agent.reporter.set("SteadyCheck", steady());
-    let before = node_conditions(&admin, &node.name, "SteadyCheck")
-        .await
-        .remove(0);
+    let before = steady_heartbeat(&admin, &node.name).await;
+    let (agent, _state2) = steady_agent(&admin, &node.name).await;
+    // What this is about: the new agent found nothing to write.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        steady_heartbeat(&admin, &node.name).await,
+        before,
+        "the restarted agent wrote at once: this test needs it to find its conditions current"
+    );
     eventually(
         HEARTBEAT * 3,
         "a heartbeat from the restarted agent",
-        || async {
-            node_conditions(&admin, &node.name, "SteadyCheck")
-                .await
-                .first()
-                .is_some_and(|c| c.last_heartbeat_time > before.last_heartbeat_time)
-        },
+        || async { steady_heartbeat(&admin, &node.name).await > before },
     )
     .await;
-    let after = node_conditions(&admin, &node.name, "SteadyCheck")
+    agent.stop().await;
+}
+
+/// The clock set back across a restart: the Node's heartbeats read as later
+/// than now. The restarted agent heartbeats one interval after its start,
+/// not one interval after the clock has caught up with them.
+#[tokio::test]
+async fn a_restarted_agent_finding_heartbeats_from_the_future_heartbeats_within_one_interval() {
+    let admin = admin_client().await;
+    let node = TestNode::create(&admin, "future-heartbeat", &[]).await;
+    let (agent, _state) = steady_agent(&admin, &node.name).await;
+    agent.stop().await;
+
+    // Every condition on this Node is the agent's (no kubelet): each one's
+    // heartbeat 6 s ahead of the clock.
+    let ahead = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(6);
+    let nodes = Api::<Node>::all(admin.clone());
+    let conditions: Vec<serde_json::Value> = nodes
+        .get_status(&node.name)
         .await
-        .remove(0);
-    assert_eq!(after.last_transition_time, before.last_transition_time);
+        .unwrap()
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .iter()
+        .map(|c| serde_json::json!({"type": c.type_, "lastHeartbeatTime": ahead.round(jiff::Unit::Second).unwrap().to_string()}))
+        .collect();
+    nodes
+        .patch_status(
+            &node.name,
+            &PatchParams::default(),
+            &Patch::Strategic(serde_json::json!({"status": {"conditions": conditions}})),
+        )
+        .await
+        .unwrap();
+    let before = steady_heartbeat(&admin, &node.name).await;
+
+    let started = std::time::Instant::now();
+    let (agent, _state2) = steady_agent(&admin, &node.name).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        steady_heartbeat(&admin, &node.name).await,
+        before,
+        "the restarted agent wrote at once: this test needs it to find its conditions current"
+    );
+    // Due one heartbeat (8 s) after the start; waiting for the clock to pass
+    // the Node's heartbeats first would make it 14 s.
+    eventually(
+        Duration::from_secs(20),
+        "a heartbeat from the restarted agent",
+        || async { steady_heartbeat(&admin, &node.name).await != before },
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(11_500),
+        "the heartbeat came {took:?} after the start, over one interval ({HEARTBEAT:?}) and the start's time"
+    );
     agent.stop().await;
 }
 

@@ -599,14 +599,15 @@ pub async fn run_condition_writer<P: StatusPort>(
     let mut applied: Option<Observation> = None;
     let mut last_write: Option<Instant> = None;
     // Before this writer's first write: when the heartbeats it found on the
-    // Node fall due (a restarted agent that found them current). Taken at
-    // each wait and set again by the plan that finds nothing due, so a
-    // time past cannot wake the loop again and again.
+    // Node fall due (a restarted agent that found them current), read from
+    // the Node's wall times once and kept on the monotonic clock, so a step
+    // of the wall clock afterwards moves it no more than it moves a
+    // heartbeat after a write of our own.
     let mut found_due: Option<Instant> = None;
     let mut failing = false;
     health.updated();
     loop {
-        let heartbeat_at = last_write.map(|t| t + config.heartbeat).or(found_due.take());
+        let heartbeat_at = last_write.map(|t| t + config.heartbeat).or(found_due);
         tokio::select! {
             _ = shutdown.cancelled() => {
                 final_write(&reporter, &port, &observed, &applied, config.heartbeat).await;
@@ -691,30 +692,39 @@ pub async fn run_condition_writer<P: StatusPort>(
         loop {
             let Some(obs) = newest(observed.borrow_and_update().clone(), applied.clone()) else {
                 tracing::debug!("the Node is not known yet; conditions are written once it is");
+                // A time past would wake this loop again and again.
+                found_due = found_due.filter(|t| *t > Instant::now());
                 break;
             };
             let planned = Instant::now();
             let desired = reporter.desired();
             let now = shared.clock.now();
             // A heartbeat is due by the monotonic clock since our last
-            // write, whatever the wall clock did meanwhile (set back, the
+            // write (before the first, since those found on the Node fell
+            // due), whatever the wall clock did meanwhile (set back, the
             // Node's heartbeat would read as recent and the timer would
             // spin until the wall clock caught up).
-            let heartbeat = if last_write.is_some_and(|t| t.elapsed() >= config.heartbeat) {
-                Duration::ZERO
-            } else {
-                config.heartbeat
-            };
+            let found_passed =
+                last_write.is_none() && found_due.is_some_and(|t| t <= Instant::now());
+            let heartbeat =
+                if found_passed || last_write.is_some_and(|t| t.elapsed() >= config.heartbeat) {
+                    Duration::ZERO
+                } else {
+                    config.heartbeat
+                };
             let effective = reporter.effective();
             let Some(plan) =
                 conditions::plan(&desired, effective.as_deref(), &obs.state, now, heartbeat)
             else {
-                if last_write.is_none() {
+                if last_write.is_none() && (found_due.is_none() || found_passed) {
                     // Nothing written yet and nothing due: wake when what
                     // the Node holds falls due (at least a second on, so
                     // second-granular times on the Node cannot spin this).
-                    found_due = conditions::heartbeat_due_in(&desired, &obs.state, now, heartbeat)
-                        .map(|d| Instant::now() + d.max(Duration::from_secs(1)));
+                    // Past it, nothing was due even so: nothing of ours to
+                    // heartbeat is on the Node, and none is set.
+                    found_due =
+                        conditions::heartbeat_due_in(&desired, &obs.state, now, config.heartbeat)
+                            .map(|d| Instant::now() + d.max(Duration::from_secs(1)));
                 }
                 break;
             };

@@ -491,6 +491,44 @@ async fn a_new_writer_that_finds_its_conditions_current_still_heartbeats() {
     h.shutdown.cancel();
 }
 
+/// A heartbeat on the Node that reads as later than the clock (the wall
+/// clock set back across a restart) is due one heartbeat from the start,
+/// not one heartbeat after the clock has caught up with it.
+#[tokio::test(start_paused = true)]
+async fn a_new_writer_that_finds_a_heartbeat_from_the_future_heartbeats_within_one_interval() {
+    let config = ReportConfig {
+        heartbeat: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let h = start(config);
+    let ahead = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(30);
+    let want = desired(Status::False, "Fine");
+    h.port.with(|n| {
+        n.state.conditions = vec![Observed {
+            type_: "A".into(),
+            status: "False".into(),
+            reason: want.reason.clone(),
+            message: want.message.clone(),
+            last_transition: Some(ahead),
+            last_heartbeat: Some(ahead),
+        }];
+        n.state.owned = ["A".to_string()].into();
+        n.rv += 1;
+    });
+    h.observed.send_replace(Some(h.port.observation()));
+    h.reporter.set("A", want);
+    h.reporter.mark_initialized();
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 0, "nothing is due yet");
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        1,
+        "written one heartbeat after the start, not 30 s later"
+    );
+    h.shutdown.cancel();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_condition_removed_by_someone_else_is_reasserted() {
     let h = start(ReportConfig::default());

@@ -86,7 +86,17 @@ pub fn status_mib(pid: u32, key: &str) -> f64 {
 /// what one more process costs is its private pages, and what a set of
 /// processes costs together is the sum of their `Pss`.
 pub fn rollup_mib(pid: u32, keys: &[&str]) -> f64 {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let rollup = match std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) {
+        Ok(r) => r,
+        // Gone since it was listed (a zombie reads as empty).
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                || e.raw_os_error() == Some(libc::ESRCH) =>
+        {
+            return 0.0;
+        }
+        Err(e) => panic!("/proc/{pid}/smaps_rollup: {e} (the bench needs to own the process)"),
+    };
     let kb: f64 = rollup
         .lines()
         .filter_map(|l| {

@@ -686,12 +686,11 @@ impl Fleet {
         s.etcd_cpu = etcd_cpu - idle.0.1;
         s.apiserver_rss = api_rss - idle.1.0;
         s.watches = watches(&m1).max(watches(&m0)) - watches_before;
-        let mut rss: Vec<f64> = member_trees
+        let rss: Vec<f64> = member_trees
             .iter()
             .map(|t| t.iter().map(|&p| status_mib(p, "VmRSS:")).sum())
             .collect();
-        rss.sort_by(f64::total_cmp);
-        s.member_rss = rss[rss.len() / 2];
+        s.member_rss = median(rss);
         let private: Vec<f64> = member_trees
             .iter()
             .map(|t| {
@@ -1261,30 +1260,38 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     };
     // Every row printed, for the comparison with a baseline of another size.
     let printed: std::cell::RefCell<Vec<Printed>> = Default::default();
-    let put = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize, whole_fleet| {
+    let put = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize, scale| {
         let (ng, npd) = (col(Side::Nodeguard, f), col(Side::Npd, f));
         println!("| {name} | {} | {} |", cell(ng, digits), cell(npd, digits));
         printed.borrow_mut().push(Printed {
             name: name.to_string(),
             values: [ng, npd],
-            whole_fleet,
+            scale,
         });
     };
     // A figure of one agent, one node or one moment.
-    let row =
-        |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| put(name, f, digits, false);
+    let row = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
+        put(name, f, digits, Scale::Each)
+    };
     // A figure of the whole fleet: per node when compared across sizes.
-    let total =
-        |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| put(name, f, digits, true);
-    println!(
-        "\nA fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
+    let total = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
+        put(name, f, digits, Scale::Fleet)
+    };
+    // A figure of every client of the API server, the control plane's own
+    // among them: compared whole.
+    let cluster = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
+        put(name, f, digits, Scale::Cluster)
+    };
+    let caption = format!(
+        "A fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
          nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
-         condition heartbeat {} s on both; steady window {} s; median of {runs} runs\n",
+         condition heartbeat {} s on both; steady window {} s; median of {runs} runs",
         st.agents,
         st.pods,
         st.heartbeat,
         st.steady.as_secs()
     );
+    println!("\n{caption}\n");
     println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
     row(
         "startup: all started at once, until every one is ready (s)",
@@ -1299,10 +1306,18 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     keys.dedup();
     for k in &keys {
         let k2 = k.clone();
-        total(
+        // The elected policy-status writer's Lease renewals: one writer's
+        // per cluster, whatever the fleet's size.
+        let scale = if k == "update leases" {
+            Scale::Cluster
+        } else {
+            Scale::Fleet
+        };
+        put(
             &format!("steady: `{k}` per second, whole fleet"),
             &move |s| Some(s.steady_rps.get(&k2).copied().unwrap_or(0.0)),
             2,
+            scale,
         );
     }
     total(
@@ -1390,12 +1405,12 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| Some(s.rollout_lists),
         0,
     );
-    total(
+    cluster(
         "rollout: LISTs of pods, nodes, policies served from the watch cache (all clients)",
         &|s| Some(s.rollout_cache_lists),
         0,
     );
-    total(
+    cluster(
         "rollout: LISTs of pods, nodes, policies sent to etcd (all clients)",
         &|s| Some(s.rollout_etcd_lists),
         0,
@@ -1436,12 +1451,12 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         &|s| s.restart.last_list,
         1,
     );
-    total(
+    cluster(
         "restart: LISTs of pods, nodes, policies served from the watch cache in the first 63 s (all clients)",
         &|s| Some(s.restart.cache_lists),
         0,
     );
-    total(
+    cluster(
         "restart: LISTs of pods, nodes, policies sent to etcd in the first 63 s (all clients, the API server's own watch caches included)",
         &|s| Some(s.restart.etcd_lists),
         0,
@@ -1521,40 +1536,72 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
             .unwrap_or_else(|e| panic!("NODEGUARD_FLEET_BASELINE {path}: {e}"));
         let baseline = Baseline::parse(&text)
             .unwrap_or_else(|| panic!("NODEGUARD_FLEET_BASELINE {path}: no fleet table in it"));
+        // The same settings but the size: pods, heartbeat, steady window
+        // (the number of runs aside).
+        let settings = |c: &str| c.split("; median of").next().unwrap_or("").to_string();
+        assert_eq!(
+            settings(&baseline.settings),
+            settings(caption.split_once(" with ").map_or("", |c| c.1)),
+            "NODEGUARD_FLEET_BASELINE {path}: measured with other settings than this run"
+        );
         compare(&baseline, st.agents, &printed.into_inner());
     }
+}
+
+/// How a figure compares across fleet sizes.
+#[derive(Clone, Copy, PartialEq)]
+enum Scale {
+    /// One agent's, one node's or one moment's: as it is.
+    Each,
+    /// The whole fleet's: per node.
+    Fleet,
+    /// Every client's, the control plane's own among them, or one
+    /// cluster-wide writer's: as it is (it grows with the fleet only in
+    /// part, if at all).
+    Cluster,
 }
 
 /// A row of the table as printed, medians of both sides.
 struct Printed {
     name: String,
     values: [Option<f64>; 2],
-    /// The whole fleet's figure (compared per node across sizes), not one
-    /// agent's, one node's or one moment's.
-    whole_fleet: bool,
+    scale: Scale,
 }
 
 /// The table of an earlier run of this bench at another size, as
 /// `bench/run` keeps it in bench/RESULTS.md.
 struct Baseline {
     agents: usize,
+    /// Its caption from " with ": pods, heartbeat, steady window, runs.
+    settings: String,
+    /// What follows the `#` of its command line: settings, commit.
+    command: String,
     rows: BTreeMap<String, [Option<f64>; 2]>,
 }
 
 impl Baseline {
     fn parse(markdown: &str) -> Option<Baseline> {
-        let agents = markdown
-            .split("A fleet of ")
-            .nth(1)?
+        let command = markdown
+            .lines()
+            .find(|l| l.contains("cargo bench --bench fleet"))?
+            .split_once('#')?
+            .1
+            .trim()
+            .to_string();
+        let caption = markdown.lines().find(|l| l.starts_with("A fleet of "))?;
+        let agents = caption
+            .strip_prefix("A fleet of ")?
             .split_whitespace()
             .next()?
             .replace(',', "")
             .parse()
             .ok()?;
+        let settings = caption.split_once(" with ")?.1.to_string();
         let mut rows = BTreeMap::new();
         let table = markdown
             .lines()
-            .skip_while(|l| !l.starts_with("| figure | nodeguard | node-problem-detector |"))
+            .skip_while(|l| !l.starts_with("A fleet of "))
+            .skip_while(|l| *l != "| figure | nodeguard | node-problem-detector |")
             .skip(2)
             .take_while(|l| l.starts_with("| "));
         for line in table {
@@ -1563,7 +1610,12 @@ impl Baseline {
                 rows.insert(name.to_string(), [ng.parse().ok(), npd.parse().ok()]);
             }
         }
-        (!rows.is_empty()).then_some(Baseline { agents, rows })
+        (!rows.is_empty()).then_some(Baseline {
+            agents,
+            settings,
+            command,
+            rows,
+        })
     }
 }
 
@@ -1583,21 +1635,31 @@ fn significant(v: f64) -> String {
 fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
     let (b, n) = (baseline.agents, agents);
     println!(
-        "\n**{n} agents against {b}** (the {b}-agent table above this section's, from its own command line): \
-         each figure of the table above beside the same figure at {b} agents, per node where it is the whole fleet's; \
-         the ratio is {n}'s over {b}'s, 1.00 where the per-node figure holds (and so the projection)\n"
+        "\n**{n} agents against {b}**: each figure of the table above beside the same figure of the {b}-agent table \
+         (its command line: `{}`), per node where it is the whole fleet's; rows of every client of the API server \
+         (the control plane's own requests among them) and of the one policy-status writer are compared whole. \
+         The ratio is {n}'s over {b}'s: 1.00 where a per-node figure holds, and so the projection; \
+         \"new\" where the {b}-agent figure was 0. The {b}-agent figures are read as that table prints them, \
+         rounded: a ratio of a figure printed with one or two significant digits is good to about ±10 %.\n",
+        baseline.command
     );
     println!(
         "| figure | nodeguard at {b} | at {n} | ratio | node-problem-detector at {b} | at {n} | ratio |\n|---|---:|---:|---:|---:|---:|---:|"
     );
-    let mut missing = Vec::new();
+    let mut only_here = Vec::new();
     for row in rows {
         let Some(old) = baseline.rows.get(&row.name) else {
-            missing.push(row.name.as_str());
+            only_here.push(row.name.as_str());
             continue;
         };
         let scale = |v: Option<f64>, nodes: usize| {
-            v.map(|v| if row.whole_fleet { v / nodes as f64 } else { v })
+            v.map(|v| {
+                if row.scale == Scale::Fleet {
+                    v / nodes as f64
+                } else {
+                    v
+                }
+            })
         };
         let mut cells = Vec::new();
         for (then, now) in old.iter().zip(row.values) {
@@ -1605,25 +1667,35 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
             cells.push(then.map_or("—".into(), significant));
             cells.push(now.map_or("—".into(), significant));
             cells.push(match (then, now) {
-                (Some(t), Some(v)) if t != 0.0 => format!("{:.2}", v / t),
+                (Some(t), Some(v)) if t > 0.0 && v >= 0.0 => format!("{:.2}", v / t),
+                (Some(t), Some(v)) if t == 0.0 && v > 0.0 => "new".into(),
                 _ => "—".into(),
             });
         }
-        let name = if row.whole_fleet {
+        let name = if row.scale == Scale::Fleet {
             format!("{}, per node", row.name.replace(", whole fleet", ""))
         } else {
             row.name.clone()
         };
         println!("| {name} | {} |", cells.join(" | "));
     }
-    if !missing.is_empty() {
-        println!(
-            "\nNot in the {b}-agent table (measured since): {}.",
-            missing
-                .iter()
-                .map(|m| format!("“{m}”"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        );
+    let only_there: Vec<&str> = baseline
+        .rows
+        .keys()
+        .filter(|k| !rows.iter().any(|r| &r.name == *k))
+        .map(String::as_str)
+        .collect();
+    let quoted = |names: &[&str]| {
+        names
+            .iter()
+            .map(|m| format!("“{m}”"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    if !only_here.is_empty() {
+        println!("\nOnly in the table above: {}.", quoted(&only_here));
+    }
+    if !only_there.is_empty() {
+        println!("\nOnly in the {b}-agent table: {}.", quoted(&only_there));
     }
 }

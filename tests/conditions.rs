@@ -336,6 +336,8 @@ async fn a_restarted_agent_whose_conditions_are_current_keeps_heartbeating() {
     agent.stop().await;
 
     let before = steady_heartbeat(&admin, &node.name).await;
+    // A new second, so that a write at the start would show.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let (agent, _state2) = steady_agent(&admin, &node.name).await;
     // What this is about: the new agent found nothing to write.
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -716,15 +716,21 @@ pub async fn run_condition_writer<P: StatusPort>(
             let Some(plan) =
                 conditions::plan(&desired, effective.as_deref(), &obs.state, now, heartbeat)
             else {
-                if last_write.is_none() && (found_due.is_none() || found_passed) {
+                if last_write.is_none() {
                     // Nothing written yet and nothing due: wake when what
                     // the Node holds falls due (at least a second on, so
                     // second-granular times on the Node cannot spin this).
                     // Past it, nothing was due even so: nothing of ours to
-                    // heartbeat is on the Node, and none is set.
-                    found_due =
+                    // heartbeat is on the Node, and none is set. Before it,
+                    // a type evaluated since may fall due sooner; the wall
+                    // clock read again only ever brings it forward.
+                    let due =
                         conditions::heartbeat_due_in(&desired, &obs.state, now, config.heartbeat)
                             .map(|d| Instant::now() + d.max(Duration::from_secs(1)));
+                    found_due = match found_due {
+                        Some(t) if !found_passed => Some(due.map_or(t, |d| d.min(t))),
+                        _ => due,
+                    };
                 }
                 break;
             };

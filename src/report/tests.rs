@@ -491,6 +491,55 @@ async fn a_new_writer_that_finds_its_conditions_current_still_heartbeats() {
     h.shutdown.cancel();
 }
 
+/// A type evaluated after the first plan, whose heartbeat on the Node is
+/// older than those the writer timed its first heartbeat by, is heartbeated
+/// when it falls due, not when the others do.
+#[tokio::test(start_paused = true)]
+async fn a_type_evaluated_later_with_an_older_heartbeat_brings_the_first_heartbeat_forward() {
+    let config = ReportConfig {
+        heartbeat: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let h = start(config);
+    let now = jiff::Timestamp::now();
+    let cond = |type_: &str, secs_ago: i64| {
+        let at = now - jiff::SignedDuration::from_secs(secs_ago);
+        let want = desired(Status::False, "Fine");
+        Observed {
+            type_: type_.into(),
+            status: "False".into(),
+            reason: want.reason,
+            message: want.message,
+            last_transition: Some(at),
+            last_heartbeat: Some(at),
+        }
+    };
+    h.port.with(|n| {
+        n.state.conditions = vec![cond("A", 5), cond("B", 40)];
+        n.state.owned = ["A".to_string(), "B".to_string()].into();
+        n.rv += 1;
+    });
+    h.observed.send_replace(Some(h.port.observation()));
+    // B is declared, not evaluated yet: carried over, not timed.
+    h.reporter.declare("B");
+    h.reporter.set("A", desired(Status::False, "Fine"));
+    h.reporter.mark_initialized();
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 0, "nothing is due yet");
+    // B evaluates to what the Node already says: due 20 s after the start,
+    // A only at 55 s.
+    h.reporter.set("B", desired(Status::False, "Fine"));
+    settle().await;
+    assert_eq!(h.port.with(|n| n.applies), 0, "still nothing due");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(
+        h.port.with(|n| n.applies),
+        1,
+        "B's heartbeat was written when it fell due"
+    );
+    h.shutdown.cancel();
+}
+
 /// A heartbeat on the Node that reads as later than the clock (the wall
 /// clock set back across a restart) is due one heartbeat from the start,
 /// not one heartbeat after the clock has caught up with it.

@@ -444,6 +444,32 @@ async fn heartbeats_refresh_and_keep_transition_times() {
     h.shutdown.cancel();
 }
 
+/// A `False`/`Fine` condition of `type_` on the Node, owned by the writer,
+/// with both times at `at` (a previous agent's write).
+fn found(type_: &str, at: jiff::Timestamp) -> Observed {
+    let want = desired(Status::False, "Fine");
+    Observed {
+        type_: type_.into(),
+        status: "False".into(),
+        reason: want.reason,
+        message: want.message,
+        last_transition: Some(at),
+        last_heartbeat: Some(at),
+    }
+}
+
+/// A writer whose Node holds `conditions` (owned) when it starts.
+fn start_on(config: ReportConfig, conditions: Vec<Observed>) -> Harness {
+    let h = start(config);
+    h.port.with(|n| {
+        n.state.owned = conditions.iter().map(|c| c.type_.clone()).collect();
+        n.state.conditions = conditions;
+        n.rv += 1;
+    });
+    h.observed.send_replace(Some(h.port.observation()));
+    h
+}
+
 /// A writer that starts on a Node whose conditions already say what it
 /// wants (an agent restarted within a heartbeat of its last write) writes
 /// nothing at first, and still heartbeats once the Node's heartbeat falls
@@ -454,24 +480,10 @@ async fn a_new_writer_that_finds_its_conditions_current_still_heartbeats() {
         heartbeat: Duration::from_secs(60),
         ..Default::default()
     };
-    let h = start(config);
     // The previous agent's write, 20 s ago.
     let written = jiff::Timestamp::now() - jiff::SignedDuration::from_secs(20);
-    let want = desired(Status::False, "Fine");
-    h.port.with(|n| {
-        n.state.conditions = vec![Observed {
-            type_: "A".into(),
-            status: "False".into(),
-            reason: want.reason.clone(),
-            message: want.message.clone(),
-            last_transition: Some(written),
-            last_heartbeat: Some(written),
-        }];
-        n.state.owned = ["A".to_string()].into();
-        n.rv += 1;
-    });
-    h.observed.send_replace(Some(h.port.observation()));
-    h.reporter.set("A", want);
+    let h = start_on(config, vec![found("A", written)]);
+    h.reporter.set("A", desired(Status::False, "Fine"));
     h.reporter.mark_initialized();
     settle().await;
     assert_eq!(h.port.with(|n| n.applies), 0, "nothing is due yet");
@@ -500,26 +512,8 @@ async fn a_type_evaluated_later_with_an_older_heartbeat_brings_the_first_heartbe
         heartbeat: Duration::from_secs(60),
         ..Default::default()
     };
-    let h = start(config);
-    let now = jiff::Timestamp::now();
-    let cond = |type_: &str, secs_ago: i64| {
-        let at = now - jiff::SignedDuration::from_secs(secs_ago);
-        let want = desired(Status::False, "Fine");
-        Observed {
-            type_: type_.into(),
-            status: "False".into(),
-            reason: want.reason,
-            message: want.message,
-            last_transition: Some(at),
-            last_heartbeat: Some(at),
-        }
-    };
-    h.port.with(|n| {
-        n.state.conditions = vec![cond("A", 5), cond("B", 40)];
-        n.state.owned = ["A".to_string(), "B".to_string()].into();
-        n.rv += 1;
-    });
-    h.observed.send_replace(Some(h.port.observation()));
+    let ago = |secs| jiff::Timestamp::now() - jiff::SignedDuration::from_secs(secs);
+    let h = start_on(config, vec![found("A", ago(5)), found("B", ago(40))]);
     // B is declared, not evaluated yet: carried over, not timed.
     h.reporter.declare("B");
     h.reporter.set("A", desired(Status::False, "Fine"));
@@ -549,23 +543,9 @@ async fn a_new_writer_that_finds_a_heartbeat_from_the_future_heartbeats_within_o
         heartbeat: Duration::from_secs(60),
         ..Default::default()
     };
-    let h = start(config);
     let ahead = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(30);
-    let want = desired(Status::False, "Fine");
-    h.port.with(|n| {
-        n.state.conditions = vec![Observed {
-            type_: "A".into(),
-            status: "False".into(),
-            reason: want.reason.clone(),
-            message: want.message.clone(),
-            last_transition: Some(ahead),
-            last_heartbeat: Some(ahead),
-        }];
-        n.state.owned = ["A".to_string()].into();
-        n.rv += 1;
-    });
-    h.observed.send_replace(Some(h.port.observation()));
-    h.reporter.set("A", want);
+    let h = start_on(config, vec![found("A", ahead)]);
+    h.reporter.set("A", desired(Status::False, "Fine"));
     h.reporter.mark_initialized();
     settle().await;
     assert_eq!(h.port.with(|n| n.applies), 0, "nothing is due yet");

@@ -324,6 +324,24 @@ async fn steady_heartbeat(
         .last_heartbeat_time
 }
 
+/// Starts the agent again on a Node whose `SteadyCheck` heartbeat reads
+/// `before`, and checks what the restart tests are about: it found nothing
+/// to write.
+async fn restart_finding_nothing_to_write(
+    admin: &kube::Client,
+    node: &str,
+    before: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+) -> (nodeguard::agent::RunningAgent, TempDir) {
+    let restarted = steady_agent(admin, node).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        &steady_heartbeat(admin, node).await,
+        before,
+        "the restarted agent wrote at once: this test needs it to find its conditions current"
+    );
+    restarted
+}
+
 /// An agent restarted within a heartbeat of its last write finds its
 /// conditions current and writes nothing; it must still heartbeat when they
 /// fall due, though nothing else changes the Node (no kubelet here, as on a
@@ -338,14 +356,7 @@ async fn a_restarted_agent_whose_conditions_are_current_keeps_heartbeating() {
     let before = steady_heartbeat(&admin, &node.name).await;
     // A new second, so that a write at the start would show.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let (agent, _state2) = steady_agent(&admin, &node.name).await;
-    // What this is about: the new agent found nothing to write.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        steady_heartbeat(&admin, &node.name).await,
-        before,
-        "the restarted agent wrote at once: this test needs it to find its conditions current"
-    );
+    let (agent, _state2) = restart_finding_nothing_to_write(&admin, &node.name, &before).await;
     eventually(
         HEARTBEAT * 3,
         "a heartbeat from the restarted agent",
@@ -390,13 +401,7 @@ async fn a_restarted_agent_finding_heartbeats_from_the_future_heartbeats_within_
     let before = steady_heartbeat(&admin, &node.name).await;
 
     let started = std::time::Instant::now();
-    let (agent, _state2) = steady_agent(&admin, &node.name).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        steady_heartbeat(&admin, &node.name).await,
-        before,
-        "the restarted agent wrote at once: this test needs it to find its conditions current"
-    );
+    let (agent, _state2) = restart_finding_nothing_to_write(&admin, &node.name, &before).await;
     // Due one heartbeat (8 s) after the start; waiting for the clock to pass
     // the Node's heartbeats first would make it 14 s.
     eventually(

@@ -80,32 +80,48 @@ pub fn status_mib(pid: u32, key: &str) -> f64 {
     kb / 1024.0
 }
 
-/// The sum of `keys` (`Pss:`, `Private_Dirty:`, ...) in /proc/PID/smaps_rollup,
-/// in MiB (0 once the process is gone). RSS counts the pages a process
-/// shares with every other copy of the same binary and libraries in full:
-/// what one more process costs is its private pages, and what a set of
-/// processes costs together is the sum of their `Pss`.
-pub fn rollup_mib(pid: u32, keys: &[&str]) -> f64 {
-    let rollup = match std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) {
+/// A process's memory from /proc/PID/smaps_rollup, in MiB (0 once the
+/// process is gone). RSS counts the pages a process shares with every other
+/// copy of the same binary and libraries in full: what one more process
+/// costs is its private pages, and what a set of processes costs together
+/// is the sum of their `Pss`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Rollup {
+    pub private: f64,
+    pub pss: f64,
+}
+
+pub fn rollup(pid: u32) -> Rollup {
+    let text = match std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) {
         Ok(r) => r,
         // Gone since it was listed (a zombie reads as empty).
         Err(e)
             if e.kind() == std::io::ErrorKind::NotFound
                 || e.raw_os_error() == Some(libc::ESRCH) =>
         {
-            return 0.0;
+            return Rollup::default();
         }
         Err(e) => panic!("/proc/{pid}/smaps_rollup: {e} (the bench needs to own the process)"),
     };
-    let kb: f64 = rollup
-        .lines()
-        .filter_map(|l| {
-            let (key, rest) = l.split_once(char::is_whitespace)?;
-            keys.contains(&key).then_some(rest)
-        })
-        .filter_map(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
-        .sum();
-    kb / 1024.0
+    let mut r = Rollup::default();
+    for line in text.lines() {
+        let Some((key, rest)) = line.split_once(char::is_whitespace) else {
+            continue;
+        };
+        let Some(kb) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
+            continue;
+        };
+        match key {
+            "Private_Clean:" | "Private_Dirty:" => r.private += kb / 1024.0,
+            "Pss:" => r.pss += kb / 1024.0,
+            _ => {}
+        }
+    }
+    r
 }
 
 /// Forgets which of `pid`'s pages were touched (`/proc/PID/clear_refs`),

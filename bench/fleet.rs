@@ -571,9 +571,27 @@ impl Fleet {
             .collect()
     }
 
-    /// Seconds from `t0` (taken before the first member was started: on a
-    /// loaded host starting 1,000 processes takes a minute and more) until
-    /// every member answers ready.
+    /// Starts every member at once, and the seconds from before the first
+    /// start (on a loaded host starting 1,000 processes takes a minute and
+    /// more) until every one answers ready.
+    async fn start_until_ready(
+        &self,
+        side: Side,
+        run: usize,
+        nodes: &[String],
+    ) -> (Vec<Member>, f64) {
+        let t0 = Instant::now();
+        let mut members = self.start_all(side, run, nodes);
+        eprintln!(
+            "fleet: {} started in {:.1} s",
+            members.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        let took = self.until_ready(side, &mut members, t0).await;
+        (members, took)
+    }
+
+    /// Seconds from `t0` until every member answers ready.
     async fn until_ready(&self, side: Side, members: &mut [Member], t0: Instant) -> f64 {
         let path = match side {
             Side::Nodeguard => "/readyz",
@@ -645,10 +663,8 @@ impl Fleet {
         let idle = control_plane_load(&self.control_plane, Duration::from_secs(15)).await;
         let watches_before = watches(&apiserver_metrics(admin).await);
         eprintln!("fleet: run {run}, {}: starting {n} processes", side.label());
-        let t0 = Instant::now();
-        let mut members = self.start_all(side, run, &nodes);
-        eprintln!("fleet: {n} started in {:.1} s", t0.elapsed().as_secs_f64());
-        s.ready_all = self.until_ready(side, &mut members, t0).await;
+        let (mut members, ready_all) = self.start_until_ready(side, run, &nodes).await;
+        s.ready_all = ready_all;
         eprintln!("fleet: all {n} ready in {:.1} s", s.ready_all);
 
         // Steady state.
@@ -694,20 +710,18 @@ impl Fleet {
             .map(|t| t.iter().map(|&p| status_mib(p, "VmRSS:")).sum())
             .collect();
         s.member_rss = median(rss);
-        let private: Vec<f64> = member_trees
+        // Each process's smaps_rollup read once, for both figures.
+        let rollups: Vec<Vec<Rollup>> = member_trees
             .iter()
-            .map(|t| {
-                t.iter()
-                    .map(|&p| rollup_mib(p, &["Private_Clean:", "Private_Dirty:"]))
-                    .sum()
-            })
+            .map(|t| t.iter().map(|&p| rollup(p)).collect())
             .collect();
-        s.member_private = median(private);
-        s.fleet_pss = member_trees
-            .iter()
-            .flatten()
-            .map(|&p| rollup_mib(p, &["Pss:"]))
-            .sum();
+        s.member_private = median(
+            rollups
+                .iter()
+                .map(|t| t.iter().map(|r| r.private).sum())
+                .collect(),
+        );
+        s.fleet_pss = rollups.iter().flatten().map(|r| r.pss).sum();
         s.member_cpu = (member_cpu1 - member_cpu0) / secs * 100.0 / n as f64;
         eprintln!("fleet: steady: {s:?}");
 
@@ -727,9 +741,8 @@ impl Fleet {
             let _ = m.child.wait();
         }
         drop(members);
-        let t0 = Instant::now();
-        let mut members = self.start_all(side, run, &nodes);
-        s.rollout_ready = self.until_ready(side, &mut members, t0).await;
+        let (mut members, rollout_ready) = self.start_until_ready(side, run, &nodes).await;
+        s.rollout_ready = rollout_ready;
         tokio::time::sleep(Duration::from_secs(3)).await;
         let (cache1, etcd1) = list_counters(&apiserver_metrics(admin).await);
         let requests = audited(&self.audit_log, offset, &side.user());

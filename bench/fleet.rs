@@ -23,7 +23,12 @@
 //! (default 60; each ships with 300) so the steady window sees heartbeats.
 //! Measured per run:
 //! - startup: all processes started at once, from the first start until
-//!   every one is ready (nodeguard's `/readyz`, NPD's `/healthz`);
+//!   every one is ready (nodeguard's `/readyz`, NPD's `/healthz`), and
+//!   where that time went: how long starting the processes took, the CPU
+//!   (core-seconds) of the processes, the API server, etcd and the whole
+//!   host against what the host's cores had, the side's requests, those
+//!   answered 429, and how long the API server took to answer them (the
+//!   audit log's received and completed times); the same for the rollout;
 //! - steady state over `NODEGUARD_FLEET_STEADY_SECONDS` (default 120):
 //!   requests per second by verb and resource (audit log), writes per node
 //!   per heartbeat, watches open (the API server's
@@ -154,6 +159,9 @@ struct Audited {
     name: String,
     /// Seconds since the epoch.
     at: f64,
+    /// From the API server receiving the request until this entry's stage
+    /// (s): for anything but a watch, the time it took to answer.
+    took: f64,
     /// The response's status code (0 when the log has none).
     code: u64,
 }
@@ -186,19 +194,61 @@ fn audited(log: &Path, offset: u64, user: &str) -> Vec<Audited> {
             if let Some(sub) = o["subresource"].as_str() {
                 resource = format!("{resource}/{sub}");
             }
-            let at = e["stageTimestamp"]
-                .as_str()
-                .and_then(|t| t.parse::<jiff::Timestamp>().ok())
-                .map_or(0.0, |t| t.as_millisecond() as f64 / 1000.0);
+            let seconds = |field: &str| {
+                e[field]
+                    .as_str()
+                    .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+                    .map(|t| t.as_microsecond() as f64 / 1e6)
+            };
+            let at = seconds("stageTimestamp").unwrap_or(0.0);
             Audited {
                 verb: e["verb"].as_str().unwrap_or("?").to_string(),
                 resource,
                 name: o["name"].as_str().unwrap_or("").to_string(),
                 at,
+                took: seconds("requestReceivedTimestamp").map_or(0.0, |r| (at - r).max(0.0)),
                 code: e["responseStatus"]["code"].as_u64().unwrap_or(0),
             }
         })
         .collect()
+}
+
+/// Seconds since the epoch, as the audit log's timestamps.
+fn epoch_now() -> f64 {
+    jiff::Timestamp::now().as_microsecond() as f64 / 1e6
+}
+
+/// The whole host's busy CPU (core-seconds since boot: /proc/stat's first
+/// line but idle, iowait and steal) and its number of cores.
+fn host_cpu() -> (f64, usize) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .skip(1)
+        .map(|t| t.parse().unwrap())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is in user).
+    let busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6];
+    let cores = stat
+        .lines()
+        .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
+        .count();
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (busy as f64 / hz, cores)
+}
+
+/// The `q` quantile of `v` (nearest rank); 0 for none.
+fn percentile(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 fn file_len(path: &Path) -> u64 {
@@ -328,7 +378,7 @@ async fn control_plane_load(cp: &ControlPlane, window: Duration) -> ((f64, f64),
 
 #[derive(Default, Clone, Debug)]
 struct Sample {
-    ready_all: f64,
+    start: StartSample,
     /// `verb resource` → requests per second.
     steady_rps: BTreeMap<String, f64>,
     steady_writes_per_node_per_heartbeat: f64,
@@ -349,8 +399,38 @@ struct Sample {
     rollout_lists: f64,
     rollout_cache_lists: f64,
     rollout_etcd_lists: f64,
-    rollout_ready: f64,
+    rollout: StartSample,
     restart: RestartSample,
+}
+
+/// All of one side's processes started at once, until every one is ready:
+/// where the time went. CPU figures are core-seconds over that time.
+#[derive(Default, Clone, Debug)]
+struct StartSample {
+    /// From before the first start until every one answered ready (s).
+    ready: f64,
+    /// Of which starting the processes (s).
+    spawn: f64,
+    /// The processes' own CPU, with their children, until ready.
+    fleet_cpu: f64,
+    /// One process's, median (ms).
+    agent_cpu_ms: f64,
+    apiserver_cpu: f64,
+    etcd_cpu: f64,
+    /// Every process on the host (/proc/stat: all but idle, iowait and
+    /// steal), the bench's own included.
+    host_busy: f64,
+    /// The host's cores times the time until ready: what there was.
+    host_capacity: f64,
+    /// The side's requests the audit log holds from before the first
+    /// start until all were ready, per process.
+    requests_per_agent: f64,
+    /// Of those, answered 429.
+    throttled: f64,
+    /// How long the API server took to answer them (watches left out),
+    /// median and 99th percentile (s).
+    answer_p50: f64,
+    answer_p99: f64,
 }
 
 /// The API server stopped under the fleet and started again.
@@ -573,22 +653,59 @@ impl Fleet {
 
     /// Starts every member at once, and the seconds from before the first
     /// start (on a loaded host starting 1,000 processes takes a minute and
-    /// more) until every one answers ready.
+    /// more) until every one answers ready, with where the time went.
     async fn start_until_ready(
         &self,
         side: Side,
         run: usize,
         nodes: &[String],
-    ) -> (Vec<Member>, f64) {
+    ) -> (Vec<Member>, StartSample) {
+        let offset = file_len(&self.audit_log);
+        let host0 = host_cpu();
+        let (api0, etcd0) = self.control_plane.cpu();
+        let epoch0 = epoch_now();
         let t0 = Instant::now();
         let mut members = self.start_all(side, run, nodes);
-        eprintln!(
-            "fleet: {} started in {:.1} s",
-            members.len(),
-            t0.elapsed().as_secs_f64()
-        );
-        let took = self.until_ready(side, &mut members, t0).await;
-        (members, took)
+        let spawn = t0.elapsed().as_secs_f64();
+        eprintln!("fleet: {} started in {spawn:.1} s", members.len());
+        let ready = self.until_ready(side, &mut members, t0).await;
+        let epoch1 = epoch_now();
+        let host1 = host_cpu();
+        let (api1, etcd1) = self.control_plane.cpu();
+        let pids: Vec<u32> = members.iter().map(|m| m.child.id()).collect();
+        let cpu: Vec<f64> = trees(&pids)
+            .iter()
+            .map(|t| t.iter().copied().map(cpu_seconds).sum())
+            .collect();
+        // The audit log's entries of the last requests are written as they
+        // complete.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let requests: Vec<Audited> = audited(&self.audit_log, offset, &side.user())
+            .into_iter()
+            .filter(|q| q.at >= epoch0 && q.at <= epoch1)
+            .collect();
+        let answered: Vec<f64> = requests
+            .iter()
+            .filter(|q| q.verb != "watch")
+            .map(|q| q.took)
+            .collect();
+        let n = members.len() as f64;
+        let s = StartSample {
+            ready,
+            spawn,
+            fleet_cpu: cpu.iter().sum(),
+            agent_cpu_ms: median(cpu) * 1000.0,
+            apiserver_cpu: api1 - api0,
+            etcd_cpu: etcd1 - etcd0,
+            host_busy: host1.0 - host0.0,
+            host_capacity: ready * host0.1 as f64,
+            requests_per_agent: requests.len() as f64 / n,
+            throttled: requests.iter().filter(|q| q.code == 429).count() as f64,
+            answer_p50: percentile(&answered, 0.5),
+            answer_p99: percentile(&answered, 0.99),
+        };
+        eprintln!("fleet: start: {s:?}");
+        (members, s)
     }
 
     /// Seconds from `t0` until every member answers ready.
@@ -663,9 +780,9 @@ impl Fleet {
         let idle = control_plane_load(&self.control_plane, Duration::from_secs(15)).await;
         let watches_before = watches(&apiserver_metrics(admin).await);
         eprintln!("fleet: run {run}, {}: starting {n} processes", side.label());
-        let (mut members, ready_all) = self.start_until_ready(side, run, &nodes).await;
-        s.ready_all = ready_all;
-        eprintln!("fleet: all {n} ready in {:.1} s", s.ready_all);
+        let (mut members, start) = self.start_until_ready(side, run, &nodes).await;
+        s.start = start;
+        eprintln!("fleet: all {n} ready in {:.1} s", s.start.ready);
 
         // Steady state.
         tokio::time::sleep(Duration::from_secs(15)).await;
@@ -741,9 +858,9 @@ impl Fleet {
             let _ = m.child.wait();
         }
         drop(members);
-        let (mut members, rollout_ready) = self.start_until_ready(side, run, &nodes).await;
-        s.rollout_ready = rollout_ready;
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        let (mut members, rollout) = self.start_until_ready(side, run, &nodes).await;
+        s.rollout = rollout;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let (cache1, etcd1) = list_counters(&apiserver_metrics(admin).await);
         let requests = audited(&self.audit_log, offset, &side.user());
         s.rollout_lists = requests.iter().filter(|r| r.verb == "list").count() as f64;
@@ -751,7 +868,7 @@ impl Fleet {
         s.rollout_etcd_lists = etcd1 - etcd0;
         eprintln!(
             "fleet: rollout: ready in {:.1} s, {} LISTs ({} from the watch cache, {} to etcd, all clients)",
-            s.rollout_ready, s.rollout_lists, s.rollout_cache_lists, s.rollout_etcd_lists
+            s.rollout.ready, s.rollout_lists, s.rollout_cache_lists, s.rollout_etcd_lists
         );
         s.restart = self.restart(admin, side, run, &nodes).await;
         for m in &mut members {
@@ -1299,6 +1416,91 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     let cluster = |name: &str, f: &dyn Fn(&Sample) -> Option<f64>, digits: usize| {
         put(name, f, digits, Scale::Cluster)
     };
+    // Where a start's time went: the same rows for the first start and the
+    // rollout.
+    let start_rows = |phase: &str| {
+        let pick: fn(&Sample) -> &StartSample = if phase == "startup" {
+            |s| &s.start
+        } else {
+            |s| &s.rollout
+        };
+        let rows: [StartRow; 11] = [
+            (
+                "of which starting the processes (s)",
+                |t| t.spawn,
+                1,
+                Scale::Each,
+            ),
+            (
+                "the processes' CPU until all ready, whole fleet (core-seconds, with children)",
+                |t| t.fleet_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "one process's CPU until all ready, median (ms, with children)",
+                |t| t.agent_cpu_ms,
+                0,
+                Scale::Each,
+            ),
+            (
+                "API server CPU until all ready (core-seconds)",
+                |t| t.apiserver_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "etcd CPU until all ready (core-seconds)",
+                |t| t.etcd_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "the host's busy CPU until all ready, every process (core-seconds)",
+                |t| t.host_busy,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "the host's cores × the time until all ready (core-seconds there were)",
+                |t| t.host_capacity,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "the side's requests until all ready, per process",
+                |t| t.requests_per_agent,
+                1,
+                Scale::Each,
+            ),
+            (
+                "of those answered 429, whole fleet",
+                |t| t.throttled,
+                0,
+                Scale::Fleet,
+            ),
+            (
+                "the API server's time to answer them (watches left out), median (s)",
+                |t| t.answer_p50,
+                3,
+                Scale::Each,
+            ),
+            (
+                "likewise, 99th percentile (s)",
+                |t| t.answer_p99,
+                2,
+                Scale::Each,
+            ),
+        ];
+        for (name, f, digits, scale) in rows {
+            put(
+                &format!("{phase}: {name}"),
+                &move |s| Some(f(pick(s))),
+                digits,
+                scale,
+            );
+        }
+    };
     let caption = format!(
         "A fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
          nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
@@ -1312,9 +1514,10 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
     row(
         "startup: all started at once, until every one is ready (s)",
-        &|s| Some(s.ready_all),
+        &|s| Some(s.start.ready),
         1,
     );
+    start_rows("startup");
     let mut keys: Vec<String> = samples
         .iter()
         .flat_map(|(_, s)| s.steady_rps.keys().cloned())
@@ -1434,9 +1637,10 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     );
     row(
         "rollout: until every one is ready again (s)",
-        &|s| Some(s.rollout_ready),
+        &|s| Some(s.rollout.ready),
         1,
     );
+    start_rows("rollout");
     let out = st.outage.as_secs();
     row(
         &format!("restart (API server away {out} s): from its start until it is ready (s)"),
@@ -1564,6 +1768,10 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         compare(&baseline, st.agents, &printed.into_inner());
     }
 }
+
+/// A row of the start's figures: its name, its figure, its digits, how it
+/// compares across fleet sizes.
+type StartRow = (&'static str, fn(&StartSample) -> f64, usize, Scale);
 
 /// How a figure compares across fleet sizes.
 #[derive(Clone, Copy, PartialEq)]

@@ -68,6 +68,81 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     })
 }
 
+/// One process's CPU at one moment, in seconds.
+#[derive(Clone, Debug)]
+pub struct ProcCpu {
+    pub command: String,
+    pub ppid: u32,
+    /// Its start, in clock ticks since boot: tells a reused pid apart.
+    pub start: u64,
+    /// Its own utime + stime.
+    pub own: f64,
+    /// Its reaped children's (cutime + cstime): a child that exited and was
+    /// waited for counts here.
+    pub reaped: f64,
+}
+
+/// Every process on the host, by pid, from one pass over /proc.
+pub fn host_processes() -> std::collections::BTreeMap<u32, ProcCpu> {
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let command = text[text.find('(')? + 1..text.rfind(')')?].to_string();
+            let f: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();
+            // f[0] is field 3 (state); field N is f[N - 3].
+            let num = |n: usize| f.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+            Some((
+                pid,
+                ProcCpu {
+                    command,
+                    ppid: num(4)? as u32,
+                    start: num(22)?,
+                    own: (num(14)? + num(15)?) as f64 / hz,
+                    reaped: (num(16)? + num(17)?) as f64 / hz,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// The CPU (seconds) `pids` used between two [`host_processes`], their
+/// reaped children's included: a process new since `before` counts whole.
+pub fn cpu_between(
+    before: &std::collections::BTreeMap<u32, ProcCpu>,
+    after: &std::collections::BTreeMap<u32, ProcCpu>,
+    pids: impl IntoIterator<Item = u32>,
+) -> f64 {
+    pids.into_iter()
+        .filter_map(|pid| {
+            let a = after.get(&pid)?;
+            let (own, reaped) = match before.get(&pid) {
+                Some(b) if b.start == a.start => (b.own, b.reaped),
+                _ => (0.0, 0.0),
+            };
+            Some(a.own - own + a.reaped - reaped)
+        })
+        .sum()
+}
+
+/// [`cpu_between`] of every process alive at `after`, by command name.
+pub fn cpu_by_command(
+    before: &std::collections::BTreeMap<u32, ProcCpu>,
+    after: &std::collections::BTreeMap<u32, ProcCpu>,
+) -> Vec<(String, f64)> {
+    let mut by: std::collections::BTreeMap<&str, f64> = Default::default();
+    for (&pid, p) in after {
+        *by.entry(p.command.as_str()).or_default() += cpu_between(before, after, [pid]);
+    }
+    let mut v: Vec<(String, f64)> = by.into_iter().map(|(c, s)| (c.to_string(), s)).collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
+}
+
 /// A `VmRSS`/`VmHWM` line of /proc/PID/status, in MiB.
 pub fn status_mib(pid: u32, key: &str) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();

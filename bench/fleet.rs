@@ -72,6 +72,9 @@
 //! puts each figure beside the baseline's, per node where it is the whole
 //! fleet's, with their ratio: whether the projection holds.
 //!
+//! `NODEGUARD_FLEET_ONLY_START=1` runs the start only, and reports where its
+//! time went (a profile of the start-up storm in minutes).
+//!
 //! `NODEGUARD_BENCH_RUNS` runs (default 3) alternate which side goes first;
 //! each figure is the median over runs. The co-located processes share one
 //! host's inotify instances (journald readers use one each): the bench
@@ -136,6 +139,9 @@ struct Settings {
     steady: Duration,
     heartbeat: u64,
     outage: Duration,
+    /// Only the first start, then the report of it (a profile of the
+    /// start-up storm in minutes instead of the whole bench).
+    only_start: bool,
 }
 
 /// One fleet process; killed on drop whatever happened.
@@ -218,9 +224,17 @@ fn epoch_now() -> f64 {
     jiff::Timestamp::now().as_microsecond() as f64 / 1e6
 }
 
-/// The whole host's busy CPU (core-seconds since boot: /proc/stat's first
-/// line but idle, iowait and steal) and its number of cores.
-fn host_cpu() -> (f64, usize) {
+/// The whole host's CPU since boot (core-seconds, /proc/stat's first line).
+#[derive(Clone, Copy, Default)]
+struct HostCpu {
+    /// All but idle, iowait and steal.
+    busy: f64,
+    /// Of which serving interrupts (irq and softirq): no process's.
+    interrupts: f64,
+    cores: usize,
+}
+
+fn host_cpu() -> HostCpu {
     let stat = std::fs::read_to_string("/proc/stat").unwrap();
     let ticks: Vec<u64> = stat
         .lines()
@@ -230,15 +244,17 @@ fn host_cpu() -> (f64, usize) {
         .skip(1)
         .map(|t| t.parse().unwrap())
         .collect();
-    // user nice system idle iowait irq softirq steal (guest time is in user).
-    let busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6];
-    let cores = stat
-        .lines()
-        .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
-        .count();
     // SAFETY: sysconf reads a constant.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    (busy as f64 / hz, cores)
+    // user nice system idle iowait irq softirq steal (guest time is in user).
+    HostCpu {
+        busy: (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) as f64 / hz,
+        interrupts: (ticks[5] + ticks[6]) as f64 / hz,
+        cores: stat
+            .lines()
+            .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
+            .count(),
+    }
 }
 
 /// The `q` quantile of `v` (nearest rank); 0 for none.
@@ -343,15 +359,17 @@ impl ControlPlane {
             dir: kubeconfig_path().parent().unwrap().to_path_buf(),
         }
     }
+    /// The pid of the control plane's process `name` (`e2e/cluster/ctl`'s
+    /// names).
+    fn pid(&self, name: &str) -> u32 {
+        std::fs::read_to_string(self.dir.join(format!("{name}.pid")))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
     fn pids(&self) -> (u32, u32) {
-        let pid = |name: &str| -> u32 {
-            std::fs::read_to_string(self.dir.join(format!("{name}.pid")))
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap()
-        };
-        (pid("kube-apiserver"), pid("etcd"))
+        (self.pid("kube-apiserver"), self.pid("etcd"))
     }
     fn cpu(&self) -> (f64, f64) {
         let (apiserver, etcd) = self.pids();
@@ -411,12 +429,23 @@ struct StartSample {
     ready: f64,
     /// Of which starting the processes (s).
     spawn: f64,
-    /// The processes' own CPU, with their children, until ready.
+    /// The processes' own CPU until ready, with their children: alive ones,
+    /// and those reaped in their own figure.
     fleet_cpu: f64,
     /// One process's, median (ms).
     agent_cpu_ms: f64,
     apiserver_cpu: f64,
     etcd_cpu: f64,
+    /// kube-controller-manager's and kube-scheduler's.
+    controllers_cpu: f64,
+    /// The bench's own (starting the processes, asking each if it is
+    /// ready), its reaped children's (kubectl) included.
+    bench_cpu: f64,
+    /// Serving interrupts (/proc/stat's irq and softirq): no process's.
+    interrupts: f64,
+    /// The host's busy CPU less all of the above: other processes, and
+    /// processes that exited unreaped.
+    rest_cpu: f64,
     /// Every process on the host (/proc/stat: all but idle, iowait and
     /// steal), the bench's own included.
     host_busy: f64,
@@ -662,7 +691,7 @@ impl Fleet {
     ) -> (Vec<Member>, StartSample) {
         let offset = file_len(&self.audit_log);
         let host0 = host_cpu();
-        let (api0, etcd0) = self.control_plane.cpu();
+        let procs0 = host_processes();
         let epoch0 = epoch_now();
         let t0 = Instant::now();
         let mut members = self.start_all(side, run, nodes);
@@ -671,12 +700,45 @@ impl Fleet {
         let ready = self.until_ready(side, &mut members, t0).await;
         let epoch1 = epoch_now();
         let host1 = host_cpu();
-        let (api1, etcd1) = self.control_plane.cpu();
-        let pids: Vec<u32> = members.iter().map(|m| m.child.id()).collect();
-        let cpu: Vec<f64> = trees(&pids)
+        let procs1 = host_processes();
+        // Each member with its children (alive ones here, reaped ones in
+        // its own figure).
+        let member_cpu: Vec<f64> = members
             .iter()
-            .map(|t| t.iter().copied().map(cpu_seconds).sum())
+            .map(|m| {
+                let mut tree = vec![m.child.id()];
+                let mut i = 0;
+                while i < tree.len() {
+                    let parent = tree[i];
+                    tree.extend(
+                        procs1
+                            .iter()
+                            .filter(|(_, p)| p.ppid == parent)
+                            .map(|(&pid, _)| pid),
+                    );
+                    i += 1;
+                }
+                cpu_between(&procs0, &procs1, tree)
+            })
             .collect();
+        let pid = |name: &str| self.control_plane.pid(name);
+        let cpu = |pids: &[u32]| cpu_between(&procs0, &procs1, pids.iter().copied());
+        let fleet_cpu: f64 = member_cpu.iter().sum();
+        let apiserver_cpu = cpu(&[pid("kube-apiserver")]);
+        let etcd_cpu = cpu(&[pid("etcd")]);
+        let controllers_cpu = cpu(&[pid("kube-controller-manager"), pid("kube-scheduler")]);
+        let bench_cpu = cpu(&[std::process::id()]);
+        let host_busy = host1.busy - host0.busy;
+        let interrupts = host1.interrupts - host0.interrupts;
+        let by_command = cpu_by_command(&procs0, &procs1);
+        eprintln!(
+            "fleet: start: CPU by command (core-seconds; a process's reaped children in its own): {:?}",
+            by_command
+                .iter()
+                .filter(|c| c.1 > 0.0)
+                .take(12)
+                .collect::<Vec<_>>()
+        );
         // The audit log's entries of the last requests are written as they
         // complete.
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -693,12 +755,22 @@ impl Fleet {
         let s = StartSample {
             ready,
             spawn,
-            fleet_cpu: cpu.iter().sum(),
-            agent_cpu_ms: median(cpu) * 1000.0,
-            apiserver_cpu: api1 - api0,
-            etcd_cpu: etcd1 - etcd0,
-            host_busy: host1.0 - host0.0,
-            host_capacity: ready * host0.1 as f64,
+            fleet_cpu,
+            agent_cpu_ms: median(member_cpu) * 1000.0,
+            apiserver_cpu,
+            etcd_cpu,
+            controllers_cpu,
+            bench_cpu,
+            interrupts,
+            rest_cpu: host_busy
+                - fleet_cpu
+                - apiserver_cpu
+                - etcd_cpu
+                - controllers_cpu
+                - bench_cpu
+                - interrupts,
+            host_busy,
+            host_capacity: ready * host0.cores as f64,
             requests_per_agent: requests.len() as f64 / n,
             throttled: requests.iter().filter(|q| q.code == 429).count() as f64,
             answer_p50: percentile(&answered, 0.5),
@@ -783,6 +855,9 @@ impl Fleet {
         let (mut members, start) = self.start_until_ready(side, run, &nodes).await;
         s.start = start;
         eprintln!("fleet: all {n} ready in {:.1} s", s.start.ready);
+        if self.settings.only_start {
+            return s;
+        }
 
         // Steady state.
         tokio::time::sleep(Duration::from_secs(15)).await;
@@ -1286,6 +1361,7 @@ fn main() {
         steady: Duration::from_secs(env_or("NODEGUARD_FLEET_STEADY_SECONDS", 120)),
         heartbeat: env_or("NODEGUARD_FLEET_HEARTBEAT_SECONDS", 60),
         outage: Duration::from_secs(env_or("NODEGUARD_FLEET_OUTAGE_SECONDS", 30)),
+        only_start: env_or("NODEGUARD_FLEET_ONLY_START", 0) == 1,
     };
     let repo = repo_root();
     let policy = kubeconfig_path().with_file_name("audit-policy.yaml");
@@ -1424,7 +1500,7 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         } else {
             |s| &s.rollout
         };
-        let rows: [StartRow; 11] = [
+        let rows: [StartRow; 15] = [
             (
                 "of which starting the processes (s)",
                 |t| t.spawn,
@@ -1452,6 +1528,30 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
             (
                 "etcd CPU until all ready (core-seconds)",
                 |t| t.etcd_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "controller-manager and scheduler CPU until all ready (core-seconds)",
+                |t| t.controllers_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "the bench's own CPU until all ready (core-seconds: starting the processes, asking each if it is ready)",
+                |t| t.bench_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "interrupts until all ready (core-seconds, no process's)",
+                |t| t.interrupts,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "the rest of the host's busy CPU until all ready (core-seconds: other processes, and processes gone unreaped)",
+                |t| t.rest_cpu,
                 1,
                 Scale::Fleet,
             ),
@@ -1518,6 +1618,10 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         1,
     );
     start_rows("startup");
+    if st.only_start {
+        println!("\n(NODEGUARD_FLEET_ONLY_START=1: the start only.)");
+        return;
+    }
     let mut keys: Vec<String> = samples
         .iter()
         .flat_map(|(_, s)| s.steady_rps.keys().cloned())

@@ -74,9 +74,10 @@
 //!
 //! `NODEGUARD_FLEET_ONLY_START=1` runs the start only, and reports where its
 //! time went (a profile of the start-up storm in minutes).
-//! `NODEGUARD_FLEET_WITHOUT_JOURNALD=1` leaves the journald monitors out of
-//! nodeguard's policy (NPD keeps its own), to measure what their
-//! `journalctl` children cost; the caption says so.
+//! `NODEGUARD_FLEET_WITHOUT_JOURNALD=1` leaves the two journald monitors out
+//! of nodeguard's policy (NPD keeps its own), to measure what they cost a
+//! start: their `journalctl` children, and their four conditions; the
+//! caption says so.
 //!
 //! `NODEGUARD_BENCH_RUNS` runs (default 3) alternate which side goes first;
 //! each figure is the median over runs. The co-located processes share one
@@ -145,8 +146,9 @@ struct Settings {
     /// Only the first start, then the report of it (a profile of the
     /// start-up storm in minutes instead of the whole bench).
     only_start: bool,
-    /// nodeguard's policy without its journald monitors: what their
-    /// `journalctl` children cost a start (a diagnosis; NPD keeps its own).
+    /// nodeguard's policy without its journald monitors: what they cost a
+    /// start, their `journalctl` children and their four conditions (a
+    /// diagnosis; NPD keeps its own).
     without_journald: bool,
 }
 
@@ -171,6 +173,8 @@ struct Audited {
     name: String,
     /// Seconds since the epoch.
     at: f64,
+    /// When the API server received it (seconds since the epoch).
+    received: f64,
     /// From the API server receiving the request until this entry's stage
     /// (s): for anything but a watch, the time it took to answer.
     took: f64,
@@ -218,6 +222,7 @@ fn audited(log: &Path, offset: u64, user: &str) -> Vec<Audited> {
                 resource,
                 name: o["name"].as_str().unwrap_or("").to_string(),
                 at,
+                received: seconds("requestReceivedTimestamp").unwrap_or(at),
                 took: seconds("requestReceivedTimestamp").map_or(0.0, |r| (at - r).max(0.0)),
                 code: e["responseStatus"]["code"].as_u64().unwrap_or(0),
             }
@@ -235,8 +240,12 @@ fn epoch_now() -> f64 {
 struct HostCpu {
     /// All but idle, iowait and steal.
     busy: f64,
-    /// Of which serving interrupts (irq and softirq): no process's.
+    /// Of which serving interrupts (irq and softirq). A kernel without
+    /// `CONFIG_IRQ_TIME_ACCOUNTING` (this test bed's) also counts those ticks
+    /// in the interrupted process's system time.
     interrupts: f64,
+    /// Taken by the hypervisor: the cores did not have it.
+    steal: f64,
     cores: usize,
 }
 
@@ -256,6 +265,7 @@ fn host_cpu() -> HostCpu {
     HostCpu {
         busy: (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) as f64 / hz,
         interrupts: (ticks[5] + ticks[6]) as f64 / hz,
+        steal: ticks[7] as f64 / hz,
         cores: stat
             .lines()
             .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
@@ -447,23 +457,26 @@ struct StartSample {
     /// The bench's own (starting the processes, asking each if it is
     /// ready), its reaped children's (kubectl) included.
     bench_cpu: f64,
-    /// Serving interrupts (/proc/stat's irq and softirq): no process's.
+    /// Of the host's busy CPU, serving interrupts (/proc/stat's irq and
+    /// softirq); on a kernel that does not account interrupt time apart,
+    /// also inside the figures of the processes interrupted.
     interrupts: f64,
-    /// The host's busy CPU less all of the above: other processes, and
-    /// processes that exited unreaped.
+    /// The host's busy CPU less the processes above: other processes,
+    /// processes gone unreaped, and interrupts where accounted apart.
     rest_cpu: f64,
     /// Every process on the host (/proc/stat: all but idle, iowait and
     /// steal), the bench's own included.
     host_busy: f64,
-    /// The host's cores times the time until ready: what there was.
+    /// The host's cores times the time until ready, less what the
+    /// hypervisor took (steal): what there was.
     host_capacity: f64,
-    /// The side's requests the audit log holds from before the first
-    /// start until all were ready, per process.
+    /// The side's requests received from before the first start until
+    /// all were ready, per process (those answered within 12 s of it).
     requests_per_agent: f64,
     /// Of those, answered 429.
     throttled: f64,
-    /// How long the API server took to answer them (watches left out),
-    /// median and 99th percentile (s).
+    /// How long the API server took to answer them (watches and 429s left
+    /// out), median and 99th percentile (s).
     answer_p50: f64,
     answer_p99: f64,
 }
@@ -586,37 +599,7 @@ impl Fleet {
     }
 
     async fn delete_nodes(&self, admin: &Client, side: Side, run: usize) {
-        let group = side.group(run);
-        let lp = ListParams::default().labels(&format!("{FLEET_LABEL}={group}"));
-        let now = DeleteParams {
-            grace_period_seconds: Some(0),
-            ..Default::default()
-        };
-        let pods = Api::<Pod>::namespaced(admin.clone(), NS);
-        let nodes = Api::<Node>::all(admin.clone());
-        // One delete of 30,000 pods can end (its deadline) before all are
-        // gone, and the next side creates the same names: until none is left.
-        let t0 = Instant::now();
-        loop {
-            let _ = pods.delete_collection(&now, &lp).await;
-            let _ = nodes.delete_collection(&DeleteParams::default(), &lp).await;
-            let one = lp.clone().limit(1);
-            let left = match (
-                pods.list_metadata(&one).await,
-                nodes.list_metadata(&one).await,
-            ) {
-                (Ok(p), Ok(n)) => p.items.len() + n.items.len(),
-                _ => 1,
-            };
-            if left == 0 {
-                return;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(300),
-                "the fleet's Nodes and pods of {group} are still there after 300 s"
-            );
-            tokio::time::sleep(Duration::from_secs(2)).await;
-        }
+        delete_until_gone(admin, &format!("{FLEET_LABEL}={}", side.group(run))).await;
     }
 
     /// Member `i`'s port: fixed, below the ephemeral range, so two members
@@ -715,6 +698,8 @@ impl Fleet {
         nodes: &[String],
     ) -> (Vec<Member>, StartSample) {
         let offset = file_len(&self.audit_log);
+        // The host's window holds the processes' (each look at /proc takes
+        // a while).
         let host0 = host_cpu();
         let procs0 = host_processes();
         let epoch0 = epoch_now();
@@ -724,8 +709,8 @@ impl Fleet {
         eprintln!("fleet: {} started in {spawn:.1} s", members.len());
         let ready = self.until_ready(side, &mut members, t0).await;
         let epoch1 = epoch_now();
-        let host1 = host_cpu();
         let procs1 = host_processes();
+        let host1 = host_cpu();
         // Each member with its children (alive ones here, reaped ones in
         // its own figure).
         let member_cpu: Vec<f64> = members
@@ -764,16 +749,17 @@ impl Fleet {
                 .take(12)
                 .collect::<Vec<_>>()
         );
-        // The audit log's entries of the last requests are written as they
-        // complete.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // The requests received until all were ready, as the audit log
+        // has them once answered: a request still queued when the last one
+        // was ready is answered (or given up by its client, 10 s) after it.
+        tokio::time::sleep(Duration::from_secs(12)).await;
         let requests: Vec<Audited> = audited(&self.audit_log, offset, &side.user())
             .into_iter()
-            .filter(|q| q.at >= epoch0 && q.at <= epoch1)
+            .filter(|q| q.received >= epoch0 && q.received <= epoch1)
             .collect();
         let answered: Vec<f64> = requests
             .iter()
-            .filter(|q| q.verb != "watch")
+            .filter(|q| q.verb != "watch" && q.code != 429)
             .map(|q| q.took)
             .collect();
         let n = members.len() as f64;
@@ -792,10 +778,9 @@ impl Fleet {
                 - apiserver_cpu
                 - etcd_cpu
                 - controllers_cpu
-                - bench_cpu
-                - interrupts,
+                - bench_cpu,
             host_busy,
-            host_capacity: ready * host0.cores as f64,
+            host_capacity: ready * host0.cores as f64 - (host1.steal - host0.steal),
             requests_per_agent: requests.len() as f64 / n,
             throttled: requests.iter().filter(|q| q.code == 429).count() as f64,
             answer_p50: percentile(&answered, 0.5),
@@ -962,7 +947,6 @@ impl Fleet {
         drop(members);
         let (mut members, rollout) = self.start_until_ready(side, run, &nodes).await;
         s.rollout = rollout;
-        tokio::time::sleep(Duration::from_secs(1)).await;
         let (cache1, etcd1) = list_counters(&apiserver_metrics(admin).await);
         let requests = audited(&self.audit_log, offset, &side.user());
         s.rollout_lists = requests.iter().filter(|r| r.verb == "list").count() as f64;
@@ -1471,17 +1455,41 @@ fn main() {
 
 /// Every fleet Node and pod, whichever run made them.
 async fn delete_fleet(admin: &Client) {
-    let lp = ListParams::default().labels(FLEET_LABEL);
+    delete_until_gone(admin, FLEET_LABEL).await;
+}
+
+/// Deletes the fleet's pods and Nodes that `selector` selects until none is
+/// left: one delete of 30,000 pods can end (its deadline) before all are
+/// gone, and the next side creates the same names.
+async fn delete_until_gone(admin: &Client, selector: &str) {
+    let lp = ListParams::default().labels(selector);
     let now = DeleteParams {
         grace_period_seconds: Some(0),
         ..Default::default()
     };
-    let _ = Api::<Pod>::namespaced(admin.clone(), NS)
-        .delete_collection(&now, &ListParams::default())
-        .await;
-    let _ = Api::<Node>::all(admin.clone())
-        .delete_collection(&DeleteParams::default(), &lp)
-        .await;
+    let pods = Api::<Pod>::namespaced(admin.clone(), NS);
+    let nodes = Api::<Node>::all(admin.clone());
+    let t0 = Instant::now();
+    loop {
+        let _ = pods.delete_collection(&now, &lp).await;
+        let _ = nodes.delete_collection(&DeleteParams::default(), &lp).await;
+        let one = lp.clone().limit(1);
+        let left = match (
+            pods.list_metadata(&one).await,
+            nodes.list_metadata(&one).await,
+        ) {
+            (Ok(p), Ok(n)) => p.items.len() + n.items.len(),
+            _ => 1,
+        };
+        if left == 0 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "the fleet's Nodes and pods ({selector}) are still there after 300 s"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
 }
 
 fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
@@ -1533,73 +1541,73 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         };
         let rows: [StartRow; 15] = [
             (
-                "of which starting the processes (s)",
+                "of which starting the processes, one after another (s)",
                 |t| t.spawn,
                 1,
-                Scale::Each,
-            ),
-            (
-                "the processes' CPU until all ready, whole fleet (core-seconds, with children)",
-                |t| t.fleet_cpu,
-                1,
                 Scale::Fleet,
             ),
             (
-                "one process's CPU until all ready, median (ms, with children)",
-                |t| t.agent_cpu_ms,
-                0,
-                Scale::Each,
-            ),
-            (
-                "API server CPU until all ready (core-seconds)",
-                |t| t.apiserver_cpu,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "etcd CPU until all ready (core-seconds)",
-                |t| t.etcd_cpu,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "controller-manager and scheduler CPU until all ready (core-seconds)",
-                |t| t.controllers_cpu,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "the bench's own CPU until all ready (core-seconds: starting the processes, asking each if it is ready)",
-                |t| t.bench_cpu,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "interrupts until all ready (core-seconds, no process's)",
-                |t| t.interrupts,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "the rest of the host's busy CPU until all ready (core-seconds: other processes, and processes gone unreaped)",
-                |t| t.rest_cpu,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "the host's busy CPU until all ready, every process (core-seconds)",
-                |t| t.host_busy,
-                1,
-                Scale::Fleet,
-            ),
-            (
-                "the host's cores × the time until all ready (core-seconds there were)",
+                "the host's cores × that time, less what the hypervisor took (core-seconds there were)",
                 |t| t.host_capacity,
                 1,
                 Scale::Fleet,
             ),
             (
-                "the side's requests until all ready, per process",
+                "the host's busy CPU meanwhile, every process (core-seconds)",
+                |t| t.host_busy,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "of which the processes started, with their children (alive and reaped; core-seconds)",
+                |t| t.fleet_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "likewise, one process, median (ms)",
+                |t| t.agent_cpu_ms,
+                0,
+                Scale::Each,
+            ),
+            (
+                "of which the API server (core-seconds)",
+                |t| t.apiserver_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "of which etcd (core-seconds)",
+                |t| t.etcd_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "of which the controller-manager and the scheduler (core-seconds)",
+                |t| t.controllers_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "of which the bench itself: starting the processes, asking each if it is ready (core-seconds)",
+                |t| t.bench_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "of which the rest: other processes, processes gone unreaped (core-seconds)",
+                |t| t.rest_cpu,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "of the busy CPU, serving interrupts (core-seconds; this kernel also counts it in the processes above)",
+                |t| t.interrupts,
+                1,
+                Scale::Fleet,
+            ),
+            (
+                "the side's requests received until all were ready, per process",
                 |t| t.requests_per_agent,
                 1,
                 Scale::Each,
@@ -1611,7 +1619,7 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
                 Scale::Fleet,
             ),
             (
-                "the API server's time to answer them (watches left out), median (s)",
+                "the API server's time to answer the rest (watches left out), median (s)",
                 |t| t.answer_p50,
                 3,
                 Scale::Each,
@@ -1642,9 +1650,14 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         st.steady.as_secs()
     );
     println!("\n{caption}\n");
+    if st.only_start {
+        println!(
+            "(NODEGUARD_FLEET_ONLY_START=1: the start only, all processes started at once against a freshly started API server; no steady window.)\n"
+        );
+    }
     if st.without_journald {
         println!(
-            "(NODEGUARD_FLEET_WITHOUT_JOURNALD=1: nodeguard's policy without its journald monitors, node-problem-detector with its own: not the same work.)\n"
+            "(NODEGUARD_FLEET_WITHOUT_JOURNALD=1: nodeguard's policy without its two journald monitors, so without their journalctl children and their four conditions; node-problem-detector with its own: not the same work.)\n"
         );
     }
     println!("| figure | nodeguard | node-problem-detector |\n|---|---:|---:|");
@@ -1655,7 +1668,6 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     );
     start_rows("startup");
     if st.only_start {
-        println!("\n(NODEGUARD_FLEET_ONLY_START=1: the start only.)");
         return;
     }
     let mut keys: Vec<String> = samples

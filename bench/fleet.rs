@@ -1643,11 +1643,15 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     let caption = format!(
         "A fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
          nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
-         condition heartbeat {} s on both; steady window {} s; median of {runs} runs",
+         condition heartbeat {} s on both;{} median of {runs} runs",
         st.agents,
         st.pods,
         st.heartbeat,
-        st.steady.as_secs()
+        if st.only_start {
+            String::new()
+        } else {
+            format!(" steady window {} s;", st.steady.as_secs())
+        }
     );
     println!("\n{caption}\n");
     if st.only_start {

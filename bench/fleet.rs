@@ -182,19 +182,53 @@ struct Audited {
     code: u64,
 }
 
-/// The fleet's requests in the audit log after byte `offset`: one entry a
-/// request (a watch when it starts, anything else when it completes).
-fn audited(log: &Path, offset: u64, user: &str) -> Vec<Audited> {
+/// A place in the audit log: the file (its inode) and a byte in it.
+#[derive(Clone, Copy)]
+struct AuditMark {
+    inode: u64,
+    offset: u64,
+}
+
+/// The end of the audit log now.
+fn audit_mark(log: &Path) -> AuditMark {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(log).unwrap();
+    AuditMark {
+        inode: m.ino(),
+        offset: m.len(),
+    }
+}
+
+/// The fleet's requests in the audit log after `mark`: one entry a request
+/// (a watch when it starts, anything else when it completes). The API
+/// server rotates the log at 200 MB (`e2e/cluster/up`), about every half
+/// hour at 1,000 agents: a mark in a file rotated since is read on in the
+/// rotated file (the same inode, renamed beside it), then the new one.
+fn audited(log: &Path, mark: AuditMark, user: &str) -> Vec<Audited> {
     use std::io::{Read, Seek};
-    let mut f = std::fs::File::open(log).unwrap();
-    let len = f.metadata().unwrap().len();
-    assert!(
-        len >= offset,
-        "the audit log was rotated during the bench; rerun"
-    );
-    f.seek(std::io::SeekFrom::Start(offset)).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let read_from = |path: &Path, offset: u64, text: &mut String| {
+        let mut f = std::fs::File::open(path).unwrap();
+        f.seek(std::io::SeekFrom::Start(offset)).unwrap();
+        f.read_to_string(text).unwrap();
+    };
     let mut text = String::new();
-    f.read_to_string(&mut text).unwrap();
+    if std::fs::metadata(log).unwrap().ino() == mark.inode {
+        read_from(log, mark.offset, &mut text);
+    } else {
+        let rotated: Vec<PathBuf> = std::fs::read_dir(log.parent().unwrap())
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.metadata().is_ok_and(|m| m.ino() == mark.inode))
+            .collect();
+        assert!(
+            rotated.len() == 1,
+            "the audit log was rotated during the bench and its old file is gone; rerun"
+        );
+        read_from(&rotated[0], mark.offset, &mut text);
+        read_from(log, 0, &mut text);
+    }
     let needle = format!("\"username\":\"{user}\"");
     text.lines()
         .filter(|l| l.contains(&needle))
@@ -281,10 +315,6 @@ fn percentile(v: &[f64], q: f64) -> f64 {
         return 0.0;
     }
     v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
-}
-
-fn file_len(path: &Path) -> u64 {
-    std::fs::metadata(path).map_or(0, |m| m.len())
 }
 
 fn is_write(verb: &str) -> bool {
@@ -697,7 +727,7 @@ impl Fleet {
         run: usize,
         nodes: &[String],
     ) -> (Vec<Member>, StartSample) {
-        let offset = file_len(&self.audit_log);
+        let offset = audit_mark(&self.audit_log);
         // The host's window holds the processes' (each look at /proc takes
         // a while).
         let host0 = host_cpu();
@@ -873,7 +903,7 @@ impl Fleet {
 
         // Steady state.
         tokio::time::sleep(Duration::from_secs(15)).await;
-        let offset = file_len(&self.audit_log);
+        let offset = audit_mark(&self.audit_log);
         let m0 = apiserver_metrics(admin).await;
         let pids: Vec<u32> = members.iter().map(|m| m.child.id()).collect();
         let member_cpu0: f64 = trees(&pids).into_iter().flatten().map(cpu_seconds).sum();
@@ -935,7 +965,7 @@ impl Fleet {
         }
 
         // A rollout: all stopped, all started.
-        let offset = file_len(&self.audit_log);
+        let offset = audit_mark(&self.audit_log);
         let (cache0, etcd0) = list_counters(&apiserver_metrics(admin).await);
         for m in &members {
             // SAFETY: a signal to a child of ours.
@@ -1027,7 +1057,7 @@ impl Fleet {
             nodes.len(),
             "every fleet Node has conditions before the API server stops"
         );
-        let offset = file_len(&self.audit_log);
+        let offset = audit_mark(&self.audit_log);
         let epoch = || jiff::Timestamp::now().as_millisecond() as f64 / 1000.0;
         // Conditions their process keeps: heartbeated within two
         // heartbeats. One it no longer keeps (a monitor that did not start)
@@ -1169,7 +1199,7 @@ impl Fleet {
             .metadata
             .generation
             .unwrap();
-        let offset = file_len(&self.audit_log);
+        let offset = audit_mark(&self.audit_log);
         let t0 = Instant::now();
         let epoch0 = jiff::Timestamp::now().as_millisecond() as f64 / 1000.0;
         self.apply_policy(

@@ -36,6 +36,11 @@ pub fn trees(pids: &[u32]) -> Vec<Vec<u32>> {
             Some((p, proc_stat(p)?.ppid))
         })
         .collect();
+    descendants(&links, pids)
+}
+
+/// Each of `pids` with its descendants, from (pid, parent pid) `links`.
+pub fn descendants(links: &[(u32, u64)], pids: &[u32]) -> Vec<Vec<u32>> {
     pids.iter()
         .map(|&pid| {
             let mut out = vec![pid];

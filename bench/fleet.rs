@@ -743,23 +743,14 @@ impl Fleet {
         let host1 = host_cpu();
         // Each member with its children (alive ones here, reaped ones in
         // its own figure).
-        let member_cpu: Vec<f64> = members
+        let links: Vec<(u32, u64)> = procs1
             .iter()
-            .map(|m| {
-                let mut tree = vec![m.child.id()];
-                let mut i = 0;
-                while i < tree.len() {
-                    let parent = tree[i];
-                    tree.extend(
-                        procs1
-                            .iter()
-                            .filter(|(_, p)| p.ppid == parent)
-                            .map(|(&pid, _)| pid),
-                    );
-                    i += 1;
-                }
-                cpu_between(&procs0, &procs1, tree)
-            })
+            .map(|(&pid, p)| (pid, u64::from(p.ppid)))
+            .collect();
+        let pids: Vec<u32> = members.iter().map(|m| m.child.id()).collect();
+        let member_cpu: Vec<f64> = descendants(&links, &pids)
+            .into_iter()
+            .map(|tree| cpu_between(&procs0, &procs1, tree))
             .collect();
         let pid = |name: &str| self.control_plane.pid(name);
         let cpu = |pids: &[u32]| cpu_between(&procs0, &procs1, pids.iter().copied());
@@ -1058,11 +1049,10 @@ impl Fleet {
             "every fleet Node has conditions before the API server stops"
         );
         let offset = audit_mark(&self.audit_log);
-        let epoch = || jiff::Timestamp::now().as_millisecond() as f64 / 1000.0;
         // Conditions their process keeps: heartbeated within two
         // heartbeats. One it no longer keeps (a monitor that did not start)
         // is stale already, and no restart makes it current.
-        let kept_since = epoch() - 2.0 * self.settings.heartbeat as f64;
+        let kept_since = epoch_now() - 2.0 * self.settings.heartbeat as f64;
         let kept = |node: &str, type_: &str| {
             before
                 .get(node)
@@ -1081,9 +1071,9 @@ impl Fleet {
         );
         cluster_ctl("stop", "kube-apiserver");
         tokio::time::sleep(self.settings.outage).await;
-        let started = epoch();
+        let started = epoch_now();
         cluster_ctl("start", "kube-apiserver");
-        let ready = epoch();
+        let ready = epoch_now();
         let mut r = RestartSample {
             apiserver_ready: ready - started,
             stale_before,
@@ -1104,9 +1094,9 @@ impl Fleet {
                     })
                     .collect();
                 if behind.is_empty() {
-                    break (Some(epoch() - started), 0.0, now);
+                    break (Some(epoch_now() - started), 0.0, now);
                 }
-                if epoch() - started > 300.0 {
+                if epoch_now() - started > 300.0 {
                     eprintln!(
                         "fleet: restart: {} kept condition(s) with no heartbeat 300 s after the start: {behind:?}",
                         behind.len()
@@ -1118,7 +1108,10 @@ impl Fleet {
         };
         let minute = started + 60.0;
         let counters = async {
-            tokio::time::sleep(Duration::from_secs_f64((minute + 3.0 - epoch()).max(0.0))).await;
+            tokio::time::sleep(Duration::from_secs_f64(
+                (minute + 3.0 - epoch_now()).max(0.0),
+            ))
+            .await;
             list_counters(&apiserver_metrics(admin).await)
         };
         let ((current, not_current, after), (cache, etcd)) = tokio::join!(current, counters);
@@ -1201,7 +1194,7 @@ impl Fleet {
             .unwrap();
         let offset = audit_mark(&self.audit_log);
         let t0 = Instant::now();
-        let epoch0 = jiff::Timestamp::now().as_millisecond() as f64 / 1000.0;
+        let epoch0 = epoch_now();
         self.apply_policy(
             run,
             &format!("The kernel has no deadlock (edit of run {run})."),

@@ -395,3 +395,67 @@ pub async fn serve_node_health() {
         }
     }
 }
+
+/// The journal directory a [`journal_writer`] writes to; none: it waits.
+pub type JournalTarget = std::sync::Arc<std::sync::Mutex<Option<std::path::PathBuf>>>;
+
+pub fn now_usec() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// Writes a journal entry of this boot every `every` (the kubelet and
+/// systemd in turn, saying what they say at rest) to the directory the
+/// returned target names (none: no writes), until the process ends.
+pub fn journal_writer(every: Duration) -> JournalTarget {
+    let target = JournalTarget::default();
+    if every.is_zero() {
+        return target;
+    }
+    let to = target.clone();
+    std::thread::spawn(move || {
+        for n in 0u64.. {
+            std::thread::sleep(every);
+            let Some(dir) = to.lock().unwrap().clone() else {
+                continue;
+            };
+            if n % 2 == 0 {
+                crate::support::journal_entry(
+                    &dir,
+                    "kubelet",
+                    &format!(
+                        "I1129 12:00:00.000000    1234 kubelet_volumes.go:163] \"Cleaned up orphaned pod volumes dir\" podUID=\"{n:08x}\""
+                    ),
+                    now_usec(),
+                );
+            } else {
+                crate::support::journal_entry(
+                    &dir,
+                    "systemd",
+                    &format!("Started session-{n}.scope - Session {n} of User root."),
+                    now_usec(),
+                );
+            }
+        }
+    });
+    target
+}
+
+/// A fresh journal at `dir` for `target`'s writer, its first entry written
+/// now, before any reader starts, so journalctl finds this boot in it (a
+/// journal of other boots only: journalctl exits at once). Each measured
+/// peer gets its own: one growing over the whole bench would favour
+/// whoever runs first.
+pub fn fresh_journal(target: &JournalTarget, dir: &std::path::Path) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    crate::support::journal_entry(
+        dir,
+        "systemd",
+        "Started session-0.scope - Session 0 of User root.",
+        now_usec(),
+    );
+    *target.lock().unwrap() = Some(dir.to_path_buf());
+}

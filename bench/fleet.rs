@@ -19,6 +19,18 @@
 //!   docker-monitor.json and systemd-monitor.json (journald), the monitors
 //!   of its own DaemonSet.
 //!
+//! Each side's journald monitors (nodeguard's two, NPD's docker and systemd
+//! monitors) read one journal the bench writes as a node's journald would
+//! (systemd-journal-remote, as `bench/idle.rs`), fresh for each side and
+//! run, with an entry of this boot every `NODEGUARD_FLEET_JOURNAL_MS` (500)
+//! ms that no rule matches: every reader on the host reads that one file,
+//! as every monitor on a node reads the node's. With
+//! `NODEGUARD_FLEET_JOURNAL_MS=0` they read the host's /var/log/journal as
+//! the sections measured before the bench wrote a journal did: on a host
+//! with no entry of this boot there, every `journalctl` exits at once and
+//! nodeguard restarts it (after 1, 2, 4 s, then every 5 s for a minute,
+//! then less often), which no node does.
+//!
 //! Both sides' condition heartbeat is `NODEGUARD_FLEET_HEARTBEAT_SECONDS`
 //! (default 60; each ships with 300) so the steady window sees heartbeats.
 //! Measured per run:
@@ -27,8 +39,9 @@
 //!   where that time went: how long starting the processes took, the CPU
 //!   (core-seconds) of the processes, the API server, etcd and the whole
 //!   host against what the host's cores had, the side's requests, those
-//!   answered 429, and how long the API server took to answer them (the
-//!   audit log's received and completed times); the same for the rollout;
+//!   answered 429 and those by verb and resource, and how long the API
+//!   server took to answer them (the audit log's received and completed
+//!   times); the same for the rollout;
 //! - steady state over `NODEGUARD_FLEET_STEADY_SECONDS` (default 120):
 //!   requests per second by verb and resource (audit log), writes per node
 //!   per heartbeat, watches open (the API server's
@@ -150,6 +163,9 @@ struct Settings {
     /// start, their `journalctl` children and their four conditions (a
     /// diagnosis; NPD keeps its own).
     without_journald: bool,
+    /// A journal entry of this boot every this long in each side's journal
+    /// (`NODEGUARD_FLEET_JOURNAL_MS`); zero: the host's /var/log/journal.
+    journal_every: Duration,
 }
 
 /// One fleet process; killed on drop whatever happened.
@@ -509,6 +525,8 @@ struct StartSample {
     /// out), median and 99th percentile (s).
     answer_p50: f64,
     answer_p99: f64,
+    /// Those requests by `verb resource`, per process (429s included).
+    by_kind: BTreeMap<String, f64>,
 }
 
 /// The API server stopped under the fleet and started again.
@@ -570,6 +588,8 @@ struct Fleet {
     audit_log: PathBuf,
     kubeconfigs: BTreeMap<&'static str, PathBuf>,
     control_plane: ControlPlane,
+    /// Where the journal writer writes: the running side's journal.
+    journal: JournalTarget,
 }
 
 impl Fleet {
@@ -632,6 +652,43 @@ impl Fleet {
         delete_until_gone(admin, &format!("{FLEET_LABEL}={}", side.group(run))).await;
     }
 
+    /// The journal the side's journald monitors read in run `run`: one for
+    /// the whole side, as every monitor on a node reads the node's; none
+    /// with `NODEGUARD_FLEET_JOURNAL_MS=0` (the host's).
+    fn journal_dir(&self, side: Side, run: usize) -> Option<PathBuf> {
+        (!self.settings.journal_every.is_zero())
+            .then(|| self.work.join(format!("journal-{}-run{run}", side.label())))
+    }
+
+    /// NPD's three configs for run `run`, comma-separated: its own, their
+    /// `logPath` the side's journal when the bench writes one.
+    fn npd_config_list(&self, run: usize) -> String {
+        let names = [
+            "kernel-monitor.json",
+            "docker-monitor.json",
+            "systemd-monitor.json",
+        ];
+        let Some(journal) = self.journal_dir(Side::Npd, run) else {
+            return names
+                .map(|c| self.npd_configs.join(c).display().to_string())
+                .join(",");
+        };
+        let dir = self.work.join(format!("npd-configs-run{run}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        names
+            .map(|c| {
+                let raw = std::fs::read_to_string(self.npd_configs.join(c)).unwrap();
+                let mut config: serde_json::Value = serde_json::from_str(&raw).unwrap();
+                if config["logPath"] == "/var/log/journal" {
+                    config["logPath"] = journal.display().to_string().into();
+                }
+                let path = dir.join(c);
+                std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+                path.display().to_string()
+            })
+            .join(",")
+    }
+
     /// Member `i`'s port: fixed, below the ephemeral range, so two members
     /// never draw the same one (a free port picked by binding :0 can be
     /// handed out twice before either member binds it).
@@ -639,7 +696,7 @@ impl Fleet {
         20_000 + i as u16
     }
 
-    fn start_member(&self, side: Side, node: &str, dir: &Path, port: u16) -> Member {
+    fn start_member(&self, side: Side, run: usize, node: &str, dir: &Path, port: u16) -> Member {
         std::fs::create_dir_all(dir).unwrap();
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -663,6 +720,12 @@ impl Fleet {
                     .env("NODE_NAME", node)
                     .env("POD_NAMESPACE", NS)
                     .env("RUST_LOG", "warn");
+                if let Some(journal) = self.journal_dir(side, run) {
+                    c.arg(format!(
+                        "--allow-read-path={},/dev/kmsg,/var/log/journal",
+                        journal.display()
+                    ));
+                }
                 c
             }
             Side::Npd => {
@@ -671,13 +734,7 @@ impl Fleet {
                     .lines()
                     .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_string))
                     .unwrap();
-                let configs = [
-                    "kernel-monitor.json",
-                    "docker-monitor.json",
-                    "systemd-monitor.json",
-                ]
-                .map(|c| self.npd_configs.join(c).display().to_string())
-                .join(",");
+                let configs = self.npd_config_list(run);
                 let mut c = Command::new(self.npd_dir.join("nodeproblemdetector-journald"));
                 c.arg(format!("--hostname-override={node}"))
                     .arg(format!(
@@ -710,6 +767,7 @@ impl Fleet {
             .map(|(i, n)| {
                 self.start_member(
                     side,
+                    run,
                     n,
                     &self.work.join(format!("{}-run{run}", side.label())).join(n),
                     Self::port(i),
@@ -784,6 +842,12 @@ impl Fleet {
             .map(|q| q.took)
             .collect();
         let n = members.len() as f64;
+        let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
+        for q in &requests {
+            *by_kind
+                .entry(format!("{} {}", q.verb, q.resource))
+                .or_default() += 1.0 / n;
+        }
         let s = StartSample {
             ready,
             spawn,
@@ -806,6 +870,7 @@ impl Fleet {
             throttled: requests.iter().filter(|q| q.code == 429).count() as f64,
             answer_p50: percentile(&answered, 0.5),
             answer_p99: percentile(&answered, 0.99),
+            by_kind,
         };
         eprintln!("fleet: start: {s:?}");
         (members, s)
@@ -869,6 +934,9 @@ impl Fleet {
         self.delete_nodes(admin, side, run).await;
         self.create_nodes(admin, side, run, &nodes).await;
         let mut s = Sample::default();
+        if let Some(journal) = self.journal_dir(side, run) {
+            fresh_journal(&self.journal, &journal);
+        }
         if side == Side::Nodeguard {
             self.apply_policy(run, "The kernel has no deadlock.");
         }
@@ -1171,6 +1239,13 @@ impl Fleet {
         if self.settings.without_journald {
             monitors.retain(|m| m["source"].get("journald").is_none());
         }
+        if let Some(journal) = self.journal_dir(Side::Nodeguard, run) {
+            for m in monitors.iter_mut() {
+                if let Some(j) = m["source"].get_mut("journald") {
+                    j["directory"] = journal.display().to_string().into();
+                }
+            }
+        }
         monitors[0]["conditions"][0]["message"] = serde_json::json!(message);
         let path = self.work.join("policy.json");
         std::fs::write(&path, serde_json::to_vec(&policy).unwrap()).unwrap();
@@ -1400,7 +1475,9 @@ fn main() {
         outage: Duration::from_secs(env_or("NODEGUARD_FLEET_OUTAGE_SECONDS", 30)),
         only_start: env_or("NODEGUARD_FLEET_ONLY_START", 0) == 1,
         without_journald: env_or("NODEGUARD_FLEET_WITHOUT_JOURNALD", 0) == 1,
+        journal_every: Duration::from_millis(env_or("NODEGUARD_FLEET_JOURNAL_MS", 500)),
     };
+    let journal_every = settings.journal_every;
     let repo = repo_root();
     let policy = kubeconfig_path().with_file_name("audit-policy.yaml");
     assert!(
@@ -1440,6 +1517,7 @@ fn main() {
             audit_log: kubeconfig_path().with_file_name("logs").join("audit.log"),
             kubeconfigs,
             control_plane,
+            journal: journal_writer(journal_every),
         };
         // A run that panicked leaves nothing behind: 200 Nodes without a
         // kubelet would make every DaemonSet of the test suite wait on
@@ -1662,14 +1740,38 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
                 scale,
             );
         }
+        let mut kinds: Vec<String> = samples
+            .iter()
+            .flat_map(|(_, s)| pick(s).by_kind.keys().cloned())
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        for k in kinds {
+            put(
+                &format!("{phase}: of the requests, `{k}` per process (429s included)"),
+                &move |s| Some(pick(s).by_kind.get(&k).copied().unwrap_or(0.0)),
+                2,
+                Scale::Each,
+            );
+        }
     };
     let caption = format!(
         "A fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
          nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
-         condition heartbeat {} s on both;{} median of {runs} runs",
+         condition heartbeat {} s on both;{}{} median of {runs} runs",
         st.agents,
         st.pods,
         st.heartbeat,
+        // Nothing with the host's journal: the caption of the sections
+        // measured before the bench wrote one.
+        if st.journal_every.is_zero() {
+            String::new()
+        } else {
+            format!(
+                " each side's journald monitors reading one journal, a node's as journald writes it, with an entry of this boot every {} ms that no rule matches;",
+                st.journal_every.as_millis()
+            )
+        },
         if st.only_start {
             String::new()
         } else {

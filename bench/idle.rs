@@ -311,52 +311,6 @@ struct Bench {
     settle: Duration,
 }
 
-type JournalTarget = std::sync::Arc<std::sync::Mutex<Option<PathBuf>>>;
-
-fn now_usec() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64
-}
-
-/// Writes a journal entry of this boot every `every` (the kubelet and
-/// systemd in turn, saying what they say at rest) to the directory the
-/// returned target names (none: no writes), until the process ends.
-fn journal_writer(every: Duration) -> JournalTarget {
-    let target = JournalTarget::default();
-    if every.is_zero() {
-        return target;
-    }
-    let to = target.clone();
-    std::thread::spawn(move || {
-        for n in 0u64.. {
-            std::thread::sleep(every);
-            let Some(dir) = to.lock().unwrap().clone() else {
-                continue;
-            };
-            if n % 2 == 0 {
-                journal_entry(
-                    &dir,
-                    "kubelet",
-                    &format!(
-                        "I1129 12:00:00.000000    1234 kubelet_volumes.go:163] \"Cleaned up orphaned pod volumes dir\" podUID=\"{n:08x}\""
-                    ),
-                    now_usec(),
-                );
-            } else {
-                journal_entry(
-                    &dir,
-                    "systemd",
-                    &format!("Started session-{n}.scope - Session {n} of User root."),
-                    now_usec(),
-                );
-            }
-        }
-    });
-    target
-}
-
 impl Bench {
     /// Starts `peer` for `node`, its journal monitors reading `journal`.
     fn start(&self, peer: Peer, node: &str, dir: &Path, journal: &Path) -> Running {
@@ -508,21 +462,13 @@ impl Bench {
             )
             .await;
         }
-        // A fresh journal for each peer (one growing over the whole bench
-        // would favour whoever runs first), its first entry before the
-        // peer starts so journalctl finds this boot.
-        // With `NODEGUARD_IDLE_JOURNAL_MS=0` it stays empty: a host
-        // without a journal.
+        // A fresh journal for each peer. With `NODEGUARD_IDLE_JOURNAL_MS=0`
+        // it stays empty: a host without a journal.
         let journal = dir.join("journal");
-        std::fs::create_dir_all(&journal).unwrap();
-        if !self.quiet_journal {
-            journal_entry(
-                &journal,
-                "systemd",
-                "Started session-0.scope - Session 0 of User root.",
-                now_usec(),
-            );
-            *self.journal.lock().unwrap() = Some(journal.clone());
+        if self.quiet_journal {
+            std::fs::create_dir_all(&journal).unwrap();
+        } else {
+            fresh_journal(&self.journal, &journal);
         }
         let mut p = self.start(peer, &node.name, &dir, &journal);
         let pid = p.child.id();

@@ -396,8 +396,29 @@ pub async fn serve_node_health() {
     }
 }
 
-/// The journal directory a [`journal_writer`] writes to; none: it waits.
-pub type JournalTarget = std::sync::Arc<std::sync::Mutex<Option<std::path::PathBuf>>>;
+/// What a [`journal_writer`] writes to, and how it is doing.
+#[derive(Default)]
+pub struct Journal {
+    /// The directory it writes to; none: it waits.
+    target: std::sync::Mutex<Option<std::path::PathBuf>>,
+    /// Entries written so far, in any directory.
+    written: std::sync::atomic::AtomicU64,
+    /// Why it stopped, if it did.
+    failed: std::sync::Mutex<Option<String>>,
+}
+
+pub type JournalTarget = std::sync::Arc<Journal>;
+
+impl Journal {
+    /// Entries written so far; panics if the writer stopped (a journal that
+    /// no longer grows is not what the caption says).
+    pub fn written(&self) -> u64 {
+        if let Some(why) = &*self.failed.lock().unwrap() {
+            panic!("the bench's journal writer stopped: {why}");
+        }
+        self.written.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
 
 pub fn now_usec() -> u64 {
     std::time::SystemTime::now()
@@ -408,39 +429,49 @@ pub fn now_usec() -> u64 {
 
 /// Writes a journal entry of this boot every `every` (the kubelet and
 /// systemd in turn, saying what they say at rest) to the directory the
-/// returned target names (none: no writes), until the process ends.
+/// returned target names (none: no writes), until the process ends. On a
+/// fixed schedule: an entry late (systemd-journal-remote is a process
+/// started for each, slower on a loaded host) is followed by the next at
+/// its own time, so the rate holds.
 pub fn journal_writer(every: Duration) -> JournalTarget {
-    let target = JournalTarget::default();
+    let journal = JournalTarget::default();
     if every.is_zero() {
-        return target;
+        return journal;
     }
-    let to = target.clone();
+    let to = journal.clone();
     std::thread::spawn(move || {
+        let mut next = std::time::Instant::now();
         for n in 0u64.. {
-            std::thread::sleep(every);
-            let Some(dir) = to.lock().unwrap().clone() else {
+            next += every;
+            std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
+            let Some(dir) = to.target.lock().unwrap().clone() else {
                 continue;
             };
-            if n % 2 == 0 {
-                crate::support::journal_entry(
-                    &dir,
+            let (identifier, message) = if n % 2 == 0 {
+                (
                     "kubelet",
-                    &format!(
+                    format!(
                         "I1129 12:00:00.000000    1234 kubelet_volumes.go:163] \"Cleaned up orphaned pod volumes dir\" podUID=\"{n:08x}\""
                     ),
-                    now_usec(),
-                );
+                )
             } else {
-                crate::support::journal_entry(
-                    &dir,
+                (
                     "systemd",
-                    &format!("Started session-{n}.scope - Session {n} of User root."),
-                    now_usec(),
-                );
+                    format!("Started session-{n}.scope - Session {n} of User root."),
+                )
+            };
+            let wrote = std::panic::catch_unwind(|| {
+                crate::support::journal_entry(&dir, identifier, &message, now_usec())
+            });
+            if wrote.is_err() {
+                *to.failed.lock().unwrap() = Some(format!("writing an entry to {}", dir.display()));
+                return;
             }
+            to.written
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     });
-    target
+    journal
 }
 
 /// A fresh journal at `dir` for `target`'s writer, its first entry written
@@ -457,5 +488,35 @@ pub fn fresh_journal(target: &JournalTarget, dir: &std::path::Path) {
         "Started session-0.scope - Session 0 of User root.",
         now_usec(),
     );
-    *target.lock().unwrap() = Some(dir.to_path_buf());
+    *target.target.lock().unwrap() = Some(dir.to_path_buf());
+}
+
+/// node-problem-detector's monitors, as its own DaemonSet runs them.
+pub const NPD_CONFIGS: [&str; 3] = [
+    "kernel-monitor.json",
+    "docker-monitor.json",
+    "systemd-monitor.json",
+];
+
+/// NPD's [`NPD_CONFIGS`] from `from`, written to `to` with the journal
+/// monitors' `logPath` the journal at `journal`: their paths.
+pub fn npd_configs_reading(
+    from: &std::path::Path,
+    journal: &std::path::Path,
+    to: &std::path::Path,
+) -> Vec<PathBuf> {
+    std::fs::create_dir_all(to).unwrap();
+    NPD_CONFIGS
+        .iter()
+        .map(|c| {
+            let raw = std::fs::read_to_string(from.join(c)).unwrap();
+            let mut config: serde_json::Value = serde_json::from_str(&raw).unwrap();
+            if config["logPath"] == "/var/log/journal" {
+                config["logPath"] = journal.display().to_string().into();
+            }
+            let path = to.join(c);
+            std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+            path
+        })
+        .collect()
 }

@@ -256,7 +256,12 @@ fn audited(log: &Path, mark: AuditMark, user: &str) -> Vec<Audited> {
         })
         .map(|e| {
             let o = &e["objectRef"];
-            let mut resource = o["resource"].as_str().unwrap_or("?").to_string();
+            // A request with no object (discovery, /version): its path.
+            let path = || {
+                let uri = e["requestURI"].as_str().unwrap_or("?");
+                uri.split('?').next().unwrap_or(uri).to_string()
+            };
+            let mut resource = o["resource"].as_str().map_or_else(path, str::to_string);
             if let Some(sub) = o["subresource"].as_str() {
                 resource = format!("{resource}/{sub}");
             }
@@ -525,8 +530,10 @@ struct StartSample {
     /// out), median and 99th percentile (s).
     answer_p50: f64,
     answer_p99: f64,
-    /// Those requests by `verb resource`, per process (429s included).
+    /// Those requests by `verb resource`, whole fleet (429s included).
     by_kind: BTreeMap<String, f64>,
+    /// Entries the bench wrote to the side's journal meanwhile.
+    journal_entries: f64,
 }
 
 /// The API server stopped under the fleet and started again.
@@ -660,33 +667,31 @@ impl Fleet {
             .then(|| self.work.join(format!("journal-{}-run{run}", side.label())))
     }
 
-    /// NPD's three configs for run `run`, comma-separated: its own, their
-    /// `logPath` the side's journal when the bench writes one.
+    /// NPD's three configs for run `run`, comma-separated: its own, or
+    /// when the bench writes a journal the copies [`Self::write_npd_configs`]
+    /// wrote.
     fn npd_config_list(&self, run: usize) -> String {
-        let names = [
-            "kernel-monitor.json",
-            "docker-monitor.json",
-            "systemd-monitor.json",
-        ];
-        let Some(journal) = self.journal_dir(Side::Npd, run) else {
-            return names
-                .map(|c| self.npd_configs.join(c).display().to_string())
-                .join(",");
+        let dir = match self.journal_dir(Side::Npd, run) {
+            Some(_) => self.work.join(format!("npd-configs-run{run}")),
+            None => self.npd_configs.clone(),
         };
-        let dir = self.work.join(format!("npd-configs-run{run}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        names
-            .map(|c| {
-                let raw = std::fs::read_to_string(self.npd_configs.join(c)).unwrap();
-                let mut config: serde_json::Value = serde_json::from_str(&raw).unwrap();
-                if config["logPath"] == "/var/log/journal" {
-                    config["logPath"] = journal.display().to_string().into();
-                }
-                let path = dir.join(c);
-                std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
-                path.display().to_string()
-            })
+        NPD_CONFIGS
+            .map(|c| dir.join(c).display().to_string())
             .join(",")
+    }
+
+    /// NPD's configs for run `run` with their `logPath` the side's journal,
+    /// written once before any process of the run starts (each reads them
+    /// at its start).
+    fn write_npd_configs(&self, run: usize) {
+        let Some(journal) = self.journal_dir(Side::Npd, run) else {
+            return;
+        };
+        npd_configs_reading(
+            &self.npd_configs,
+            &journal,
+            &self.work.join(format!("npd-configs-run{run}")),
+        );
     }
 
     /// Member `i`'s port: fixed, below the ephemeral range, so two members
@@ -786,6 +791,7 @@ impl Fleet {
         nodes: &[String],
     ) -> (Vec<Member>, StartSample) {
         let offset = audit_mark(&self.audit_log);
+        let journal0 = self.journal.written();
         // The host's window holds the processes' (each look at /proc takes
         // a while).
         let host0 = host_cpu();
@@ -796,6 +802,7 @@ impl Fleet {
         let spawn = t0.elapsed().as_secs_f64();
         eprintln!("fleet: {} started in {spawn:.1} s", members.len());
         let ready = self.until_ready(side, &mut members, t0).await;
+        let journal_entries = (self.journal.written() - journal0) as f64;
         let epoch1 = epoch_now();
         let procs1 = host_processes();
         let host1 = host_cpu();
@@ -846,7 +853,7 @@ impl Fleet {
         for q in &requests {
             *by_kind
                 .entry(format!("{} {}", q.verb, q.resource))
-                .or_default() += 1.0 / n;
+                .or_default() += 1.0;
         }
         let s = StartSample {
             ready,
@@ -871,6 +878,7 @@ impl Fleet {
             answer_p50: percentile(&answered, 0.5),
             answer_p99: percentile(&answered, 0.99),
             by_kind,
+            journal_entries,
         };
         eprintln!("fleet: start: {s:?}");
         (members, s)
@@ -936,6 +944,9 @@ impl Fleet {
         let mut s = Sample::default();
         if let Some(journal) = self.journal_dir(side, run) {
             fresh_journal(&self.journal, &journal);
+        }
+        if side == Side::Npd {
+            self.write_npd_configs(run);
         }
         if side == Side::Nodeguard {
             self.apply_policy(run, "The kernel has no deadlock.");
@@ -1478,6 +1489,7 @@ fn main() {
         journal_every: Duration::from_millis(env_or("NODEGUARD_FLEET_JOURNAL_MS", 500)),
     };
     let journal_every = settings.journal_every;
+    let baseline = baseline(&settings, runs);
     let repo = repo_root();
     let policy = kubeconfig_path().with_file_name("audit-policy.yaml");
     assert!(
@@ -1548,7 +1560,7 @@ fn main() {
         };
         delete_fleet(&admin).await;
         let _ = kubectl_status(&["delete", "--ignore-not-found", "nodeguardpolicy", POLICY]);
-        report(&fleet, runs, &samples);
+        report(&fleet, runs, &samples, baseline);
         samples
     });
     drop(samples);
@@ -1593,7 +1605,7 @@ async fn delete_until_gone(admin: &Client, selector: &str) {
     }
 }
 
-fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
+fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)], baseline: Option<Baseline>) {
     let st = &fleet.settings;
     let n = st.agents as f64;
     let col = |side: Side, f: &dyn Fn(&Sample) -> Option<f64>| -> Option<f64> {
@@ -1690,7 +1702,7 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
                 Scale::Fleet,
             ),
             (
-                "of which the bench itself: starting the processes, asking each if it is ready (core-seconds)",
+                "of which the bench itself: starting the processes, asking each if it is ready, writing the journal (core-seconds)",
                 |t| t.bench_cpu,
                 1,
                 Scale::Fleet,
@@ -1747,37 +1759,30 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
         kinds.sort();
         kinds.dedup();
         for k in kinds {
+            // The elected policy-status writer's: one per cluster, whatever
+            // the fleet's size.
+            let scale = if k.starts_with("patch nodeguardpolicies") {
+                Scale::Cluster
+            } else {
+                Scale::Fleet
+            };
             put(
-                &format!("{phase}: of the requests, `{k}` per process (429s included)"),
+                &format!("{phase}: of the requests, `{k}`, whole fleet (429s included)"),
                 &move |s| Some(pick(s).by_kind.get(&k).copied().unwrap_or(0.0)),
-                2,
+                0,
+                scale,
+            );
+        }
+        if !st.journal_every.is_zero() {
+            put(
+                &format!("{phase}: entries the bench wrote to the side's journal meanwhile"),
+                &move |s| Some(pick(s).journal_entries),
+                0,
                 Scale::Each,
             );
         }
     };
-    let caption = format!(
-        "A fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
-         nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
-         condition heartbeat {} s on both;{}{} median of {runs} runs",
-        st.agents,
-        st.pods,
-        st.heartbeat,
-        // Nothing with the host's journal: the caption of the sections
-        // measured before the bench wrote one.
-        if st.journal_every.is_zero() {
-            String::new()
-        } else {
-            format!(
-                " each side's journald monitors reading one journal, a node's as journald writes it, with an entry of this boot every {} ms that no rule matches;",
-                st.journal_every.as_millis()
-            )
-        },
-        if st.only_start {
-            String::new()
-        } else {
-            format!(" steady window {} s;", st.steady.as_secs())
-        }
-    );
+    let caption = caption(st, runs);
     println!("\n{caption}\n");
     if st.only_start {
         println!(
@@ -2033,21 +2038,56 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)]) {
     );
     proj("rollout: LIST requests", &|s| Some(s.rollout_lists), 0);
 
-    if let Ok(path) = std::env::var("NODEGUARD_FLEET_BASELINE") {
-        let text = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("NODEGUARD_FLEET_BASELINE {path}: {e}"));
-        let baseline = Baseline::parse(&text)
-            .unwrap_or_else(|| panic!("NODEGUARD_FLEET_BASELINE {path}: no fleet table in it"));
-        // The same settings but the size: pods, heartbeat, steady window
-        // (the number of runs aside).
-        let settings = |c: &str| c.split("; median of").next().unwrap_or("").to_string();
-        assert_eq!(
-            settings(&baseline.settings),
-            settings(caption.split_once(" with ").map_or("", |c| c.1)),
-            "NODEGUARD_FLEET_BASELINE {path}: measured with other settings than this run"
-        );
+    if let Some(baseline) = baseline {
         compare(&baseline, st.agents, &printed.into_inner());
     }
+}
+
+/// The table's caption: what was run, with which settings.
+fn caption(st: &Settings, runs: usize) -> String {
+    format!(
+        "A fleet of {} agents, each its own Node with {} pods, against one API server (real kube-apiserver, etcd, kube-controller-manager); \
+         nodeguard with its shipped default policy beside node-problem-detector with its kernel, docker and systemd monitors; \
+         condition heartbeat {} s on both;{}{} median of {runs} runs",
+        st.agents,
+        st.pods,
+        st.heartbeat,
+        // Nothing with the host's journal: the caption of the sections
+        // measured before the bench wrote one.
+        if st.journal_every.is_zero() {
+            String::new()
+        } else {
+            format!(
+                " each side's journald monitors reading one journal, a node's as journald writes it, with an entry of this boot every {} ms that no rule matches;",
+                st.journal_every.as_millis()
+            )
+        },
+        if st.only_start {
+            String::new()
+        } else {
+            format!(" steady window {} s;", st.steady.as_secs())
+        }
+    )
+}
+
+/// The baseline named by `NODEGUARD_FLEET_BASELINE`, checked to have been
+/// measured with this run's settings but the size (pods, heartbeat,
+/// journal, steady window; the number of runs aside) before any run, not
+/// after an hour of them.
+fn baseline(st: &Settings, runs: usize) -> Option<Baseline> {
+    let path = std::env::var("NODEGUARD_FLEET_BASELINE").ok()?;
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("NODEGUARD_FLEET_BASELINE {path}: {e}"));
+    let baseline = Baseline::parse(&text)
+        .unwrap_or_else(|| panic!("NODEGUARD_FLEET_BASELINE {path}: no fleet table in it"));
+    let settings = |c: &str| c.split("; median of").next().unwrap_or("").to_string();
+    let caption = caption(st, runs);
+    assert_eq!(
+        settings(&baseline.settings),
+        settings(caption.split_once(" with ").map_or("", |c| c.1)),
+        "NODEGUARD_FLEET_BASELINE {path}: measured with other settings than this run"
+    );
+    Some(baseline)
 }
 
 /// A row of the start's figures: its name, its figure, its digits, how it

@@ -58,12 +58,6 @@ use common::*;
 use support::pods::running_pod;
 use support::*;
 
-const NPD_CONFIGS: [&str; 3] = [
-    "kernel-monitor.json",
-    "docker-monitor.json",
-    "systemd-monitor.json",
-];
-
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Peer {
     Npd,
@@ -317,19 +311,7 @@ impl Bench {
         let log = std::fs::File::create(dir.join(format!("{}.log", peer.label()))).unwrap();
         let kubeconfig = kubeconfig_path();
         // NPD's configs, their journal the bench's.
-        let configs: Vec<PathBuf> = NPD_CONFIGS
-            .iter()
-            .map(|c| {
-                let raw = std::fs::read_to_string(self.npd_configs.join(c)).unwrap();
-                let mut config: serde_json::Value = serde_json::from_str(&raw).unwrap();
-                if config["logPath"] == "/var/log/journal" {
-                    config["logPath"] = journal.display().to_string().into();
-                }
-                let path = dir.join(c);
-                std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
-                path
-            })
-            .collect();
+        let configs = npd_configs_reading(&self.npd_configs, journal, dir);
         if peer == Peer::Npd {
             let apiserver = std::fs::read_to_string(&kubeconfig)
                 .unwrap()
@@ -503,6 +485,8 @@ impl Bench {
         tokio::time::sleep(self.window).await;
         let after = read(pid);
         let secs = t0.elapsed().as_secs_f64();
+        // The journal grew all along (this panics if its writer stopped).
+        self.journal.written();
         let pss_mib = tree_pss_mib(pid);
         assert!(
             p.child.try_wait().unwrap().is_none(),

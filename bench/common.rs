@@ -418,6 +418,19 @@ impl Journal {
         }
         self.written.load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    /// Entries written since `before` (an earlier [`Journal::written`]);
+    /// panics when none were over a window of `secs` that should hold
+    /// several (the writer hung: a `systemd-journal-remote` that never
+    /// exits stops it without failing).
+    pub fn written_since(&self, before: u64, secs: f64, every: Duration) -> u64 {
+        let n = self.written() - before;
+        assert!(
+            n > 0 || secs < 4.0 * every.as_secs_f64(),
+            "the bench's journal writer wrote nothing in {secs:.1} s (one entry every {every:?}): it hung"
+        );
+        n
+    }
 }
 
 pub fn now_usec() -> u64 {
@@ -432,7 +445,11 @@ pub fn now_usec() -> u64 {
 /// returned target names (none: no writes), until the process ends. On a
 /// fixed schedule: an entry late (systemd-journal-remote is a process
 /// started for each, slower on a loaded host) is followed by the next at
-/// its own time, so the rate holds.
+/// its own time, so the rate holds while one write takes less than
+/// `every`. Ticks missed by more are skipped, not made up in a burst (a
+/// burst after a start's storm would wake every reader at once and land
+/// in the window after it, on the side whose start loaded the host the
+/// longest).
 pub fn journal_writer(every: Duration) -> JournalTarget {
     let journal = JournalTarget::default();
     if every.is_zero() {
@@ -442,7 +459,7 @@ pub fn journal_writer(every: Duration) -> JournalTarget {
     std::thread::spawn(move || {
         let mut next = std::time::Instant::now();
         for n in 0u64.. {
-            next += every;
+            next = (next + every).max(std::time::Instant::now());
             std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
             let Some(dir) = to.target.lock().unwrap().clone() else {
                 continue;

@@ -184,7 +184,8 @@ impl Drop for Member {
 /// One request in the audit log.
 struct Audited {
     verb: String,
-    /// `resource` or `resource/subresource`.
+    /// `resource` or `resource/subresource`; for a request with no object
+    /// (discovery, /version), its path.
     resource: String,
     name: String,
     /// Seconds since the epoch.
@@ -468,6 +469,9 @@ struct Sample {
     steady_rps: BTreeMap<String, f64>,
     steady_writes_per_node_per_heartbeat: f64,
     steady_reads_per_node_per_min: f64,
+    /// Entries the bench wrote to the side's journal per minute of the
+    /// steady window.
+    steady_journal_per_min: f64,
     apiserver_cpu: f64,
     apiserver_rss: f64,
     etcd_cpu: f64,
@@ -694,6 +698,17 @@ impl Fleet {
         );
     }
 
+    /// Entries written to the journal since `before` over `secs`: none
+    /// without the bench's journal; a writer that stopped or hung fails the
+    /// bench.
+    fn journal_since(&self, before: u64, secs: f64) -> u64 {
+        if self.settings.journal_every.is_zero() {
+            return 0;
+        }
+        self.journal
+            .written_since(before, secs, self.settings.journal_every)
+    }
+
     /// Member `i`'s port: fixed, below the ephemeral range, so two members
     /// never draw the same one (a free port picked by binding :0 can be
     /// handed out twice before either member binds it).
@@ -802,7 +817,7 @@ impl Fleet {
         let spawn = t0.elapsed().as_secs_f64();
         eprintln!("fleet: {} started in {spawn:.1} s", members.len());
         let ready = self.until_ready(side, &mut members, t0).await;
-        let journal_entries = (self.journal.written() - journal0) as f64;
+        let journal_entries = self.journal_since(journal0, t0.elapsed().as_secs_f64()) as f64;
         let epoch1 = epoch_now();
         let procs1 = host_processes();
         let host1 = host_cpu();
@@ -977,10 +992,12 @@ impl Fleet {
         let m0 = apiserver_metrics(admin).await;
         let pids: Vec<u32> = members.iter().map(|m| m.child.id()).collect();
         let member_cpu0: f64 = trees(&pids).into_iter().flatten().map(cpu_seconds).sum();
+        let journal0 = self.journal.written();
         let t0 = Instant::now();
         let ((api_cpu, etcd_cpu), (api_rss, _)) =
             control_plane_load(&self.control_plane, self.settings.steady).await;
         let secs = t0.elapsed().as_secs_f64();
+        s.steady_journal_per_min = self.journal_since(journal0, secs) as f64 / (secs / 60.0);
         let member_trees = trees(&pids);
         let member_cpu1: f64 = member_trees
             .iter()
@@ -1056,7 +1073,10 @@ impl Fleet {
             "fleet: rollout: ready in {:.1} s, {} LISTs ({} from the watch cache, {} to etcd, all clients)",
             s.rollout.ready, s.rollout_lists, s.rollout_cache_lists, s.rollout_etcd_lists
         );
+        let journal0 = self.journal.written();
+        let t0 = Instant::now();
         s.restart = self.restart(admin, side, run, &nodes).await;
+        self.journal_since(journal0, t0.elapsed().as_secs_f64());
         for m in &mut members {
             if let Ok(Some(status)) = m.child.try_wait() {
                 panic!(
@@ -1761,7 +1781,12 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)], baseline: Opti
         for k in kinds {
             // The elected policy-status writer's: one per cluster, whatever
             // the fleet's size.
-            let scale = if k.starts_with("patch nodeguardpolicies") {
+            // So are the Lease's create or takeover races: as many as the
+            // agents that looked before one won, not one a node.
+            let scale = if k.starts_with("patch nodeguardpolicies")
+                || k == "create leases"
+                || k == "update leases"
+            {
                 Scale::Cluster
             } else {
                 Scale::Fleet
@@ -1841,6 +1866,13 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)], baseline: Opti
         &|s| Some(s.steady_reads_per_node_per_min),
         2,
     );
+    if !st.journal_every.is_zero() {
+        row(
+            "steady: entries the bench wrote to the side's journal per minute",
+            &|s| Some(s.steady_journal_per_min),
+            0,
+        );
+    }
     total(
         "steady: watches the fleet holds open at the API server",
         &|s| Some(s.watches),

@@ -301,6 +301,8 @@ struct Bench {
     heartbeat: u64,
     /// No journal entries at all (`NODEGUARD_IDLE_JOURNAL_MS=0`).
     quiet_journal: bool,
+    /// One entry every this long otherwise.
+    journal_every: Duration,
     /// From ready to the window (`NODEGUARD_IDLE_SETTLE_SECONDS`).
     settle: Duration,
 }
@@ -481,12 +483,17 @@ impl Bench {
         }
         tokio::time::sleep(self.settle).await;
         let before = read(pid);
+        let journal0 = self.journal.written();
         let t0 = Instant::now();
         tokio::time::sleep(self.window).await;
         let after = read(pid);
         let secs = t0.elapsed().as_secs_f64();
-        // The journal grew all along (this panics if its writer stopped).
-        self.journal.written();
+        // The journal grew meanwhile (this panics if its writer stopped or
+        // hung).
+        if !self.quiet_journal {
+            self.journal
+                .written_since(journal0, secs, self.journal_every);
+        }
         let pss_mib = tree_pss_mib(pid);
         assert!(
             p.child.try_wait().unwrap().is_none(),
@@ -536,6 +543,7 @@ fn main() {
         window: Duration::from_secs(window),
         heartbeat,
         quiet_journal: every.is_zero(),
+        journal_every: every,
         settle: Duration::from_secs(env_or("NODEGUARD_IDLE_SETTLE_SECONDS", 10)),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

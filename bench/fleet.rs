@@ -120,6 +120,14 @@ use support::*;
 const NS: &str = "nodeguard-fleet";
 const FLEET_LABEL: &str = "nodeguard.io/fleet";
 const POLICY: &str = "fleet-default";
+/// The kubelet's condition types.
+const KUBELET_CONDITIONS: [&str; 5] = [
+    "Ready",
+    "MemoryPressure",
+    "DiskPressure",
+    "PIDPressure",
+    "NetworkUnavailable",
+];
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Side {
@@ -1114,6 +1122,10 @@ impl Fleet {
                     .and_then(|s| s.conditions)
                     .unwrap_or_default()
                     .into_iter()
+                    // The kubelet's types, which the node lifecycle
+                    // controller sets Unknown once on a Node whose kubelet
+                    // never posted (these have none): no side's to keep.
+                    .filter(|c| !KUBELET_CONDITIONS.contains(&c.type_.as_str()))
                     .map(|c| {
                         let beat = c
                             .last_heartbeat_time

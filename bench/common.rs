@@ -405,6 +405,8 @@ pub struct Journal {
     written: std::sync::atomic::AtomicU64,
     /// Why it stopped, if it did.
     failed: std::sync::Mutex<Option<String>>,
+    /// One entry every so often; zero: no writer (nothing grows).
+    every: Duration,
 }
 
 pub type JournalTarget = std::sync::Arc<Journal>;
@@ -419,25 +421,27 @@ impl Journal {
         self.written.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// How often the writer writes; zero: there is no writer.
+    pub fn every(&self) -> Duration {
+        self.every
+    }
+
     /// Entries written since `before` (an earlier [`Journal::written`]);
     /// panics when none were over a window of `secs` that should hold
     /// several (the writer hung: a `systemd-journal-remote` that never
-    /// exits stops it without failing).
-    pub fn written_since(&self, before: u64, secs: f64, every: Duration) -> u64 {
+    /// exits stops it without failing). Zero without a writer.
+    pub fn written_since(&self, before: u64, secs: f64) -> u64 {
+        if self.every.is_zero() {
+            return 0;
+        }
         let n = self.written() - before;
         assert!(
-            n > 0 || secs < 4.0 * every.as_secs_f64(),
-            "the bench's journal writer wrote nothing in {secs:.1} s (one entry every {every:?}): it hung"
+            n > 0 || secs < 4.0 * self.every.as_secs_f64(),
+            "the bench's journal writer wrote nothing in {secs:.1} s (one entry every {:?}): it hung",
+            self.every
         );
         n
     }
-}
-
-pub fn now_usec() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64
 }
 
 /// Writes a journal entry of this boot every `every` (the kubelet and
@@ -451,7 +455,10 @@ pub fn now_usec() -> u64 {
 /// in the window after it, on the side whose start loaded the host the
 /// longest).
 pub fn journal_writer(every: Duration) -> JournalTarget {
-    let journal = JournalTarget::default();
+    let journal = JournalTarget::new(Journal {
+        every,
+        ..Journal::default()
+    });
     if every.is_zero() {
         return journal;
     }
@@ -478,7 +485,12 @@ pub fn journal_writer(every: Duration) -> JournalTarget {
                 )
             };
             let wrote = std::panic::catch_unwind(|| {
-                crate::support::journal_entry(&dir, identifier, &message, now_usec())
+                crate::support::journal_entry(
+                    &dir,
+                    identifier,
+                    &message,
+                    crate::support::dbus::now_usec(),
+                )
             });
             if wrote.is_err() {
                 *to.failed.lock().unwrap() = Some(format!("writing an entry to {}", dir.display()));
@@ -503,7 +515,7 @@ pub fn fresh_journal(target: &JournalTarget, dir: &std::path::Path) {
         dir,
         "systemd",
         "Started session-0.scope - Session 0 of User root.",
-        now_usec(),
+        crate::support::dbus::now_usec(),
     );
     *target.target.lock().unwrap() = Some(dir.to_path_buf());
 }

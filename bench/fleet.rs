@@ -154,7 +154,11 @@ impl Side {
     /// The `FLEET_LABEL` value of this side's Nodes in run `run` (and the
     /// middle of their names).
     fn group(self, run: usize) -> String {
-        format!("{}{run}", &self.label()[..3])
+        let short = match self {
+            Side::Nodeguard => "ng",
+            Side::Npd => "npd",
+        };
+        format!("{short}{run}")
     }
 }
 
@@ -684,7 +688,7 @@ impl Fleet {
     /// wrote.
     fn npd_config_list(&self, run: usize) -> String {
         let dir = match self.journal_dir(Side::Npd, run) {
-            Some(_) => self.work.join(format!("npd-configs-run{run}")),
+            Some(_) => self.npd_config_dir(run),
             None => self.npd_configs.clone(),
         };
         NPD_CONFIGS
@@ -699,22 +703,12 @@ impl Fleet {
         let Some(journal) = self.journal_dir(Side::Npd, run) else {
             return;
         };
-        npd_configs_reading(
-            &self.npd_configs,
-            &journal,
-            &self.work.join(format!("npd-configs-run{run}")),
-        );
+        npd_configs_reading(&self.npd_configs, &journal, &self.npd_config_dir(run));
     }
 
-    /// Entries written to the journal since `before` over `secs`: none
-    /// without the bench's journal; a writer that stopped or hung fails the
-    /// bench.
-    fn journal_since(&self, before: u64, secs: f64) -> u64 {
-        if self.settings.journal_every.is_zero() {
-            return 0;
-        }
-        self.journal
-            .written_since(before, secs, self.settings.journal_every)
+    /// Where run `run`'s copies of NPD's configs go.
+    fn npd_config_dir(&self, run: usize) -> PathBuf {
+        self.work.join(format!("npd-configs-run{run}"))
     }
 
     /// Member `i`'s port: fixed, below the ephemeral range, so two members
@@ -825,7 +819,9 @@ impl Fleet {
         let spawn = t0.elapsed().as_secs_f64();
         eprintln!("fleet: {} started in {spawn:.1} s", members.len());
         let ready = self.until_ready(side, &mut members, t0).await;
-        let journal_entries = self.journal_since(journal0, t0.elapsed().as_secs_f64()) as f64;
+        let journal_entries =
+            self.journal
+                .written_since(journal0, t0.elapsed().as_secs_f64()) as f64;
         let epoch1 = epoch_now();
         let procs1 = host_processes();
         let host1 = host_cpu();
@@ -1005,7 +1001,8 @@ impl Fleet {
         let ((api_cpu, etcd_cpu), (api_rss, _)) =
             control_plane_load(&self.control_plane, self.settings.steady).await;
         let secs = t0.elapsed().as_secs_f64();
-        s.steady_journal_per_min = self.journal_since(journal0, secs) as f64 / (secs / 60.0);
+        s.steady_journal_per_min =
+            self.journal.written_since(journal0, secs) as f64 / (secs / 60.0);
         let member_trees = trees(&pids);
         let member_cpu1: f64 = member_trees
             .iter()
@@ -1084,7 +1081,8 @@ impl Fleet {
         let journal0 = self.journal.written();
         let t0 = Instant::now();
         s.restart = self.restart(admin, side, run, &nodes).await;
-        self.journal_since(journal0, t0.elapsed().as_secs_f64());
+        self.journal
+            .written_since(journal0, t0.elapsed().as_secs_f64());
         for m in &mut members {
             if let Ok(Some(status)) = m.child.try_wait() {
                 panic!(

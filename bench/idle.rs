@@ -299,10 +299,6 @@ struct Bench {
     window: Duration,
     /// Both sides' condition heartbeat, in seconds.
     heartbeat: u64,
-    /// No journal entries at all (`NODEGUARD_IDLE_JOURNAL_MS=0`).
-    quiet_journal: bool,
-    /// One entry every this long otherwise.
-    journal_every: Duration,
     /// From ready to the window (`NODEGUARD_IDLE_SETTLE_SECONDS`).
     settle: Duration,
 }
@@ -449,7 +445,7 @@ impl Bench {
         // A fresh journal for each peer. With `NODEGUARD_IDLE_JOURNAL_MS=0`
         // it stays empty: a host without a journal.
         let journal = dir.join("journal");
-        if self.quiet_journal {
+        if self.journal.every().is_zero() {
             std::fs::create_dir_all(&journal).unwrap();
         } else {
             fresh_journal(&self.journal, &journal);
@@ -490,10 +486,7 @@ impl Bench {
         let secs = t0.elapsed().as_secs_f64();
         // The journal grew meanwhile (this panics if its writer stopped or
         // hung).
-        if !self.quiet_journal {
-            self.journal
-                .written_since(journal0, secs, self.journal_every);
-        }
+        self.journal.written_since(journal0, secs);
         let pss_mib = tree_pss_mib(pid);
         assert!(
             p.child.try_wait().unwrap().is_none(),
@@ -542,8 +535,6 @@ fn main() {
         pods: env_or("NODEGUARD_IDLE_PODS", 30),
         window: Duration::from_secs(window),
         heartbeat,
-        quiet_journal: every.is_zero(),
-        journal_every: every,
         settle: Duration::from_secs(env_or("NODEGUARD_IDLE_SETTLE_SECONDS", 10)),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

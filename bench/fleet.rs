@@ -39,11 +39,12 @@
 //!   where that time went: how long starting the processes took, the CPU
 //!   (core-seconds) of the processes, the API server, etcd and the whole
 //!   host against what the host's cores had, the side's requests, those
-//!   answered 429 and those by verb and resource, and how long the API
+//!   answered 429 and those by verb, resource and answer (a success, or
+//!   its code), and how long the API
 //!   server took to answer them (the audit log's received and completed
 //!   times); the same for the rollout;
 //! - steady state over `NODEGUARD_FLEET_STEADY_SECONDS` (default 120):
-//!   requests per second by verb and resource (audit log), writes per node
+//!   requests per second by verb, resource and answer (audit log), writes per node
 //!   per heartbeat, watches open (the API server's
 //!   `apiserver_longrunning_requests`), the API server's and etcd's CPU and
 //!   RSS above their level just before the processes started (the run's
@@ -209,6 +210,18 @@ struct Audited {
     took: f64,
     /// The response's status code (0 when the log has none).
     code: u64,
+}
+
+impl Audited {
+    /// Its verb and resource, and the answer's code unless a success (a
+    /// 429 is a request the client makes again: counted apart, the
+    /// retried and the first tries tell apart).
+    fn kind(&self) -> String {
+        match self.code {
+            0 | 200..=299 => format!("{} {}", self.verb, self.resource),
+            code => format!("{} {} answered {code}", self.verb, self.resource),
+        }
+    }
 }
 
 /// A place in the audit log: the file (its inode) and a byte in it.
@@ -477,7 +490,7 @@ async fn control_plane_load(cp: &ControlPlane, window: Duration) -> ((f64, f64),
 #[derive(Default, Clone, Debug)]
 struct Sample {
     start: StartSample,
-    /// `verb resource` → requests per second.
+    /// [`Audited::kind`] → requests per second.
     steady_rps: BTreeMap<String, f64>,
     steady_writes_per_node_per_heartbeat: f64,
     steady_reads_per_node_per_min: f64,
@@ -546,7 +559,8 @@ struct StartSample {
     /// out), median and 99th percentile (s).
     answer_p50: f64,
     answer_p99: f64,
-    /// Those requests by `verb resource`, whole fleet (429s included).
+    /// Those requests by [`Audited::kind`] (`verb resource`, and the
+    /// answer's code unless a success), whole fleet.
     by_kind: BTreeMap<String, f64>,
     /// Entries the bench wrote to the side's journal meanwhile.
     journal_entries: f64,
@@ -870,9 +884,7 @@ impl Fleet {
         let n = members.len() as f64;
         let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
         for q in &requests {
-            *by_kind
-                .entry(format!("{} {}", q.verb, q.resource))
-                .or_default() += 1.0;
+            *by_kind.entry(q.kind()).or_default() += 1.0;
         }
         let s = StartSample {
             ready,
@@ -1013,9 +1025,7 @@ impl Fleet {
         let m1 = apiserver_metrics(admin).await;
         let requests = audited(&self.audit_log, offset, &side.user());
         for r in &requests {
-            *s.steady_rps
-                .entry(format!("{} {}", r.verb, r.resource))
-                .or_default() += 1.0 / secs;
+            *s.steady_rps.entry(r.kind()).or_default() += 1.0 / secs;
         }
         // The elected policy-status writer's Lease renewals are one
         // writer's per cluster, not a node's: in the by-resource rows.
@@ -1789,20 +1799,9 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)], baseline: Opti
         kinds.sort();
         kinds.dedup();
         for k in kinds {
-            // The elected policy-status writer's: one per cluster, whatever
-            // the fleet's size.
-            // So are the Lease's create or takeover races: as many as the
-            // agents that looked before one won, not one a node.
-            let scale = if k.starts_with("patch nodeguardpolicies")
-                || k == "create leases"
-                || k == "update leases"
-            {
-                Scale::Cluster
-            } else {
-                Scale::Fleet
-            };
+            let scale = Scale::of_kind(&k);
             put(
-                &format!("{phase}: of the requests, `{k}`, whole fleet (429s included)"),
+                &format!("{phase}: of the requests, `{k}`, whole fleet"),
                 &move |s| Some(pick(s).by_kind.get(&k).copied().unwrap_or(0.0)),
                 0,
                 scale,
@@ -1847,13 +1846,7 @@ fn report(fleet: &Fleet, runs: usize, samples: &[(Side, Sample)], baseline: Opti
     keys.dedup();
     for k in &keys {
         let k2 = k.clone();
-        // The elected policy-status writer's Lease renewals: one writer's
-        // per cluster, whatever the fleet's size.
-        let scale = if k == "update leases" {
-            Scale::Cluster
-        } else {
-            Scale::Fleet
-        };
+        let scale = Scale::of_kind(k);
         put(
             &format!("steady: `{k}` per second, whole fleet"),
             &move |s| Some(s.steady_rps.get(&k2).copied().unwrap_or(0.0)),
@@ -2149,6 +2142,33 @@ enum Scale {
     Cluster,
 }
 
+impl Scale {
+    /// How the requests of kind `k` ([`Audited::kind`]) compare.
+    fn of_kind(k: &str) -> Scale {
+        // The elected policy-status writer's (its status patches, its
+        // Lease's renewals): one per cluster, whatever the fleet's size. So
+        // are the Lease's create or takeover races, and the GETs answered
+        // 404 that lead to its creates: as many as the agents that looked
+        // before one won, not one a node.
+        if k.starts_with("patch nodeguardpolicies")
+            || k.starts_with("create leases")
+            || k.starts_with("update leases")
+            || k == "get leases answered 404"
+        {
+            Scale::Cluster
+        } else {
+            Scale::Fleet
+        }
+    }
+}
+
+/// The request kind a by-kind row (a start's, a rollout's or the steady
+/// window's) counts: what is between its backquotes.
+fn row_kind(name: &str) -> Option<&str> {
+    let (_, rest) = name.split_once('`')?;
+    rest.split_once('`').map(|(k, _)| k)
+}
+
 /// A row of the table as printed, medians of both sides.
 struct Printed {
     name: String,
@@ -2227,18 +2247,38 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
          (its command line: `{}`), per node where it is the whole fleet's; rows of every client of the API server \
          (the control plane's own requests among them) and of the one policy-status writer are compared whole. \
          The ratio is {n}'s over {b}'s: 1.00 where a per-node figure holds, and so the projection; \
-         \"new\" where the {b}-agent figure was 0. The {b}-agent figures are read as that table prints them, \
+         \"new\" where the {b}-agent figure was 0 (a kind of request or answer seen at one size only is 0 at the other). The {b}-agent figures are read as that table prints them, \
          rounded: a ratio of a figure printed with one or two significant digits is good to about ±10 %.\n",
         baseline.command
     );
     println!(
         "| figure | nodeguard at {b} | at {n} | ratio | node-problem-detector at {b} | at {n} | ratio |\n|---|---:|---:|---:|---:|---:|---:|"
     );
+    // A request kind counted at one size only (429s, say, at the larger)
+    // is a count of 0 at the other, compared as such: the answers that
+    // grow with the fleet are what the comparison is for.
+    let missing: Vec<Printed> = baseline
+        .rows
+        .keys()
+        .filter(|k| !rows.iter().any(|r| &r.name == *k))
+        .filter_map(|k| {
+            row_kind(k).map(|kind| Printed {
+                name: k.clone(),
+                values: [Some(0.0); 2],
+                scale: Scale::of_kind(kind),
+            })
+        })
+        .collect();
     let mut only_here = Vec::new();
-    for row in rows {
-        let Some(old) = baseline.rows.get(&row.name) else {
-            only_here.push(row.name.as_str());
-            continue;
+    for row in rows.iter().chain(&missing) {
+        let none_then = [Some(0.0); 2];
+        let old = match baseline.rows.get(&row.name) {
+            Some(old) => old,
+            None if row_kind(&row.name).is_some() => &none_then,
+            None => {
+                only_here.push(row.name.as_str());
+                continue;
+            }
         };
         let scale = |v: Option<f64>, nodes: usize| {
             v.map(|v| {
@@ -2270,7 +2310,7 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
     let only_there: Vec<&str> = baseline
         .rows
         .keys()
-        .filter(|k| !rows.iter().any(|r| &r.name == *k))
+        .filter(|k| !rows.iter().any(|r| &r.name == *k) && row_kind(k).is_none())
         .map(String::as_str)
         .collect();
     let quoted = |names: &[&str]| {

@@ -2256,11 +2256,15 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
     );
     // A request kind counted at one size only (429s, say, at the larger)
     // is a count of 0 at the other, compared as such: the answers that
-    // grow with the fleet are what the comparison is for.
-    let missing: Vec<Printed> = baseline
+    // grow with the fleet are what the comparison is for. The baseline's
+    // other rows this run lacks are listed by name below.
+    let (missing, only_there): (Vec<&String>, Vec<&String>) = baseline
         .rows
         .keys()
         .filter(|k| !rows.iter().any(|r| &r.name == *k))
+        .partition(|k| row_kind(k).is_some());
+    let missing: Vec<Printed> = missing
+        .into_iter()
         .filter_map(|k| {
             row_kind(k).map(|kind| Printed {
                 name: k.clone(),
@@ -2307,12 +2311,7 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
         };
         println!("| {name} | {} |", cells.join(" | "));
     }
-    let only_there: Vec<&str> = baseline
-        .rows
-        .keys()
-        .filter(|k| !rows.iter().any(|r| &r.name == *k) && row_kind(k).is_none())
-        .map(String::as_str)
-        .collect();
+    let only_there: Vec<&str> = only_there.into_iter().map(String::as_str).collect();
     let quoted = |names: &[&str]| {
         names
             .iter()

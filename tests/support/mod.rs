@@ -564,8 +564,18 @@ pub async fn node_conditions(
 /// Runs `e2e/cluster/ctl ACTION COMPONENT` (stop/start a control-plane
 /// component of the running test cluster).
 pub fn cluster_ctl(action: &str, component: &str) {
+    cluster_ctl_within(action, component, Duration::from_secs(60));
+}
+
+/// [`cluster_ctl`], waiting up to `ready` for a started API server's
+/// `/readyz` (e2e/cluster/ctl's `NODEGUARD_APISERVER_READY_SECONDS`).
+pub fn cluster_ctl_within(action: &str, component: &str, ready: Duration) {
     let status = std::process::Command::new(repo_root().join("e2e/cluster/ctl"))
         .args([action, component])
+        .env(
+            "NODEGUARD_APISERVER_READY_SECONDS",
+            ready.as_secs().max(1).to_string(),
+        )
         .status()
         .expect("e2e/cluster/ctl runs");
     assert!(

@@ -2265,21 +2265,20 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
     // is a count of 0 at the other, compared as such: the answers that
     // grow with the fleet are what the comparison is for. The baseline's
     // other rows this run lacks are listed by name below.
-    let (missing, only_there): (Vec<&String>, Vec<&String>) = baseline
-        .rows
-        .keys()
-        .filter(|k| !rows.iter().any(|r| &r.name == *k))
-        .partition(|k| row_kind(k).is_some());
-    let missing: Vec<Printed> = missing
-        .into_iter()
-        .filter_map(|k| {
-            row_kind(k).map(|kind| Printed {
+    let (mut missing, mut only_there) = (Vec::new(), Vec::new());
+    for k in baseline.rows.keys() {
+        if rows.iter().any(|r| &r.name == k) {
+            continue;
+        }
+        match row_kind(k) {
+            Some(kind) => missing.push(Printed {
                 name: k.clone(),
                 values: [Some(0.0); 2],
                 scale: Scale::of_kind(kind),
-            })
-        })
-        .collect();
+            }),
+            None => only_there.push(k.as_str()),
+        }
+    }
     let mut only_here = Vec::new();
     for row in rows.iter().chain(&missing) {
         let none_then = [Some(0.0); 2];
@@ -2318,7 +2317,6 @@ fn compare(baseline: &Baseline, agents: usize, rows: &[Printed]) {
         };
         println!("| {name} | {} |", cells.join(" | "));
     }
-    let only_there: Vec<&str> = only_there.into_iter().map(String::as_str).collect();
     let quoted = |names: &[&str]| {
         names
             .iter()

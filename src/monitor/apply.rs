@@ -142,6 +142,10 @@ pub(super) async fn apply<T: TaintPort>(
                     engine.taint_maybe_added(condition);
                 }
                 engine.taint_result(condition, outcome);
+                // One taint edit done: the next is a span of its own (each
+                // call may wait out a shedding API server).
+                handle.updated();
+                handle.queued();
                 let owned = engine.state().get(condition).is_some_and(|s| s.taint_added);
                 if *add && outcome == TaintOutcome::AlreadyPresent && !owned {
                     tracing::info!(taint = %key, condition = %condition, "the taint was there already; nodeguard will not remove it");

@@ -181,12 +181,16 @@ pub async fn run_policy_status(
             }
             _ = tokio::time::sleep_until(next_look) => {
                 let was = renewed.is_some();
+                // The renewal is as old as the renewTime it writes, taken
+                // when the call begins: the call may take a while (a
+                // shedding API server's waits, k8s::retry_after).
+                let asked = tokio::time::Instant::now();
                 // The holder renews every RENEW, and retries an error as
                 // soon, so a passing API error does not cost the lease;
                 // the others look again in one to two terms, errors too.
                 next_look = match hold_lease(&leases, &me, was).await {
                     Ok(true) => {
-                        renewed = Some(tokio::time::Instant::now());
+                        renewed = Some(asked);
                         tokio::time::Instant::now() + RENEW
                     }
                     Ok(false) => {

@@ -822,6 +822,10 @@ pub async fn run_event_publisher<P: EventPort>(
                     if !err.retryable() {
                         break;
                     }
+                    // Waiting on the API is not being stuck: each attempt
+                    // (its calls may wait out a shedding API server, up to
+                    // k8s::retry_after::WAIT_BUDGET each) is a span of its own.
+                    health.updated();
                     tokio::select! {
                         _ = shutdown.cancelled() => {
                             // This one first, then the rest.
@@ -830,6 +834,7 @@ pub async fn run_event_publisher<P: EventPort>(
                         }
                         _ = sleep(backoff.next_delay()) => {}
                     }
+                    health.queued();
                 }
             }
         }

@@ -23,6 +23,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::k8s::node::{Eligibility, NodeFacts, eligibility};
+use crate::k8s::retry_after::ShedMetrics;
 use crate::k8s::watch::{Snapshot, keep_whole, publish_objects, trim_pod};
 use crate::monitor::kube::KubeTaints;
 use crate::monitor::{MonitorContext, MonitorMetrics, run_monitors};
@@ -245,10 +246,24 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
         );
     }
     // Every request of every loop gets a deadline: a connection that stops
-    // answering must not hold a loop forever (see k8s::deadline).
-    let client = crate::k8s::deadline::with_deadline(client, crate::k8s::deadline::API_DEADLINE);
+    // answering must not hold a loop forever (see k8s::deadline). A request
+    // the API server sheds (429 with Retry-After) goes again after the wait
+    // it asks for, jittered (see k8s::retry_after).
+    // The shutdown manager and the watchdog's API probe see every 429 at
+    // once (`direct`): they run against their own short clocks.
+    // Once the agent stops, no wait for the API server starts and one under
+    // way ends: the loops' last writes go out at once.
+    let shutdown = CancellationToken::new();
+    let direct = crate::k8s::deadline::with_deadline(client, crate::k8s::deadline::API_DEADLINE);
+    let shed_metrics = ShedMetrics::default();
+    let client = crate::k8s::retry_after::with_retry_after(
+        direct.clone(),
+        shed_metrics.clone(),
+        shutdown.clone(),
+    );
     let health = Health::new();
     let (mut registry, server_metrics) = metrics::new_registry(&health);
+    shed_metrics.register(&mut registry);
     let (reporter, event_queue) = Reporter::new(&config.report, &mut registry);
     let watchdog_metrics = WatchdogMetrics::register(&mut registry);
     let shutdown_metrics = ShutdownMetrics::register(&mut registry);
@@ -261,7 +276,6 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     for type_ in &config.declared_conditions {
         reporter.declare(type_);
     }
-    let shutdown = CancellationToken::new();
     let mut sup = Supervisor::new(health.clone(), shutdown.clone());
     // Every channel between loops stays open while the agent runs, whatever
     // happens to the loop that feeds it: a loop that dies is failed by the
@@ -415,7 +429,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 notifier: SystemdNotifier::new(config.notify_socket.clone()),
                 systemd_timeout: config.systemd_watchdog,
                 opener: SysDeviceOpener,
-                api: KubeApiProbe(client.clone()),
+                api: KubeApiProbe(direct.clone()),
             },
             watchdog_rx,
             health.clone(),
@@ -432,7 +446,7 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
                 logind: ZbusConnector {
                     address: config.system_bus_address.clone(),
                 },
-                cluster: KubeCluster::new(client.clone(), &config.node_name),
+                cluster: KubeCluster::new(direct.clone(), &config.node_name),
                 state_dir: config.state_dir.clone(),
                 state_writes: state_writes.clone(),
                 boot_id: config.boot_id.clone(),

@@ -4,6 +4,7 @@
 
 pub mod deadline;
 pub mod node;
+pub mod retry_after;
 pub mod taints;
 pub mod watch;
 

@@ -24,6 +24,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::k8s::deadline::API_DEADLINE;
+use crate::k8s::retry_after::WAIT_BUDGET;
 use crate::server::LoopHandle;
 use crate::server::backoff::Backoff;
 
@@ -272,12 +273,14 @@ pub async fn watch_objects<K, F>(
 pub const STILL_FAILING_EVERY: Duration = Duration::from_secs(300);
 
 /// Whether the watch worked between the last failure and this one: a retry
-/// that fails comes back within its delay plus one request's deadline, so a
-/// longer gap means an attempt succeeded (a quiet watch yields no event to
-/// say so). The next failure then starts a new run: fresh backoff, a new
-/// warning.
+/// that fails comes back within its delay plus one request's deadline and
+/// the waits the API server may ask for when it sheds the request
+/// ([`WAIT_BUDGET`]), so a longer gap means an attempt succeeded (a quiet
+/// watch yields no event to say so). The next failure then starts a new
+/// run: fresh backoff, a new warning.
 fn worked_between(f: &Failing, now: Instant) -> bool {
-    now.duration_since(f.last_error) > f.last_delay + API_DEADLINE + Duration::from_secs(1)
+    now.duration_since(f.last_error)
+        > f.last_delay + API_DEADLINE + WAIT_BUDGET + Duration::from_secs(1)
 }
 
 /// A run of failed attempts of one watch.
@@ -632,7 +635,9 @@ mod tests {
             attempts: 5,
             last_warning: Some(t0),
         };
-        for (after, worked) in [(1, false), (8, false), (19, false), (20, true), (300, true)] {
+        // 8 s of delay, 10 s of deadline, 10 s of waits the API server asked
+        // for, 1 s of slack.
+        for (after, worked) in [(1, false), (8, false), (29, false), (30, true), (300, true)] {
             assert_eq!(
                 worked_between(&f, t0 + Duration::from_secs(after)),
                 worked,

@@ -227,21 +227,31 @@ impl TestNode {
 impl Drop for TestNode {
     fn drop(&mut self) {
         let name = self.name.clone();
-        // A fresh runtime on its own thread: the test's runtime may be gone.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let client = Client::try_from(admin_config().await).unwrap();
-                let _ = Api::<Node>::all(client)
-                    .delete(&name, &DeleteParams::default())
-                    .await;
-            });
-        })
-        .join();
+        with_admin_blocking(|client| async move {
+            let _ = Api::<Node>::all(client)
+                .delete(&name, &DeleteParams::default())
+                .await;
+        });
     }
+}
+
+/// Runs `clean_up` with an admin client to its end, from a `Drop`: on a
+/// fresh runtime on its own thread (the test's runtime may be gone).
+pub fn with_admin_blocking<F, Fut>(clean_up: F)
+where
+    F: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let _ = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            clean_up(Client::try_from(admin_config().await).unwrap()).await;
+        });
+    })
+    .join();
 }
 
 /// The path a cached tool's script prints with `--path` (e2e/promtool,

@@ -318,7 +318,8 @@ async fn a_disruption_budgets_refusal_reaches_the_caller_at_once() {
         "{err:?}"
     );
     assert_eq!(waits, 0);
-    assert!(took < Duration::from_secs(1), "the refusal took {took:?}");
+    // At once: a wait would take the 10 s asked.
+    assert!(took < Duration::from_secs(5), "the refusal took {took:?}");
     delete_pdb(&admin, &pdb).await;
 
     // A budget the controller manager has not processed yet (it is
@@ -347,7 +348,8 @@ async fn a_disruption_budgets_refusal_reaches_the_caller_at_once() {
         "{err:?}"
     );
     assert_eq!(waits, 0, "a PDB's refusal was waited out");
-    assert!(took < Duration::from_secs(1), "the refusal took {took:?}");
+    // At once: a wait would take the 10 s asked.
+    assert!(took < Duration::from_secs(5), "the refusal took {took:?}");
     drop(restart);
     delete_pdb(&admin, &unprocessed).await;
     let _ = Api::<Pod>::namespaced(admin, TEST_NAMESPACE)

@@ -255,7 +255,19 @@ impl tower_service::Service<Request<Body>> for RetryAfter {
             loop {
                 let again = copy(&req);
                 let (method, path) = (req.method().clone(), req.uri().path().to_string());
-                let response = client.send(req).await.map_err(Box::new)?;
+                let mut response = client.send(req).await.map_err(Box::new)?;
+                if response.status() == StatusCode::TOO_MANY_REQUESTS {
+                    // Read to its end (a line of text or a small Status;
+                    // a watch's too), so the connection can serve the
+                    // retry, and before the budget is reckoned.
+                    let (parts, body) = response.into_parts();
+                    let bytes = tokio::time::timeout(DRAIN, body.collect_bytes())
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .unwrap_or_default();
+                    response = Response::from_parts(parts, Body::from(bytes));
+                }
                 let verdict = verdict(
                     &method,
                     &path,
@@ -284,19 +296,11 @@ impl tower_service::Service<Request<Body>> for RetryAfter {
                     retry_after = ?response.headers().get(RETRY_AFTER),
                     "the API server shed the request (429): sending it again after the wait it asked for"
                 );
-                // Read to its end, the connection can serve the retry; kept,
-                // to hand over if the agent stops meanwhile.
-                let (parts, body) = response.into_parts();
-                let bytes = tokio::time::timeout(DRAIN, body.collect_bytes())
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .unwrap_or_default();
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = stop.cancelled() => {
                         metrics.count("handed_over");
-                        return Ok(Response::from_parts(parts, Body::from(bytes)));
+                        return Ok(response);
                     }
                 }
                 metrics.count("waited");

@@ -23,6 +23,10 @@ pub enum TaintError {
     /// The Node's taints (as read) could not be taken apart.
     #[error("cannot read the Node's taints: {0}")]
     Unreadable(String),
+    /// The edit (its reads, writes and conflict rounds) did not finish in
+    /// time; a write may have gone out.
+    #[error("the taint edit did not finish within {0:?}")]
+    TimedOut(std::time::Duration),
 }
 
 /// Whether a write that failed with `e` may have been applied all the
@@ -43,6 +47,7 @@ impl TaintError {
         match self {
             TaintError::Read(_) | TaintError::Conflict(_) | TaintError::Unreadable(_) => false,
             TaintError::Api(e) => may_have_landed(e),
+            TaintError::TimedOut(_) => true,
         }
     }
 }

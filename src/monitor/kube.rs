@@ -1,5 +1,7 @@
 //! The monitors' Kubernetes peer: their taint port on the Node.
 
+use std::time::Duration;
+
 use kube::Client;
 
 use crate::k8s::taints::{TaintError, add, remove};
@@ -29,11 +31,28 @@ impl From<TaintError> for MonitorError {
     }
 }
 
+/// How long one taint edit may take: its reads, writes and conflict
+/// rounds, each call of which may wait out a shedding API server
+/// (`k8s::retry_after`). Under the monitor loop's timeout
+/// ([`super::MONITOR_TIMEOUT`]), so an edit never makes the loop stuck; one
+/// cut short counts as possibly written, and the monitor's next attempt
+/// reads what landed.
+pub const EDIT_TIMEOUT: Duration = Duration::from_secs(40);
+const _: () = assert!(EDIT_TIMEOUT.as_secs() < super::MONITOR_TIMEOUT.as_secs());
+
 impl TaintPort for KubeTaints {
     async fn add(&self, key: &str, value: &str, effect: &str) -> Result<bool, MonitorError> {
-        Ok(add(&self.client, &self.node, key, value, effect).await?)
+        let edit = add(&self.client, &self.node, key, value, effect);
+        match tokio::time::timeout(EDIT_TIMEOUT, edit).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(TaintError::TimedOut(EDIT_TIMEOUT).into()),
+        }
     }
     async fn remove(&self, key: &str, effect: &str) -> Result<(), MonitorError> {
-        Ok(remove(&self.client, &self.node, key, effect).await?)
+        let edit = remove(&self.client, &self.node, key, effect);
+        match tokio::time::timeout(EDIT_TIMEOUT, edit).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(TaintError::TimedOut(EDIT_TIMEOUT).into()),
+        }
     }
 }

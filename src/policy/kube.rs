@@ -191,7 +191,7 @@ pub async fn run_policy_status(
                 next_look = match hold_lease(&leases, &me, was).await {
                     Ok(true) => {
                         renewed = Some(asked);
-                        tokio::time::Instant::now() + RENEW
+                        asked + RENEW
                     }
                     Ok(false) => {
                         renewed = None;

@@ -1,7 +1,8 @@
 //! The API server sheds load: API Priority and Fairness turns requests
 //! away with 429 and `Retry-After`, and the agent's client waits as asked
 //! and sends them again, while a PodDisruptionBudget's 429 still reaches
-//! the shutdown manager at once. Against the real API server, with a
+//! the shutdown manager at once, and the watchdog's API check is answered
+//! at once while its account is shed. Against the real API server, with a
 //! priority level of its own for the test's ServiceAccount that rejects
 //! what it cannot seat.
 
@@ -19,12 +20,13 @@ use kube::api::{DeleteParams, EvictParams, ListParams, PostParams};
 use kube::{Api, Client};
 use nodeguard::k8s::deadline::{API_DEADLINE, with_deadline};
 use nodeguard::k8s::retry_after::{ShedMetrics, with_retry_after};
+use nodeguard::watchdog::{ApiProbe, KubeApiProbe};
 use support::pods::{delete_pdb, ensure_priority_class, pdb_keeping_one, running_pod};
 use support::*;
 use tokio_util::sync::CancellationToken;
 
-/// The two tests run one after the other: the flood of one would slow the
-/// other's timing, and the other stops the controller manager.
+/// The tests run one after the other: the flood of one would slow the
+/// others' timing, and one stops the controller manager.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The agent's client as `agent::start` makes it for its loops, with a
@@ -89,6 +91,7 @@ impl SheddingLevel {
                                   "serviceAccount": {"name": account, "namespace": TEST_NAMESPACE}}],
                     "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
                                        "namespaces": ["*"], "clusterScope": true}],
+                    "nonResourceRules": [{"verbs": ["get"], "nonResourceURLs": ["/version", "/livez"]}],
                 }],
             },
         }))
@@ -158,13 +161,17 @@ fn flood(
                         http::Request::get(format!("/api/v1/namespaces/{TEST_NAMESPACE}/pods"))
                             .body(Vec::new())
                             .unwrap();
-                    if let Ok(resp) = client.send(req.map(Into::into)).await {
-                        if resp.status() == 429 {
-                            shed.fetch_add(1, Ordering::Relaxed);
-                        }
-                        // Read to its end, the connection serves the next.
-                        let _ = resp.into_body().collect_bytes().await;
+                    // An error ends the task: once a failing test's
+                    // runtime shuts down, every send fails at once, and a
+                    // loop that never waits would hold the shutdown forever.
+                    let Ok(resp) = client.send(req.map(Into::into)).await else {
+                        break;
+                    };
+                    if resp.status() == 429 {
+                        shed.fetch_add(1, Ordering::Relaxed);
                     }
+                    // Read to its end, the connection serves the next.
+                    let _ = resp.into_body().collect_bytes().await;
                 }
             })
         })
@@ -355,4 +362,85 @@ async fn a_disruption_budgets_refusal_reaches_the_caller_at_once() {
     let _ = Api::<Pod>::namespaced(admin, TEST_NAMESPACE)
         .delete(&pod, &DeleteParams::default().grace_period(0))
         .await;
+}
+
+/// `requireApiServer` withholds the watchdog's pets while the API server
+/// does not answer. An API server shedding load answers: a fleet
+/// reconnecting at once after a control-plane restart must not reset its
+/// nodes. The level here takes the account's `/version` and `/livez` too
+/// (after the API server's own FlowSchemas: `probes` exempts `/livez`).
+/// While the account's `/version` is shed, the probe is answered, 200, at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_watchdogs_api_check_is_answered_while_the_agents_account_is_shed() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let admin = admin_client().await;
+    let (account, raw) = viewer(&admin).await;
+    let _level = SheddingLevel::create(&admin, &account).await;
+    let (stop, shed) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let flooding = flood(&raw, 24, &stop, &shed);
+    eventually(
+        Duration::from_secs(30),
+        "the API server sheds the flood (429)",
+        || async { shed.load(Ordering::Relaxed) > 0 },
+    )
+    .await;
+
+    // The probe as the agent makes it (the client with its deadline, no
+    // waits), with a look at each answer's code.
+    let codes = Arc::new(std::sync::Mutex::new(Vec::<u16>::new()));
+    let deadline = with_deadline(raw.clone(), API_DEADLINE);
+    let look = {
+        let (deadline, codes) = (deadline.clone(), codes.clone());
+        tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let (client, codes) = (deadline.clone(), codes.clone());
+            async move {
+                let resp = client.send(req).await?;
+                codes.lock().unwrap().push(resp.status().as_u16());
+                Ok::<_, kube::Error>(resp)
+            }
+        })
+    };
+    let probe = KubeApiProbe(Client::new(look, "default"));
+    let version = || async {
+        let req = http::Request::get("/version").body(Vec::new()).unwrap();
+        let resp = deadline.send(req.map(Into::into)).await.unwrap();
+        let code = resp.status().as_u16();
+        let _ = resp.into_body().collect_bytes().await;
+        code
+    };
+    let until = Instant::now() + Duration::from_secs(60);
+    let (mut probes, mut version_shed, mut slowest) = (0, 0, Duration::ZERO);
+    while version_shed == 0 || probes < 20 {
+        assert!(
+            Instant::now() < until,
+            "{probes} probes; the account's /version shed {version_shed} times in 60 s ({} of the flood were)",
+            shed.load(Ordering::Relaxed)
+        );
+        if version().await == 429 {
+            version_shed += 1;
+        }
+        let before = codes.lock().unwrap().len();
+        let sent = Instant::now();
+        let reachable = probe.reachable().await;
+        slowest = slowest.max(sent.elapsed());
+        let code = codes.lock().unwrap()[before..].last().copied();
+        assert!(
+            reachable && code == Some(200),
+            "probe {probes}: the API server answered {code:?} (reachable: {reachable})"
+        );
+        probes += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in flooding {
+        task.await.unwrap();
+    }
+    assert!(slowest < Duration::from_secs(2), "a probe took {slowest:?}");
+    eprintln!(
+        "watchdog API check: {probes} probes answered 200 (slowest {slowest:?}) while the account's /version was shed {version_shed} times and the flood {} times",
+        shed.load(Ordering::Relaxed)
+    );
 }

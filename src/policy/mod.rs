@@ -297,7 +297,8 @@ pub struct WatchdogSpec {
     #[serde(default = "default_pet_percent")]
     #[schemars(range(min = 10, max = 50))]
     pub pet_interval_percent: u8,
-    /// Also require that the API server answers before petting. Off by
+    /// Also require that the API server answers `/livez` within 5 s before
+    /// petting (a 2xx, 401, 403 or 429: it is there; a 5xx is not). Off by
     /// default: an API outage must never reset a fleet.
     #[serde(default)]
     pub require_api_server: bool,

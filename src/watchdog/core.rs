@@ -89,6 +89,19 @@ impl Skip {
     }
 }
 
+/// Whether an HTTP status from the API server's `/livez` means it is
+/// there for `requireApiServer`, which fences a node cut off from the
+/// control plane: any answer that only a live API server gives. A 2xx; a
+/// 429 (shedding load: up and busy); a 401 or 403 (the agent's token
+/// refused, or RBAC not loaded yet just after a restart: the API server
+/// answered, the node is not cut off, and a reset would not mend the
+/// token). Not a 5xx (the API server failing its own liveness checks, or a
+/// load balancer in front of it with no API server behind), a redirect or
+/// a 404 (not an API server).
+pub fn api_answered(status: u16) -> bool {
+    (200..300).contains(&status) || matches!(status, 401 | 403 | 429)
+}
+
 /// Pet only when every check passes: the health registry is live and,
 /// when required, the API server answered (`api_ok` is `None` when not
 /// required). Node eligibility does not gate petting: a node being drained
@@ -173,6 +186,25 @@ mod tests {
             "never below 1 s"
         );
         assert_eq!(device_pet_interval(3600, 10), Duration::from_secs(360));
+    }
+
+    #[test]
+    fn what_counts_as_the_api_server_answering() {
+        for (status, answered) in [
+            (200, true),
+            (204, true),
+            (429, true),
+            (401, true),
+            (403, true),
+            (301, false),
+            (404, false),
+            (500, false),
+            (502, false),
+            (503, false),
+            (504, false),
+        ] {
+            assert_eq!(api_answered(status), answered, "{status}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -143,16 +143,36 @@ pub trait ApiProbe: Send + Sync + 'static {
     fn reachable(&self) -> impl Future<Output = bool> + Send;
 }
 
-/// Asks the API server for its version, with a short timeout.
+/// Asks the API server for `/livez`, with a short timeout. `/livez` is
+/// what every authenticated client may read (`system:public-info-viewer`)
+/// and what API Priority and Fairness exempts from queuing and shedding
+/// (the `probes` FlowSchema), so an overloaded API server still answers it
+/// at once; `/version` or a resource would queue behind the whole fleet's
+/// requests (all agents share one ServiceAccount, so one flow) for up to
+/// 15 s. What counts as an answer is [`core::api_answered`].
 #[derive(Clone)]
 pub struct KubeApiProbe(pub kube::Client);
 
 impl ApiProbe for KubeApiProbe {
     async fn reachable(&self) -> bool {
-        matches!(
-            tokio::time::timeout(Duration::from_secs(5), self.0.apiserver_version()).await,
-            Ok(Ok(_))
-        )
+        let ask = async {
+            let req = http::Request::get("/livez")
+                .body(Vec::new())
+                .expect("a constant request");
+            let resp = self.0.send(req.map(Into::into)).await?;
+            let status = resp.status().as_u16();
+            // Read to its end, so the connection serves the next probe.
+            resp.into_body().collect_bytes().await?;
+            Ok::<_, kube::Error>(status)
+        };
+        let why = match tokio::time::timeout(Duration::from_secs(5), ask).await {
+            Ok(Ok(status)) if core::api_answered(status) => return true,
+            Ok(Ok(status)) => format!("/livez answered {status}"),
+            Ok(Err(e)) => format!("/livez: {e}"),
+            Err(_) => "/livez: no answer within 5 s".to_string(),
+        };
+        tracing::warn!(%why, "the API server does not answer (requireApiServer)");
+        false
     }
 }
 

@@ -10,25 +10,11 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::os::unix::net::UnixDatagram;
 use std::time::Duration;
 
 use support::alerts::*;
+use support::notify::NotifySocket;
 use support::*;
-
-/// A notify socket nobody but a thread of this test reads, as systemd's
-/// would be: its directory (kept while the agent runs) and its path.
-fn systemd_notify_socket() -> (TempDir, String) {
-    let dir = TempDir::new("notify");
-    let notify = dir.path.join("notify.sock");
-    let sock = UnixDatagram::bind(&notify).unwrap();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while sock.recv(&mut buf).is_ok() {}
-    });
-    let path = notify.display().to_string();
-    (dir, path)
-}
 
 /// A directory with the rendered rules and the unit tests beside them.
 fn rules_dir(sets: &[&str]) -> (TempDir, serde_json::Value) {
@@ -313,7 +299,8 @@ async fn a_real_agent_exposes_every_series_the_alerts_read_and_none_fires() {
         }),
     )
     .await;
-    let (_notify_dir, path) = systemd_notify_socket();
+    let notify = NotifySocket::bind();
+    let path = notify.path.display().to_string();
     let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
         c.notify_socket = Some(path);
         c.systemd_watchdog = Some(Duration::from_secs(10));
@@ -432,7 +419,8 @@ async fn every_dashboard_panel_selects_series_of_a_real_agent() {
     )
     .await;
     let (_marked, sim) = kubelet_sim(admin.clone(), node.name.clone());
-    let (_notify_dir, path) = systemd_notify_socket();
+    let notify = NotifySocket::bind();
+    let path = notify.path.display().to_string();
     let address = bus.address.clone();
     let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
         c.notify_socket = Some(path);

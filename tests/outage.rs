@@ -1,9 +1,10 @@
 //! An API server outage while conditions change: the agent keeps running,
 //! stays live, loses nothing, and converges soon after the API returns. An
 //! API server restart during a shutdown: the groups go on, each pod ends
-//! once, the inhibitor is released within the plan.
-//! (Its own test binary: it stops the shared API server; its tests take
-//! turns.)
+//! once, the inhibitor is released within the plan. etcd down under the
+//! API server: the watchdog's pets go on with `requireApiServer`.
+//! (Its own test binary: it stops the shared API server or etcd; its tests
+//! take turns.)
 
 mod support;
 
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use kube::Api;
 use nodeguard::report::Status;
+use support::notify::NotifySocket;
 use support::*;
 
 /// The tests of this binary stop the shared API server: one at a time.
@@ -657,4 +659,126 @@ async fn refusals_from_a_just_restarted_api_server_keep_the_short_backoff() {
     .await;
     stop.cancel();
     task.await.unwrap();
+}
+
+/// `requireApiServer` fences a node cut off from the API server; it does
+/// not judge the control plane. While etcd is down, every API server's
+/// plain `/livez` fails (500, `[-]etcd failed`), and a probe of it would
+/// withhold every such node's pets, resetting the fleet once the outage
+/// outlasts the watchdog's timeout. The agent's pets go on here through an
+/// outage of several times its systemd watchdog's timeout (2 s), none
+/// skipped for the API server, and the 500 the API server writes itself
+/// counts as an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdogs_pets_go_on_while_etcd_is_down() {
+    let _turn = API_DOWN.lock().await;
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "etcd-down").await;
+    let policy = unique_name("etcd-down");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "watchdog": {"requireApiServer": true},
+        }),
+    )
+    .await;
+    let notify = NotifySocket::bind();
+    let path = notify.path.display().to_string();
+    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
+        c.notify_socket = Some(path);
+        c.systemd_watchdog = Some(Duration::from_secs(2));
+    })
+    .await;
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(admin.clone());
+    eventually(
+        Duration::from_secs(20),
+        "READY=1 and the policy in force",
+        || async {
+            let effective = nodes.get(&node.name).await.ok().and_then(|n| {
+                n.metadata
+                    .annotations
+                    .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
+            });
+            !notify.times("READY=1").is_empty() && effective == Some(format!("{policy}@1"))
+        },
+    )
+    .await;
+    let skipped = || async {
+        let (_, metrics) = http_get(agent.addr, "/metrics").await;
+        sample(
+            &metrics,
+            "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"}",
+        )
+    };
+    assert_eq!(skipped().await, Some(0.0), "served, and no pet skipped yet");
+
+    let guard = RestartOnDrop("etcd");
+    tokio::task::spawn_blocking(|| cluster_ctl("stop", "etcd"))
+        .await
+        .unwrap();
+    let livez = || async {
+        let req = http::Request::get("/livez").body(Vec::new()).unwrap();
+        let resp = admin.send(req.map(Into::into)).await.unwrap();
+        let code = resp.status().as_u16();
+        (
+            code,
+            resp.into_body().collect_bytes().await.unwrap_or_default(),
+        )
+    };
+    let until = Instant::now() + Duration::from_secs(30);
+    let (code, body) = loop {
+        let (code, body) = livez().await;
+        if code == 500 && String::from_utf8_lossy(&body).contains("[-]etcd failed") {
+            break (code, body);
+        }
+        assert!(
+            Instant::now() < until,
+            "/livez still answers {code} 30 s after etcd stopped: {:?}",
+            String::from_utf8_lossy(&body)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Three times the watchdog's timeout with etcd down, /livez failing.
+    let down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (still, _) = livez().await;
+    let pets: Vec<Instant> = notify
+        .times("WATCHDOG=1")
+        .into_iter()
+        .filter(|t| *t >= down)
+        .collect();
+    let mut gaps: Vec<Duration> = pets.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.insert(0, pets.first().map_or(down.elapsed(), |t| *t - down));
+    let skipped_down = skipped().await;
+
+    tokio::task::spawn_blocking(|| cluster_ctl("start", "etcd"))
+        .await
+        .unwrap();
+    drop(guard);
+    tokio::task::spawn_blocking(|| {
+        cluster_ctl("stop", "kube-controller-manager");
+        cluster_ctl("start", "kube-controller-manager");
+    })
+    .await
+    .unwrap();
+    eprintln!(
+        "etcd down: /livez answered {code} then {still}; {} WATCHDOG=1 in 6 s, gaps {gaps:?}; skipped for the API server: {skipped_down:?}",
+        pets.len()
+    );
+    assert_eq!(still, 500, "etcd still down at the end of the 6 s");
+    assert!(
+        pets.len() >= 4 && gaps.iter().all(|g| *g < Duration::from_secs(2)),
+        "the pets must go on with etcd down: {} in 6 s, gaps {gaps:?}",
+        pets.len()
+    );
+    assert_eq!(skipped_down, Some(0.0), "no pet skipped for the API server");
+    assert!(
+        nodeguard::watchdog::core::api_answered(code, &body),
+        "the API server's own failing /livez counts as an answer: {:?}",
+        String::from_utf8_lossy(&body)
+    );
+    agent.stop().await;
+    delete_policy(&admin, &policy).await;
 }

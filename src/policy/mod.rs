@@ -297,8 +297,13 @@ pub struct WatchdogSpec {
     #[serde(default = "default_pet_percent")]
     #[schemars(range(min = 10, max = 50))]
     pub pet_interval_percent: u8,
-    /// Also require that the API server answers `/livez` within 5 s before
-    /// petting (a 2xx, 401, 403 or 429: it is there; a 5xx is not). Off by
+    /// Also require that the API server answers `/livez?exclude=etcd` within
+    /// 5 s before petting: it fences a node cut off from the API server,
+    /// and does not judge the control plane's health (etcd is left out, so
+    /// a node reaching only an API server without etcd quorum is not
+    /// fenced).
+    /// A 2xx, 401, 403, 429, or the API server's own 500 "livez check
+    /// failed" is an answer; any other 5xx, a redirect or 404 is not. Off by
     /// default: an API outage must never reset a fleet.
     #[serde(default)]
     pub require_api_server: bool,

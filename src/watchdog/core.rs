@@ -89,17 +89,38 @@ impl Skip {
     }
 }
 
-/// Whether an HTTP status from the API server's `/livez` means it is
-/// there for `requireApiServer`, which fences a node cut off from the
-/// control plane: any answer that only a live API server gives. A 2xx; a
-/// 429 (shedding load: up and busy); a 401 or 403 (the agent's token
-/// refused, or RBAC not loaded yet just after a restart: the API server
-/// answered, the node is not cut off, and a reset would not mend the
-/// token). Not a 5xx (the API server failing its own liveness checks, or a
-/// load balancer in front of it with no API server behind), a redirect or
-/// a 404 (not an API server).
-pub fn api_answered(status: u16) -> bool {
-    (200..300).contains(&status) || matches!(status, 401 | 403 | 429)
+/// What the `requireApiServer` probe asks: the API server's liveness
+/// without its etcd check. The question is whether this node reaches the
+/// API server, not whether the control plane is healthy: `/livez` alone
+/// fails (500) on every API server while etcd is down or slow (its check
+/// allows 2 s), so a control-plane outage would withhold the pets of every
+/// node that set the flag. RBAC and API Priority and Fairness match the
+/// path only, so the query keeps `/livez`'s access and exemption; a name
+/// an API server does not know is ignored by it (a warning line only in a
+/// failing or verbose answer), not refused.
+pub const API_PROBE_PATH: &str = "/livez?exclude=etcd";
+
+/// Whether the API server's answer to [`API_PROBE_PATH`] means it is there
+/// for `requireApiServer`, which fences a node cut off from the control
+/// plane: any answer that only a live API server gives.
+/// - A 2xx.
+/// - A 429: shedding load, up and busy.
+/// - A 401 or 403: the agent's token refused (its Pod deleted, its
+///   ServiceAccount's token revoked), or RBAC not loaded yet just after a
+///   restart. The API server answered, the node is not cut off, and a
+///   reset would not mend the token.
+/// - A 500 whose body is the API server's own report of a failing liveness
+///   check (`livez check failed`, such as a post-start hook not done while
+///   a restarted API server catches up under a reconnecting fleet): the
+///   API server wrote it, so it is there.
+///
+/// Not any other 5xx (a load balancer in front of the API server with
+/// nothing behind it), a redirect or a 404 (not an API server).
+pub fn api_answered(status: u16, body: &[u8]) -> bool {
+    const CHECK_FAILED: &[u8] = b"livez check failed";
+    (200..300).contains(&status)
+        || matches!(status, 401 | 403 | 429)
+        || (status == 500 && body.windows(CHECK_FAILED.len()).any(|w| w == CHECK_FAILED))
 }
 
 /// Pet only when every check passes: the health registry is live and,
@@ -190,20 +211,29 @@ mod tests {
 
     #[test]
     fn what_counts_as_the_api_server_answering() {
-        for (status, answered) in [
-            (200, true),
-            (204, true),
-            (429, true),
-            (401, true),
-            (403, true),
-            (301, false),
-            (404, false),
-            (500, false),
-            (502, false),
-            (503, false),
-            (504, false),
+        let failed = b"[+]ping ok\n[+]log ok\n[-]poststarthook/rbac/bootstrap-roles failed: reason withheld\nlivez check failed\n";
+        for (status, body, answered) in [
+            (200, &b"ok"[..], true),
+            (204, b"", true),
+            (429, b"Too many requests, please try again later.\n", true),
+            (401, b"{\"kind\":\"Status\"}", true),
+            (403, b"{\"kind\":\"Status\"}", true),
+            (500, &failed[..], true),
+            (500, b"livez check failed", true),
+            (500, b"", false),
+            (500, b"Internal Server Error", false),
+            (502, &failed[..], false),
+            (503, b"no healthy upstream", false),
+            (504, b"", false),
+            (301, b"", false),
+            (404, b"404 page not found\n", false),
         ] {
-            assert_eq!(api_answered(status), answered, "{status}");
+            assert_eq!(
+                api_answered(status, body),
+                answered,
+                "{status} {:?}",
+                String::from_utf8_lossy(body)
+            );
         }
     }
 

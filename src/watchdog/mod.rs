@@ -143,33 +143,39 @@ pub trait ApiProbe: Send + Sync + 'static {
     fn reachable(&self) -> impl Future<Output = bool> + Send;
 }
 
-/// Asks the API server for `/livez`, with a short timeout. `/livez` is
-/// what every authenticated client may read (`system:public-info-viewer`)
-/// and what API Priority and Fairness exempts from queuing and shedding
-/// (the `probes` FlowSchema), so an overloaded API server still answers it
-/// at once; `/version` or a resource would queue behind the whole fleet's
+/// Asks the API server for [`core::API_PROBE_PATH`] (`/livez` without its
+/// etcd check), with a short timeout. `/livez` is what every authenticated
+/// client may read (`system:public-info-viewer`) and what API Priority and
+/// Fairness exempts from queuing and shedding (the API server's suggested
+/// `probes` FlowSchema), so an overloaded API server still answers it at
+/// once; `/version` or a resource would queue behind the whole fleet's
 /// requests (all agents share one ServiceAccount, so one flow) for up to
-/// 15 s. What counts as an answer is [`core::api_answered`].
+/// 15 s. What counts as an answer is [`core::api_answered`]; anything else
+/// is logged with what came back.
 #[derive(Clone)]
 pub struct KubeApiProbe(pub kube::Client);
 
 impl ApiProbe for KubeApiProbe {
     async fn reachable(&self) -> bool {
+        let path = core::API_PROBE_PATH;
         let ask = async {
-            let req = http::Request::get("/livez")
+            let req = http::Request::get(path)
                 .body(Vec::new())
                 .expect("a constant request");
             let resp = self.0.send(req.map(Into::into)).await?;
             let status = resp.status().as_u16();
             // Read to its end, so the connection serves the next probe.
-            resp.into_body().collect_bytes().await?;
-            Ok::<_, kube::Error>(status)
+            let body = resp.into_body().collect_bytes().await?;
+            Ok::<_, kube::Error>((status, body))
         };
         let why = match tokio::time::timeout(Duration::from_secs(5), ask).await {
-            Ok(Ok(status)) if core::api_answered(status) => return true,
-            Ok(Ok(status)) => format!("/livez answered {status}"),
-            Ok(Err(e)) => format!("/livez: {e}"),
-            Err(_) => "/livez: no answer within 5 s".to_string(),
+            Ok(Ok((status, body))) if core::api_answered(status, &body) => return true,
+            Ok(Ok((status, body))) => {
+                let text = String::from_utf8_lossy(&body[..body.len().min(200)]);
+                format!("{path} answered {status}: {:?}", text.trim_end())
+            }
+            Ok(Err(e)) => format!("{path}: {e}"),
+            Err(_) => format!("{path}: no answer within 5 s"),
         };
         tracing::warn!(%why, "the API server does not answer (requireApiServer)");
         false

@@ -5,6 +5,7 @@
 
 pub mod alerts;
 pub mod dbus;
+pub mod notify;
 pub mod pods;
 pub mod proxy;
 

@@ -20,13 +20,18 @@ use support::*;
 /// The tests of this binary stop the shared API server: one at a time.
 static API_DOWN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Starts the API server again, and restarts the controller manager: its
-/// informers back off for up to 30 s after an outage, so the next test's
-/// PDB (here or in tests/shutdown.rs) would wait on that.
-fn api_server_back() {
-    cluster_ctl("start", "kube-apiserver");
+/// Starts `stopped` (the API server or etcd) again, and restarts the
+/// controller manager: its informers back off for up to 30 s after an
+/// outage, so the next test's PDB (here or in tests/shutdown.rs) would wait
+/// on that.
+fn back(stopped: &str) {
+    cluster_ctl("start", stopped);
     cluster_ctl("stop", "kube-controller-manager");
     cluster_ctl("start", "kube-controller-manager");
+}
+
+fn api_server_back() {
+    back("kube-apiserver");
 }
 
 #[tokio::test]
@@ -661,17 +666,14 @@ async fn refusals_from_a_just_restarted_api_server_keep_the_short_backoff() {
     task.await.unwrap();
 }
 
-/// Starts etcd again when dropped (waiting for the API server's /readyz)
-/// and restarts the controller manager, whose informers back off after
-/// their watches broke: the tests after this one find the control plane
+/// Brings etcd [`back`] when dropped (`start etcd` waits for the API
+/// server's /readyz): the tests after this one find the control plane
 /// whole, the test passed or not.
 struct EtcdBack;
 
 impl Drop for EtcdBack {
     fn drop(&mut self) {
-        cluster_ctl("start", "etcd");
-        cluster_ctl("stop", "kube-controller-manager");
-        cluster_ctl("start", "kube-controller-manager");
+        back("etcd");
     }
 }
 
@@ -705,17 +707,12 @@ async fn the_watchdogs_pets_go_on_while_etcd_is_down() {
         c.systemd_watchdog = Some(Duration::from_secs(2));
     })
     .await;
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(admin.clone());
     eventually(
         Duration::from_secs(20),
         "READY=1 and the policy in force",
         || async {
-            let effective = nodes.get(&node.name).await.ok().and_then(|n| {
-                n.metadata
-                    .annotations
-                    .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
-            });
-            !notify.times("READY=1").is_empty() && effective == Some(format!("{policy}@1"))
+            !notify.times("READY=1").is_empty()
+                && effective_policies(&admin, &node.name).await == Some(format!("{policy}@1"))
         },
     )
     .await;

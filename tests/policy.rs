@@ -8,7 +8,6 @@ mod support;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::DeleteParams;
 use nodeguard::policy::NodeGuardPolicy;
@@ -170,15 +169,7 @@ async fn two_nodes_two_policies_and_relabelling_moves_a_node_between_them() {
     )
     .await;
     let want = format!("{pb}@1");
-    let annotation = || async {
-        Api::<Node>::all(admin.clone())
-            .get(&a.name)
-            .await
-            .unwrap()
-            .metadata
-            .annotations
-            .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
-    };
+    let annotation = || effective_policies(&admin, &a.name);
     eventually(
         Duration::from_secs(5),
         "the effective-policies annotation follows",
@@ -310,15 +301,7 @@ async fn a_policy_edit_is_one_write_per_node_at_its_point_of_the_spread() {
         c.report.policy_spread = window;
     })
     .await;
-    let annotation = || async {
-        Api::<Node>::all(admin.clone())
-            .get(&node.name)
-            .await
-            .unwrap()
-            .metadata
-            .annotations
-            .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
-    };
+    let annotation = || effective_policies(&admin, &node.name);
     eventually(Duration::from_secs(15), "the policy in force", || async {
         annotation().await == Some(format!("{name}@1"))
             && condition_is(&admin, &node.name, "SpreadA", "False").await

@@ -29,6 +29,24 @@ use tokio_util::sync::CancellationToken;
 /// others' timing, and one stops the controller manager.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// `client` with the agent's request deadline, each answer shown to
+/// `look` before the caller (or a wrapper) gets it.
+fn looked_at<F>(client: Client, look: F) -> Client
+where
+    F: Fn(&http::Response<kube::client::Body>) + Clone + Send + Sync + 'static,
+{
+    let deadline = with_deadline(client, API_DEADLINE);
+    let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+        let (client, look) = (deadline.clone(), look.clone());
+        async move {
+            let resp = client.send(req).await?;
+            look(&resp);
+            Ok::<_, kube::Error>(resp)
+        }
+    });
+    Client::new(service, "default")
+}
+
 /// The agent's client as `agent::start` makes it for its loops, with a
 /// look at each answer before the wrapper sees it: `on_shed` gets each
 /// 429's `Retry-After`.
@@ -36,26 +54,16 @@ fn agents_client<F>(client: Client, metrics: &ShedMetrics, on_shed: F) -> Client
 where
     F: Fn(Option<String>) + Clone + Send + Sync + 'static,
 {
-    let deadline = with_deadline(client, API_DEADLINE);
-    let look = tower::service_fn(move |req: http::Request<kube::client::Body>| {
-        let (client, on_shed) = (deadline.clone(), on_shed.clone());
-        async move {
-            let resp = client.send(req).await?;
-            if resp.status() == 429 {
-                on_shed(
-                    resp.headers()
-                        .get("retry-after")
-                        .map(|v| v.to_str().unwrap_or("?").to_string()),
-                );
-            }
-            Ok::<_, kube::Error>(resp)
+    let look = looked_at(client, move |resp| {
+        if resp.status() == 429 {
+            on_shed(
+                resp.headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap_or("?").to_string()),
+            );
         }
     });
-    with_retry_after(
-        Client::new(look, "default"),
-        metrics.clone(),
-        CancellationToken::new(),
-    )
+    with_retry_after(look, metrics.clone(), CancellationToken::new())
 }
 
 /// A priority level with one nominal share, that neither lends nor
@@ -399,23 +407,13 @@ type Answers = Arc<std::sync::Mutex<Vec<(u16, Option<String>)>>>;
 
 fn watched_probe(client: &Client) -> (KubeApiProbe, Answers) {
     let answers = Answers::default();
-    let deadline = with_deadline(client.clone(), API_DEADLINE);
-    let look = {
-        let answers = answers.clone();
-        tower::service_fn(move |req: http::Request<kube::client::Body>| {
-            let (client, answers) = (deadline.clone(), answers.clone());
-            async move {
-                let resp = client.send(req).await?;
-                let level = priority_level(&resp);
-                answers
-                    .lock()
-                    .unwrap()
-                    .push((resp.status().as_u16(), level));
-                Ok::<_, kube::Error>(resp)
-            }
-        })
-    };
-    (KubeApiProbe(Client::new(look, "default")), answers)
+    let seen = answers.clone();
+    let client = looked_at(client.clone(), move |resp| {
+        seen.lock()
+            .unwrap()
+            .push((resp.status().as_u16(), priority_level(resp)));
+    });
+    (KubeApiProbe(client), answers)
 }
 
 /// `requireApiServer` withholds the watchdog's pets while the API server

@@ -653,17 +653,6 @@ async fn condition_of(
         })
 }
 
-async fn effective_policies(nodes: &Api<Node>, node: &str) -> String {
-    nodes
-        .get(node)
-        .await
-        .unwrap()
-        .metadata
-        .annotations
-        .and_then(|a| a.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
-        .unwrap_or_default()
-}
-
 /// The `why` of the inhibitors the logind peer holds.
 fn held_whys(peer: &LogindPeer) -> Vec<String> {
     peer.state
@@ -887,8 +876,9 @@ async fn shutdown_turned_off_during_a_shutdown_is_not_re_armed_after_the_cancel(
         Duration::from_secs(10),
         "no effective policy on the node",
         || async {
-            !effective_policies(&nodes, &s.node.name)
+            !effective_policies(&s.admin, &s.node.name)
                 .await
+                .unwrap_or_default()
                 .contains(&s.policy)
         },
     )
@@ -978,8 +968,9 @@ async fn policy_edit_during_a_shutdown_case(edited_grace: u64) {
         Duration::from_secs(10),
         "the edit is in force on the node",
         || async {
-            effective_policies(&nodes, &s.node.name)
+            effective_policies(&s.admin, &s.node.name)
                 .await
+                .unwrap_or_default()
                 .contains(&format!("{}@2", s.policy))
         },
     )

@@ -100,6 +100,11 @@ impl Skip {
 /// failing or verbose answer), not refused.
 pub const API_PROBE_PATH: &str = "/livez?exclude=etcd";
 
+/// How long the probe waits for the answer to [`API_PROBE_PATH`]; a pet
+/// waits as long (README "The watchdog" gives the bound it sets on the
+/// watchdog's timeout).
+pub const API_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Whether the API server's answer to [`API_PROBE_PATH`] means it is there
 /// for `requireApiServer`, which fences a node cut off from the control
 /// plane: any answer that only a live API server gives.

@@ -168,14 +168,17 @@ impl ApiProbe for KubeApiProbe {
             let body = resp.into_body().collect_bytes().await?;
             Ok::<_, kube::Error>((status, body))
         };
-        let why = match tokio::time::timeout(Duration::from_secs(5), ask).await {
+        let why = match tokio::time::timeout(core::API_PROBE_TIMEOUT, ask).await {
             Ok(Ok((status, body))) if core::api_answered(status, &body) => return true,
             Ok(Ok((status, body))) => {
                 let text = String::from_utf8_lossy(&body[..body.len().min(200)]);
                 format!("{path} answered {status}: {:?}", text.trim_end())
             }
             Ok(Err(e)) => format!("{path}: {e}"),
-            Err(_) => format!("{path}: no answer within 5 s"),
+            Err(_) => format!(
+                "{path}: no answer within {} s",
+                core::API_PROBE_TIMEOUT.as_secs()
+            ),
         };
         tracing::warn!(%why, "the API server does not answer (requireApiServer)");
         false

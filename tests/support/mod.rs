@@ -648,6 +648,18 @@ pub async fn label_node(client: &Client, node: &str, key: &str, value: &str) {
         .expect("label the test node");
 }
 
+/// The Node's `nodeguard.io/effective-policies` annotation (the policies
+/// its agent has in force, `name@generation`), if any.
+pub async fn effective_policies(client: &Client, node: &str) -> Option<String> {
+    Api::<Node>::all(client.clone())
+        .get(node)
+        .await
+        .unwrap()
+        .metadata
+        .annotations
+        .and_then(|m| m.get(nodeguard::agent::EFFECTIVE_ANNOTATION).cloned())
+}
+
 /// Creates or updates a policy (server-side apply) with `spec`.
 pub async fn apply_policy(client: &Client, name: &str, spec: serde_json::Value) {
     let api: Api<nodeguard::policy::NodeGuardPolicy> = Api::all(client.clone());

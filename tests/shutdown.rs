@@ -1672,6 +1672,116 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
     s.cleanup().await;
 }
 
+/// Found on the real node (CI, kube-reboot): the agent SIGKILLed at
+/// logind's signal, after it saved its record and before the API server
+/// stored its `ShutdownStarted` Event. The successor said only
+/// `ShutdownResumed`, so `kubectl events` never showed that a shutdown
+/// began. The record now says whether the start's Event was stored; a
+/// successor whose record does not says it, before `ShutdownResumed`.
+#[tokio::test]
+async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
+    let s = setup_with(
+        "killed-start",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
+        false,
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let dir = TempDir::new("keep");
+    let socket = dir.path.join("keep.sock");
+    let keeper = Killed(
+        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+            .arg("keep")
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let state = TempDir::new("state");
+    let record_path = state.path.join("shutdown-state.json");
+    let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
+    first.ready().await;
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(
+        Duration::from_secs(5),
+        "the first ShutdownStarted",
+        || async {
+            node_event(&s.admin, &s.node.name, "ShutdownStarted")
+                .await
+                .is_some()
+        },
+    )
+    .await;
+    first.kill();
+    // What a kill between the record's first save and the Event's store
+    // leaves: the record without the store, no Event on the node.
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    assert!(!record["startedAt"].is_null(), "{record}");
+    record.as_object_mut().unwrap().remove("announced");
+    std::fs::write(&record_path, record.to_string()).unwrap();
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(s.admin.clone(), "default");
+    while let Some(e) = node_event(&s.admin, &s.node.name, "ShutdownStarted").await {
+        events
+            .delete(&e.metadata.name.unwrap(), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+
+    let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
+    eventually(
+        Duration::from_secs(15),
+        "the successor said the shutdown resumed",
+        || async {
+            node_event(&s.admin, &s.node.name, "ShutdownResumed")
+                .await
+                .is_some()
+        },
+    )
+    .await;
+    let started = node_event(&s.admin, &s.node.name, "ShutdownStarted").await;
+    let resumed = node_event(&s.admin, &s.node.name, "ShutdownResumed")
+        .await
+        .unwrap();
+    let Some(started) = started else {
+        panic!(
+            "the successor said the start its predecessor did not:\n{}",
+            events_for(&s.node.name).await
+        )
+    };
+    assert!(
+        started.event_time.as_ref().map(|t| t.0) <= resumed.event_time.as_ref().map(|t| t.0),
+        "the start first: {started:?} {resumed:?}"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "the record says the start's Event was stored",
+        || {
+            let r = std::fs::read_to_string(&record_path)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+            std::future::ready(r.is_some_and(|r| r["announced"] == true))
+        },
+    )
+    .await;
+    second.kill();
+    drop(keeper);
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}
+
 /// An agent killed during a shutdown that was then cancelled while logind
 /// did not answer its successor at start: the successor resumed the
 /// shutdown (taint kept, groups run) on a node that stayed up, holding no

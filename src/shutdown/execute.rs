@@ -82,9 +82,10 @@ pub(super) async fn execute<C: ClusterPort>(
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
     ctx.metrics.end_time.set(0.0);
     let (groups, timeline) = plan(&ctx, &cfg, &record, delay_max, start);
-    announce(&ctx, &cfg, &record, resume, start, &already);
+    let announced = announce(&ctx, &cfg, &record, resume, start, &already);
     let (ending, record) = run(
-        &ctx, &cfg, &groups, &timeline, record, resume, start, delay_max, &already, &cancel,
+        &ctx, &cfg, &groups, &timeline, record, resume, start, delay_max, &already, announced,
+        &cancel,
     )
     .await;
     if ending == Ending::Cancelled {
@@ -198,7 +199,11 @@ fn plan<C>(
 }
 
 /// The Event that says a shutdown began, or that a restarted agent goes on
-/// with one.
+/// with one. A restarted agent whose predecessor was killed before the
+/// API server stored the start's Event says that one too, first: the
+/// shutdown's start is what operators and alerts look for. The future
+/// resolves once the start's Event is stored (true) or dropped (false);
+/// at once, true, when it was stored before.
 fn announce<C>(
     ctx: &Ctx<C>,
     cfg: &ShutdownConfig,
@@ -206,7 +211,18 @@ fn announce<C>(
     resume: bool,
     start: Instant,
     already: &BTreeSet<String>,
-) {
+) -> impl std::future::Future<Output = bool> + use<C> {
+    let started = (!record.announced).then(|| {
+        ctx.reporter.event_confirmed(
+            EventKind::Warning,
+            "ShutdownStarted",
+            "StartShutdown",
+            format!(
+                "The host is shutting down (PrepareForShutdown); nodeguard taints the node {} and evicts its pods by priority.",
+                cluster::TAINT_KEY
+            ),
+        )
+    });
     if resume {
         let message = format!(
             "nodeguard restarted {:.1}s into the shutdown and goes on with the remaining priority groups ({} of {} done{}).",
@@ -231,16 +247,12 @@ fn announce<C>(
             "ResumeShutdown",
             message,
         );
-    } else {
-        ctx.reporter.event(
-            EventKind::Warning,
-            "ShutdownStarted",
-            "StartShutdown",
-            format!(
-                "The host is shutting down (PrepareForShutdown); nodeguard taints the node {} and evicts its pods by priority.",
-                cluster::TAINT_KEY
-            ),
-        );
+    }
+    async move {
+        match started {
+            Some(stored) => stored.await,
+            None => true,
+        }
     }
 }
 
@@ -257,6 +269,7 @@ async fn run<C: ClusterPort>(
     start: Instant,
     delay_max: Duration,
     already: &BTreeSet<String>,
+    announced: impl std::future::Future<Output = bool>,
     cancel: &CancellationToken,
 ) -> (Ending, ShutdownRecord) {
     let limit = delay_max.saturating_sub(cfg.safety_margin);
@@ -285,12 +298,25 @@ async fn run<C: ClusterPort>(
         // The record (written before the groups) goes to disk again once
         // the taint request has answered, so a successor knows whose taint
         // it is.
-        tokio::pin!(taint, work);
+        // The start's Event stored: the record says so, so a successor
+        // does not say it again.
+        let announced = async {
+            if announced.await {
+                let mut r = lock_record();
+                if !r.announced {
+                    r.announced = true;
+                    save(ctx, &r);
+                }
+            }
+        };
+        tokio::pin!(taint, work, announced);
         let mut taint_done = false;
+        let mut announced_done = false;
         let mut ending = loop {
             tokio::select! {
                 _ = &mut work => break Ending::AllGroupsDone,
                 _ = &mut taint, if !taint_done => taint_done = true,
+                _ = &mut announced, if !announced_done => announced_done = true,
                 _ = sleep_until(release_at) => break Ending::WindowClosing,
                 _ = cancel.cancelled() => break Ending::Cancelled,
             }

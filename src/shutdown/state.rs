@@ -37,6 +37,11 @@ pub struct ShutdownRecord {
     /// have been applied.
     #[serde(default)]
     pub taint_answered: bool,
+    /// The API server stored the Event that says this shutdown began
+    /// (`ShutdownStarted`). A process killed before that (the OOM killer
+    /// at logind's signal) leaves it unsaid: its successor says it.
+    #[serde(default)]
+    pub announced: bool,
     /// The shutdown section in force when the shutdown began. A restarted
     /// agent finishes the shutdown with it, whatever the policy says by
     /// then (edited, made invalid, or without a shutdown section: the lock
@@ -344,6 +349,7 @@ mod tests {
             groups_done: vec![0, 1000],
             taint_added: true,
             taint_answered: true,
+            announced: true,
             plan: None,
         };
         let (reporter, _events) = crate::report::Reporter::new(

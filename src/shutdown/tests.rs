@@ -1029,6 +1029,7 @@ fn shut_down_before_this_boot(name: &str, took_secs: i64) -> (PathBuf, ClusterSt
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            announced: true,
             plan: None,
         },
     ));
@@ -1146,6 +1147,7 @@ async fn a_restart_midway_resumes_the_remaining_groups() {
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            announced: true,
             plan: None,
         },
     ));
@@ -1211,6 +1213,7 @@ async fn resume_after_a_step(
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            announced: true,
             plan: None,
         },
     ));
@@ -1294,6 +1297,7 @@ fn this_boot_record(name: &str, ended: bool) -> (PathBuf, ClusterState) {
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            announced: true,
             plan: None,
         },
     ));
@@ -2744,6 +2748,7 @@ async fn a_note_of_a_shutdown_the_agent_ran_itself_does_not_run_it_again() {
             groups_done: vec![0],
             taint_added: true,
             taint_answered: true,
+            announced: true,
             plan: Some(config(&[(0, 5)])),
         },
     );
@@ -2777,4 +2782,70 @@ async fn a_note_of_a_shutdown_the_agent_ran_itself_does_not_run_it_again() {
     assert!(record.ended_at.is_some());
     r.stop.cancel();
     r.task.await.unwrap();
+}
+
+/// Found on the real node (CI, kube-reboot): the agent SIGKILLed at
+/// logind's signal, after its record was saved and before the API server
+/// stored `ShutdownStarted`. Its successor said only `ShutdownResumed`:
+/// the node never showed that a shutdown began. A successor now says the
+/// start first when the record does not say it was stored, and not again
+/// when it does.
+#[tokio::test(start_paused = true)]
+async fn a_successor_says_the_start_its_killed_predecessor_did_not() {
+    for announced in [false, true] {
+        let dir = tmp(&format!("resume-announced-{announced}"));
+        let now = WallClock::new().now();
+        let cfg = config(&[(0, 10), (1000, 10)]);
+        assert!(state::save(
+            &StateWrites::new(Reporter::new(&ReportConfig::default(), &mut Registry::default()).0),
+            &dir,
+            &ShutdownRecord {
+                boot_id: "b1".into(),
+                started_at: Some(now - jiff::SignedDuration::from_secs(1)),
+                taint_added: true,
+                taint_answered: true,
+                announced,
+                plan: Some(cfg.clone()),
+                ..Default::default()
+            },
+        ));
+        let logind = FakeLogind::new(Duration::from_secs(60));
+        logind.with(|s| s.preparing = true);
+        // The pod stays terminating: the shutdown still runs when the
+        // record is read.
+        let pre = ClusterState {
+            tainted: true,
+            lingering: ["b/high".to_string()].into(),
+            ..Default::default()
+        };
+        let r = rig_in(
+            dir.clone(),
+            logind,
+            Some(cfg.clone()),
+            vec![pod("b/high", 1000, None)],
+            "b1",
+            pre,
+        );
+        ms(50).await;
+        r.config.send_replace(Some(cfg));
+        ms(500).await;
+        let reasons = r.events.reasons();
+        let said = |reason: &str| reasons.iter().filter(|r| *r == reason).count();
+        assert_eq!(said("ShutdownResumed"), 1, "{reasons:?}");
+        if announced {
+            assert_eq!(said("ShutdownStarted"), 0, "said again: {reasons:?}");
+        } else {
+            assert_eq!(said("ShutdownStarted"), 1, "{reasons:?}");
+            let at = |reason: &str| reasons.iter().position(|r| r == reason);
+            assert!(
+                at("ShutdownStarted") < at("ShutdownResumed"),
+                "the start first: {reasons:?}"
+            );
+        }
+        let saved = state::load(&dir).unwrap().unwrap();
+        assert!(saved.ended_at.is_none(), "{saved:?}");
+        assert!(saved.announced, "the record says the start was stored");
+        r.stop.cancel();
+        r.task.await.unwrap();
+    }
 }

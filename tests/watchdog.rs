@@ -1,7 +1,8 @@
 //! The systemd watchdog protocol end to end on a real notify socket:
 //! the `nodeguard` binary with NOTIFY_SOCKET/WATCHDOG_USEC (READY=1, pets at
 //! half the timeout, STOPPING=1 on SIGTERM), and the in-process agent whose
-//! pets stop while a loop is stuck.
+//! pets stop while a loop is stuck, and go on at their pace with
+//! `requireApiServer` while the API server is slow to answer.
 
 mod support;
 
@@ -9,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use support::notify::NotifySocket;
+use support::proxy::BlackholeProxy;
 use support::*;
 
 #[tokio::test]
@@ -163,4 +165,142 @@ async fn pets_stop_while_a_loop_is_stuck_and_resume_after() {
         std::future::ready(socket.times("STOPPING=1").len() == 1)
     })
     .await;
+}
+
+/// Review of issue 39's watchdog probe: each pet waited for the
+/// `requireApiServer` probe (up to its 5 s timeout), so an API server
+/// answering in 3 s spread a 2 s systemd watchdog's pets 4 s apart and
+/// systemd would have killed a healthy agent. The probe now runs beside
+/// the pets, which read its last answer: here every pet comes 1 s after
+/// the last while each answer takes 3 s, none skipped; once the API server
+/// is cut off the pets stop within a probe cycle, counted as skipped.
+#[tokio::test]
+async fn a_slow_api_server_delays_no_pet_and_a_cut_off_one_stops_them() {
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "sdslow").await;
+    let policy = unique_name("sdslow");
+    apply_policy(
+        &admin,
+        &policy,
+        serde_json::json!({
+            "nodeSelector": selecting(&node.name),
+            "watchdog": {"requireApiServer": true},
+        }),
+    )
+    .await;
+    let mut config = admin_config().await;
+    let upstream = format!(
+        "{}:{}",
+        config.cluster_url.host().unwrap(),
+        config.cluster_url.port_u16().unwrap()
+    )
+    .parse()
+    .unwrap();
+    let proxy = BlackholeProxy::start(upstream).await;
+    config.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
+    let through_proxy = kube::Client::try_from(config).unwrap();
+    let socket = NotifySocket::bind();
+    let path = socket.path.display().to_string();
+    let (agent, _state) = start_agent_with(through_proxy, &node.name, |c| {
+        c.notify_socket = Some(path);
+        c.systemd_watchdog = Some(Duration::from_secs(2));
+    })
+    .await;
+    eventually(
+        Duration::from_secs(20),
+        "READY=1 and the policy in force",
+        || async {
+            !socket.times("READY=1").is_empty()
+                && effective_policies(&admin, &node.name).await == Some(format!("{policy}@1"))
+        },
+    )
+    .await;
+    let skipped = || async {
+        let (_, metrics) = http_get(agent.addr, "/metrics").await;
+        sample(
+            &metrics,
+            "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"}",
+        )
+        .unwrap_or(-1.0)
+    };
+    let skipped_before = skipped().await;
+
+    // What the agent's probe asks takes 3 s to answer now, on a
+    // connection already open as the agent's is (a new one's TLS
+    // handshake would take another 3 s).
+    let probe_client = kube::Client::try_from({
+        let mut c = admin_config().await;
+        c.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
+        c
+    })
+    .unwrap();
+    let ask = || {
+        let req = http::Request::get(nodeguard::watchdog::core::API_PROBE_PATH)
+            .body(Vec::new())
+            .unwrap();
+        let client = probe_client.clone();
+        async move {
+            let resp = client.send(req.map(Into::into)).await.unwrap();
+            let code = resp.status().as_u16();
+            resp.into_body().collect_bytes().await.unwrap();
+            code
+        }
+    };
+    assert_eq!(ask().await, 200);
+    proxy.slow_down(Duration::from_secs(3));
+    let asked = Instant::now();
+    let code = ask().await;
+    let took = asked.elapsed();
+    assert!(
+        code == 200 && took >= Duration::from_secs(3) && took < Duration::from_secs(5),
+        "the probe's path through the proxy: {code} in {took:?}"
+    );
+    let from = Instant::now();
+    let window = Duration::from_secs(10);
+    tokio::time::sleep(window).await;
+    let end = Instant::now();
+    let pets: Vec<Instant> = socket
+        .times("WATCHDOG=1")
+        .into_iter()
+        .filter(|t| *t >= from && *t <= end)
+        .collect();
+    let mut gaps = vec![pets.first().map_or(end - from, |t| *t - from)];
+    gaps.extend(pets.windows(2).map(|w| w[1] - w[0]));
+    gaps.push(pets.last().map_or(end - from, |t| end - *t));
+    let worst = gaps.iter().max().copied().unwrap();
+    let skipped_slow = skipped().await;
+    assert!(
+        worst <= Duration::from_millis(1500),
+        "a pet every 1 s with each answer 3 s late; gaps {gaps:?}"
+    );
+    assert_eq!(
+        skipped_slow, skipped_before,
+        "no pet skipped for the API server while it answers, slowly"
+    );
+
+    // Cut off: what is sent on every connection, open or new, is lost.
+    proxy.freeze();
+    let cut = Instant::now();
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    let last = socket.times("WATCHDOG=1").last().copied().unwrap();
+    let stopped_after = last.saturating_duration_since(cut);
+    // An answer already on its way when the link was cut still arrives
+    // (3 s), and counts for a probe cycle (1 s + the probe's 5 s).
+    assert!(
+        stopped_after <= Duration::from_millis(9500),
+        "the pets stop within a probe cycle of the last answer: the last {stopped_after:?} after the cut"
+    );
+    let skipped_cut = skipped().await;
+    assert!(
+        skipped_cut >= skipped_slow + 2.0,
+        "skipped pets counted: {skipped_slow} → {skipped_cut}"
+    );
+    proxy.thaw();
+    proxy.slow_down(Duration::ZERO);
+    agent.stop().await;
+    eprintln!(
+        "each answer 3 s late: {} pets in {window:?}, the longest gap {worst:?}; cut off: the last pet {stopped_after:?} after, {} skipped",
+        pets.len(),
+        skipped_cut - skipped_slow
+    );
 }

@@ -100,9 +100,9 @@ impl Skip {
 /// failing or verbose answer), not refused.
 pub const API_PROBE_PATH: &str = "/livez?exclude=etcd";
 
-/// How long the probe waits for the answer to [`API_PROBE_PATH`]; a pet
-/// waits as long (README "The watchdog" gives the bound it sets on the
-/// watchdog's timeout).
+/// How long the probe waits for the answer to [`API_PROBE_PATH`]. No pet
+/// waits for it (see [`ApiVerdict`]), but an answer counts for one probe
+/// interval plus this.
 pub const API_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Whether the API server's answer to [`API_PROBE_PATH`] means it is there
@@ -126,6 +126,42 @@ pub fn api_answered(status: u16, body: &[u8]) -> bool {
     (200..300).contains(&status)
         || matches!(status, 401 | 403 | 429)
         || (status == 500 && body.windows(CHECK_FAILED.len()).any(|w| w == CHECK_FAILED))
+}
+
+/// Whether a pet may go, by the `requireApiServer` probe. The probe runs
+/// on its own schedule (one probe per pet interval, the next begun once
+/// the last answered) and no pet waits for it: a slow answer, within
+/// [`API_PROBE_TIMEOUT`], delays no pet. From `last` (`Some((answered,
+/// when))`), when the probe in flight began (`probing_since`) and the
+/// probe's interval:
+/// - an answer counts for one interval plus the probe's timeout, the
+///   longest a live API server leaves between two answers; a failed
+///   answer is a skip at once;
+/// - before the first answer (the agent's start, the flag set by a policy
+///   edit) pets go on for the first probe's timeout: waiting for it could
+///   outlast a short watchdog timeout, and the next pets skip if the
+///   probe fails.
+pub fn api_ok(
+    last: Option<(bool, tokio::time::Instant)>,
+    probing_since: Option<tokio::time::Instant>,
+    now: tokio::time::Instant,
+    interval: Duration,
+) -> bool {
+    match last {
+        Some((answered, at)) => {
+            answered && now.saturating_duration_since(at) <= interval + API_PROBE_TIMEOUT
+        }
+        None => now < probing_since.unwrap_or(now) + API_PROBE_TIMEOUT,
+    }
+}
+
+/// How often the `requireApiServer` probe asks: as often as the most
+/// frequent pet (`None` when nothing is petted).
+pub fn api_probe_interval(systemd: Option<Duration>, device: Option<Duration>) -> Option<Duration> {
+    match (systemd, device) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 /// Pet only when every check passes: the health registry is live and,
@@ -238,6 +274,47 @@ mod tests {
                 answered,
                 "{status} {:?}",
                 String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn the_probe_asks_as_often_as_the_most_frequent_pet() {
+        let s = Duration::from_secs;
+        assert_eq!(api_probe_interval(None, None), None);
+        assert_eq!(api_probe_interval(Some(s(15)), None), Some(s(15)));
+        assert_eq!(api_probe_interval(None, Some(s(20))), Some(s(20)));
+        assert_eq!(api_probe_interval(Some(s(15)), Some(s(10))), Some(s(10)));
+        assert_eq!(api_probe_interval(Some(s(1)), Some(s(10))), Some(s(1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_a_pet_makes_of_the_probes_last_answer() {
+        let s = Duration::from_secs;
+        let t0 = tokio::time::Instant::now();
+        let interval = s(1);
+        let fresh = interval + API_PROBE_TIMEOUT;
+        for (last, probing, now, ok) in [
+            // An answer counts for an interval plus the probe's timeout.
+            (Some((true, t0)), None, t0, true),
+            (Some((true, t0)), Some(t0), t0 + fresh, true),
+            (Some((true, t0)), None, t0 + fresh + s(1), false),
+            // A slow probe in flight: the last answer still counts.
+            (Some((true, t0)), Some(t0 + s(1)), t0 + s(5), true),
+            // A failed answer is a skip at once, however recent.
+            (Some((false, t0)), None, t0, false),
+            (Some((false, t0)), Some(t0 + s(1)), t0 + s(2), false),
+            // None yet: pets go on for the first probe's timeout.
+            (None, None, t0, true),
+            (None, Some(t0), t0 + s(2), true),
+            (None, Some(t0), t0 + API_PROBE_TIMEOUT, false),
+            (None, Some(t0), t0 + s(9), false),
+        ] {
+            assert_eq!(
+                api_ok(last, probing, now, interval),
+                ok,
+                "{last:?} {probing:?} {:?}",
+                now - t0
             );
         }
     }

@@ -10,7 +10,8 @@
 //!
 //! Every pet is gated by [`core::gate`]: the health registry must be live
 //! (the `/livez` rule) and, only when `requireApiServer` is set, the API
-//! server must answer. Skipped pets are logged with the failing check and
+//! server must have answered its last probe ([`core::api_ok`]; the probe
+//! runs beside the pets, which never wait for it). Skipped pets are logged with the failing check and
 //! counted.
 
 pub mod core;
@@ -321,10 +322,44 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
         .filter(|s| s.mode.device())
         .map(|_| Instant::now());
     report_systemd_requirement(&reporter, spec.as_ref(), &host, armed.is_some());
+    // The requireApiServer probe, on its own schedule: the pets read its
+    // last answer (`core::api_ok`) and never wait for one, so a slow
+    // API server delays no pet and one target's probe holds back neither
+    // the other target nor a stop.
+    let mut api = ApiProbeState::default();
+    let mut probing: Option<std::pin::Pin<Box<dyn Future<Output = bool> + Send + '_>>> = None;
 
     loop {
+        let require_api = spec.as_ref().is_some_and(|s| s.require_api_server);
+        let probe_interval = core::api_probe_interval(
+            systemd_next.and(systemd_interval),
+            armed.as_ref().map(|a| {
+                core::device_pet_interval(a.device.timeout_seconds(), a.spec.pet_interval_percent)
+            }),
+        );
+        if !require_api {
+            probing = None;
+            api = ApiProbeState::default();
+        }
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            _ = sleep_until(api.next.unwrap_or_else(Instant::now)), if require_api && probing.is_none() && probe_interval.is_some() => {
+                api.since = Some(Instant::now());
+                // The port answers within API_PROBE_TIMEOUT; one that does
+                // not is an answer of no.
+                let limit = core::API_PROBE_TIMEOUT + Duration::from_secs(1);
+                let probe = host.api.reachable();
+                probing = Some(Box::pin(async move {
+                    tokio::time::timeout(limit, probe).await.unwrap_or(false)
+                }));
+            }
+            answered = in_flight(probing.as_mut()), if probing.is_some() => {
+                probing = None;
+                let now = Instant::now();
+                api.last = Some((answered, now));
+                api.since = None;
+                api.next = Some(now + probe_interval.unwrap_or(core::API_PROBE_TIMEOUT));
+            }
             _ = sleep_until(ready_check), if !ready_sent => {
                 if health.report().ready
                     && let Some(n) = &host.notifier
@@ -341,8 +376,7 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
             }
             _ = sleep_until(systemd_next.unwrap_or_else(Instant::now)), if systemd_next.is_some() => {
                 let interval = systemd_interval.expect("systemd_next implies an interval");
-                let require_api = spec.as_ref().is_some_and(|s| s.require_api_server);
-                match check(&health, &host.api, require_api).await {
+                match check(&health, require_api.then(|| api.ok(probe_interval))) {
                     Err(skip) => {
                         metrics.skip("systemd", skip.label());
                         tracing::warn!(check = %skip.describe(), "skipping systemd watchdog pet: the agent is not healthy");
@@ -371,7 +405,7 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
                 let a = armed.as_mut().expect("guarded");
                 let interval = core::device_pet_interval(a.device.timeout_seconds(), a.spec.pet_interval_percent);
                 a.next_pet = Instant::now() + interval;
-                match check(&health, &host.api, a.spec.require_api_server).await {
+                match check(&health, require_api.then(|| api.ok(probe_interval))) {
                     Err(skip) => {
                         metrics.skip("device", skip.label());
                         tracing::warn!(device = %a.device.path().display(), check = %skip.describe(), "skipping watchdog device pet: the agent is not healthy; the host resets if this lasts {}s", a.device.timeout_seconds());
@@ -467,15 +501,41 @@ fn close(a: Armed, magic: bool, metrics: &WatchdogMetrics) {
     }
 }
 
-async fn check<A: ApiProbe>(health: &Health, api: &A, require_api: bool) -> Result<(), core::Skip> {
-    let report = health.report();
-    // Only ask the API server when everything else passes and it is required.
-    let api_ok = if require_api && report.live {
-        Some(api.reachable().await)
-    } else {
-        None
-    };
-    core::gate(&report, api_ok)
+/// The `requireApiServer` probe's state in the watchdog loop.
+#[derive(Default)]
+struct ApiProbeState {
+    /// The last answer: whether the API server answered, and when.
+    last: Option<(bool, Instant)>,
+    /// When the probe in flight began.
+    since: Option<Instant>,
+    /// When the next probe begins (at once, when `Default`).
+    next: Option<Instant>,
+}
+
+impl ApiProbeState {
+    /// Whether the probe lets a pet go now ([`core::api_ok`]).
+    fn ok(&self, interval: Option<Duration>) -> bool {
+        core::api_ok(
+            self.last,
+            self.since,
+            Instant::now(),
+            interval.unwrap_or(Duration::ZERO),
+        )
+    }
+}
+
+/// The probe in flight (never polled when there is none).
+async fn in_flight<F: Future<Output = bool> + Unpin>(probe: Option<&mut F>) -> bool {
+    match probe {
+        Some(p) => p.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Whether to pet now: the health registry is live and, when the API
+/// server is required (`api_ok` is `Some`), the probe lets it.
+fn check(health: &Health, api_ok: Option<bool>) -> Result<(), core::Skip> {
+    core::gate(&health.report(), api_ok)
 }
 
 /// Keeps `WatchdogUnavailable` in step with what the policy asks for.

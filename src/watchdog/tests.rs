@@ -114,11 +114,15 @@ impl DeviceOpener for StandIn {
     }
 }
 
+/// The API server as the probe finds it: whether it answers, and how
+/// long each answer takes.
 #[derive(Clone, Default)]
-struct Api(Arc<AtomicBool>);
+struct Api(Arc<AtomicBool>, Arc<Mutex<Duration>>);
 
 impl ApiProbe for Api {
     async fn reachable(&self) -> bool {
+        let delay = *self.1.lock().unwrap();
+        tokio::time::sleep(delay).await;
         self.0.load(Ordering::SeqCst)
     }
 }
@@ -156,7 +160,7 @@ fn rig(systemd_timeout: Option<Duration>, spec: Option<WatchdogSpec>, dir: PathB
     let notes = Notes::default();
     let ioctls = Ioctls::default();
     let busy = Arc::new(AtomicBool::new(false));
-    let api = Api(Arc::new(AtomicBool::new(true)));
+    let api = Api(Arc::new(AtomicBool::new(true)), Default::default());
     let health = Health::new();
     let mut registry = Registry::default();
     let (reporter, _q) = Reporter::new(&ReportConfig::default(), &mut registry);
@@ -470,6 +474,51 @@ async fn the_api_server_gates_petting_only_when_required() {
     assert!(r.notes.count("WATCHDOG=1") > pets + 1);
     spec.require_api_server = false;
     r.settings.send_replace(Some(spec));
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+/// Review of issue 39's probe: each pet waited for the probe, so an API
+/// server answering in 3 s (within the probe's 5 s) spread a 2 s systemd
+/// watchdog's pets 4 s apart and the service was killed. The probe now
+/// runs beside the pets; a probe that fails still stops them, within one
+/// probe cycle.
+#[tokio::test(start_paused = true)]
+async fn a_slow_api_server_delays_no_pet_and_a_silent_one_stops_them() {
+    let r = rig(Some(Duration::from_secs(2)), None, tmp("slow-api"));
+    r.api.0.store(true, Ordering::SeqCst);
+    *r.api.1.lock().unwrap() = Duration::from_secs(3);
+    r.settings.send_replace(Some(WatchdogSpec {
+        mode: WatchdogMode::Systemd,
+        require_api_server: true,
+        ..Default::default()
+    }));
+    secs(12).await;
+    let times = r.notes.times("WATCHDOG=1");
+    let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(times.len() >= 11, "{} pets in 12 s: {gaps:?}", times.len());
+    assert!(
+        gaps.iter().all(|g| *g <= Duration::from_millis(1100)),
+        "every pet 1 s after the last: {gaps:?}"
+    );
+    assert!(
+        metrics_text(&r)
+            .contains("nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"} 0"),
+        "{}",
+        metrics_text(&r)
+    );
+    // The API server stops answering at all: the probe's own timeout
+    // makes its answer a no, and the pets stop.
+    r.api.0.store(false, Ordering::SeqCst);
+    *r.api.1.lock().unwrap() = Duration::from_secs(3600);
+    let cut = Instant::now();
+    secs(20).await;
+    let last = *r.notes.times("WATCHDOG=1").last().unwrap();
+    assert!(
+        last - cut <= Duration::from_secs(1) + core::API_PROBE_TIMEOUT + Duration::from_secs(1),
+        "the last pet {:?} after the cut",
+        last - cut
+    );
     r.shutdown.cancel();
     r.task.await.unwrap();
 }

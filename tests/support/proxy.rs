@@ -3,6 +3,10 @@
 //! never forwarded, and a connection that was blackholed stays so after a
 //! thaw, as behind a stateful firewall that lost its flow or a peer that
 //! vanished without a reset. Only new connections forward again.
+//!
+//! It can also slow the API server down: with a delay set, every byte the
+//! API server sends reaches the client that much later (in order), as over
+//! a saturated link or from an API server slow to answer.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,6 +19,8 @@ use tokio::net::{TcpListener, TcpStream};
 pub struct BlackholeProxy {
     pub addr: SocketAddr,
     frozen: Arc<AtomicBool>,
+    /// Milliseconds each chunk from the API server is held.
+    delay_ms: Arc<AtomicU64>,
     /// Connections accepted so far.
     pub connections: Arc<AtomicU64>,
 }
@@ -25,7 +31,8 @@ impl BlackholeProxy {
         let addr = listener.local_addr().unwrap();
         let frozen = Arc::new(AtomicBool::new(false));
         let connections = Arc::new(AtomicU64::new(0));
-        let (f, c) = (frozen.clone(), connections.clone());
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let (f, c, d) = (frozen.clone(), connections.clone(), delay_ms.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 c.fetch_add(1, Ordering::SeqCst);
@@ -35,13 +42,14 @@ impl BlackholeProxy {
                 let dead = Arc::new(AtomicBool::new(f.load(Ordering::SeqCst)));
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, f.clone(), dead.clone()));
-                tokio::spawn(pipe(sr, cw, f.clone(), dead));
+                tokio::spawn(pipe(cr, sw, f.clone(), dead.clone(), None));
+                tokio::spawn(pipe(sr, cw, f.clone(), dead, Some(d.clone())));
             }
         });
         BlackholeProxy {
             addr,
             frozen,
+            delay_ms,
             connections,
         }
     }
@@ -53,14 +61,32 @@ impl BlackholeProxy {
     pub fn thaw(&self) {
         self.frozen.store(false, Ordering::SeqCst);
     }
+
+    /// Holds what the API server sends from now on for `delay`.
+    pub fn slow_down(&self, delay: std::time::Duration) {
+        self.delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
 }
 
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
+    to: tokio::net::tcp::OwnedWriteHalf,
     frozen: Arc<AtomicBool>,
     dead: Arc<AtomicBool>,
+    delay_ms: Option<Arc<AtomicU64>>,
 ) {
+    // Chunks go to the writer with the moment they may be sent.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let writer = tokio::spawn(async move {
+        let mut to = to;
+        while let Some((at, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+    });
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
@@ -73,7 +99,9 @@ async fn pipe(
         if dead.load(Ordering::SeqCst) {
             continue; // swallowed; the socket stays open
         }
-        if to.write_all(&buf[..n]).await.is_err() {
+        let delay = delay_ms.as_ref().map_or(0, |d| d.load(Ordering::SeqCst));
+        let at = tokio::time::Instant::now() + std::time::Duration::from_millis(delay);
+        if tx.send((at, buf[..n].to_vec())).is_err() {
             break;
         }
     }
@@ -81,4 +109,7 @@ async fn pipe(
     if dead.load(Ordering::SeqCst) {
         std::future::pending::<()>().await;
     }
+    // Otherwise what is queued goes out, then the write half closes.
+    drop(tx);
+    let _ = writer.await;
 }

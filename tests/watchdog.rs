@@ -226,8 +226,7 @@ async fn a_slow_api_server_delays_no_pet_and_a_cut_off_one_stops_them() {
     let skipped_before = skipped().await;
 
     // What the agent's probe asks takes 3 s to answer now, on a
-    // connection already open as the agent's is (a new one's TLS
-    // handshake would take another 3 s).
+    // connection already open, as the agent's (the proxy slows those).
     let probe_client = kube::Client::try_from({
         let mut c = admin_config().await;
         c.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();

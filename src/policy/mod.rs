@@ -298,9 +298,10 @@ pub struct WatchdogSpec {
     #[schemars(range(min = 10, max = 50))]
     pub pet_interval_percent: u8,
     /// Also require that the API server answered `/livez?exclude=etcd`
-    /// (within 5 s, asked once per pet interval beside the pets, which
-    /// never wait for it; an answer counts for one interval plus 5 s)
-    /// before petting: it fences a node cut off from the API server,
+    /// (within 5 s; asked one pet interval after the last answer, 1 s
+    /// after a failed one and doubling, beside the pets, which never wait
+    /// for it; an answer counts for one interval plus 5 s) before
+    /// petting: it fences a node cut off from the API server,
     /// and does not judge the control plane's health (etcd is left out, so
     /// a node reaching only an API server without etcd quorum is not
     /// fenced).

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Pod;
+use tokio::sync::watch;
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 
@@ -82,16 +83,33 @@ pub(super) async fn execute<C: ClusterPort>(
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
     ctx.metrics.end_time.set(0.0);
     let (groups, timeline) = plan(&ctx, &cfg, &record, delay_max, start);
-    let announced = announce(&ctx, &cfg, &record, resume, start, &already);
+    let stored = announce(&ctx, &cfg, &record, resume, start, &already);
     let (ending, record) = run(
-        &ctx, &cfg, &groups, &timeline, record, resume, start, delay_max, &already, announced,
+        &ctx,
+        &cfg,
+        &groups,
+        &timeline,
+        record,
+        resume,
+        start,
+        delay_max,
+        &already,
+        stored.clone(),
         &cancel,
     )
     .await;
     if ending == Ending::Cancelled {
         return record;
     }
-    release(&ctx, &cfg, record, lock, ending, start, delay_max).await
+    release(&ctx, &cfg, record, lock, ending, start, delay_max, &stored).await
+}
+
+/// Whether the API server stored the start's Event: `None` while its
+/// publish is under way, then whether it was stored (`false`: dropped).
+type StartStored = watch::Receiver<Option<bool>>;
+
+fn start_stored(stored: &StartStored) -> bool {
+    *stored.borrow() == Some(true)
 }
 
 /// How far into the shutdown a restarted agent is. Offsets are from the
@@ -200,10 +218,10 @@ fn plan<C>(
 
 /// The Event that says a shutdown began, or that a restarted agent goes on
 /// with one. A restarted agent whose predecessor was killed before the
-/// API server stored the start's Event says that one too, first: the
-/// shutdown's start is what operators and alerts look for. The future
-/// resolves once the start's Event is stored (true) or dropped (false);
-/// at once, true, when it was stored before.
+/// API server stored the start's Event says that one too, first (with the
+/// recorded start): the shutdown's start is what operators and alerts
+/// look for. The receiver says when the start's Event is stored, or was
+/// before.
 fn announce<C>(
     ctx: &Ctx<C>,
     cfg: &ShutdownConfig,
@@ -211,18 +229,14 @@ fn announce<C>(
     resume: bool,
     start: Instant,
     already: &BTreeSet<String>,
-) -> impl std::future::Future<Output = bool> + use<C> {
-    let started = (!record.announced).then(|| {
-        ctx.reporter.event_confirmed(
-            EventKind::Warning,
-            "ShutdownStarted",
-            "StartShutdown",
-            format!(
-                "The host is shutting down (PrepareForShutdown); nodeguard taints the node {} and evicts its pods by priority.",
-                cluster::TAINT_KEY
-            ),
-        )
-    });
+) -> StartStored {
+    let (tx, rx) = watch::channel(record.announced.then_some(true));
+    if !record.announced {
+        let stored = say_started(&ctx.reporter, resume.then_some(record.started_at).flatten());
+        tokio::spawn(async move {
+            let _ = tx.send(Some(stored.await));
+        });
+    }
     if resume {
         let message = format!(
             "nodeguard restarted {:.1}s into the shutdown and goes on with the remaining priority groups ({} of {} done{}).",
@@ -248,12 +262,27 @@ fn announce<C>(
             message,
         );
     }
-    async move {
-        match started {
-            Some(stored) => stored.await,
-            None => true,
-        }
-    }
+    rx
+}
+
+/// Queues `ShutdownStarted`; the future says whether it was stored. With
+/// `late`, the time the shutdown began: a restarted agent says it for a
+/// predecessor killed before its Event was stored.
+pub(super) fn say_started(
+    reporter: &crate::report::Reporter,
+    late: Option<jiff::Timestamp>,
+) -> impl std::future::Future<Output = bool> + use<> {
+    let what = format!(
+        "nodeguard taints the node {} and evicts its pods by priority",
+        cluster::TAINT_KEY
+    );
+    let note = match late {
+        None => format!("The host is shutting down (PrepareForShutdown); {what}."),
+        Some(at) => format!(
+            "The host began shutting down at {at} (PrepareForShutdown); {what}. Said by the restarted agent: the one before was stopped before its Event was stored."
+        ),
+    };
+    reporter.event_confirmed(EventKind::Warning, "ShutdownStarted", "StartShutdown", note)
 }
 
 /// The groups, with the taint request beside them, until the groups are
@@ -269,7 +298,7 @@ async fn run<C: ClusterPort>(
     start: Instant,
     delay_max: Duration,
     already: &BTreeSet<String>,
-    announced: impl std::future::Future<Output = bool>,
+    mut stored: StartStored,
     cancel: &CancellationToken,
 ) -> (Ending, ShutdownRecord) {
     let limit = delay_max.saturating_sub(cfg.safety_margin);
@@ -298,25 +327,24 @@ async fn run<C: ClusterPort>(
         // The record (written before the groups) goes to disk again once
         // the taint request has answered, so a successor knows whose taint
         // it is.
-        // The start's Event stored: the record says so, so a successor
-        // does not say it again.
-        let announced = async {
-            if announced.await {
-                let mut r = lock_record();
-                if !r.announced {
-                    r.announced = true;
-                    save(ctx, &r);
-                }
-            }
-        };
-        tokio::pin!(taint, work, announced);
+        tokio::pin!(taint, work);
         let mut taint_done = false;
         let mut announced_done = false;
         let mut ending = loop {
             tokio::select! {
                 _ = &mut work => break Ending::AllGroupsDone,
                 _ = &mut taint, if !taint_done => taint_done = true,
-                _ = &mut announced, if !announced_done => announced_done = true,
+                said = stored.wait_for(Option::is_some), if !announced_done => {
+                    // The start's Event stored: the record says so, so a
+                    // successor does not say it again.
+                    announced_done = true;
+                    let said = said.is_ok_and(|v| *v == Some(true));
+                    let mut r = lock_record();
+                    if said && !r.announced {
+                        r.announced = true;
+                        save(ctx, &r);
+                    }
+                }
                 _ = sleep_until(release_at) => break Ending::WindowClosing,
                 _ = cancel.cancelled() => break Ending::Cancelled,
             }
@@ -348,6 +376,7 @@ async fn run<C: ClusterPort>(
 
 /// The end recorded, the last word published while the lock still holds
 /// the host, then the release: logind may go on.
+#[allow(clippy::too_many_arguments)]
 async fn release<C>(
     ctx: &Ctx<C>,
     cfg: &ShutdownConfig,
@@ -356,9 +385,11 @@ async fn release<C>(
     ending: Ending,
     start: Instant,
     delay_max: Duration,
+    stored: &StartStored,
 ) -> ShutdownRecord {
     let end = ctx.clock.now();
     record.ended_at = Some(end);
+    record.announced |= start_stored(stored);
     ctx.metrics.end_time.set(unix_seconds(end));
     save(ctx, &record);
     let took = Instant::now().saturating_duration_since(start);
@@ -382,6 +413,13 @@ async fn release<C>(
     let until = (start + delay_max).min(Instant::now() + core::CALL_HEADROOM);
     if !matches!(tokio::time::timeout_at(until, published).await, Ok(true)) {
         tracing::debug!("the release's Event is not confirmed; releasing anyway");
+    }
+    // The start's Event, queued before the release's, is done by now when
+    // the release's is: a record that says so keeps a successor (killed
+    // and restarted while the host goes down) from saying it again.
+    if !record.announced && start_stored(stored) {
+        record.announced = true;
+        save(ctx, &record);
     }
     // Release: logind may now proceed. The keeper's copy goes too, also
     // when this process resumed without holding a lock of its own.

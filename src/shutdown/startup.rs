@@ -67,6 +67,12 @@ pub(super) async fn start_up<C: ClusterPort, L: LogindConnector>(
             tracing::info!(
                 "restarted after this boot's shutdown was done; the host is going down: the taint and the record stay for the next boot"
             );
+            if let Some(r) = record.as_ref().filter(|r| !r.announced) {
+                // Killed after its end was recorded and before its start's
+                // Event was stored (a slow API server retrying it): said
+                // now, or the node never shows the shutdown began.
+                drop(super::execute::say_started(&ctx.reporter, r.started_at));
+            }
             let taint_added = record.is_some_and(|r| r.taint_ours());
             (None, None, Some(taint_added))
         }

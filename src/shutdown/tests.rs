@@ -2849,3 +2849,38 @@ async fn a_successor_says_the_start_its_killed_predecessor_did_not() {
         r.task.await.unwrap();
     }
 }
+
+/// Review of the fix above: a shutdown whose groups end at once left the
+/// loop before its start's Event was confirmed, and its record said
+/// `endedAt` without `announced`; a successor restarted while the host
+/// went down would have taken the start as unsaid. The release, whose own
+/// Event is queued after the start's, now records it.
+#[tokio::test(start_paused = true)]
+async fn a_quick_shutdown_records_its_start_as_said() {
+    let dir = tmp("quick-announced");
+    let r = rig_in(
+        dir.clone(),
+        FakeLogind::new(Duration::from_secs(60)),
+        Some(config(&[(0, 10)])),
+        vec![pod("a/gone", 0, None)],
+        "b1",
+        Default::default(),
+    );
+    ms(100).await;
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(5000).await;
+    assert_eq!(r.logind.held(), 0, "released");
+    let saved = state::load(&dir).unwrap().unwrap();
+    assert!(saved.ended_at.is_some(), "{saved:?}");
+    assert!(saved.announced, "the start is recorded as said: {saved:?}");
+    assert_eq!(
+        r.events
+            .reasons()
+            .iter()
+            .filter(|r| *r == "ShutdownStarted")
+            .count(),
+        1
+    );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}

@@ -155,8 +155,37 @@ pub fn api_ok(
     }
 }
 
-/// How often the `requireApiServer` probe asks: as often as the most
-/// frequent pet (`None` when nothing is petted).
+/// The first retry after a failed probe; each further failure doubles
+/// it, up to the probe's interval.
+pub const API_PROBE_RETRY: Duration = Duration::from_secs(1);
+
+/// When the next `requireApiServer` probe begins, from the last answer
+/// (`Some((answered, when))`), the failed answers in a row and the probe's
+/// interval in force now (a policy edit that shortens it moves the next
+/// probe forward with it, so the last answer never expires before the next
+/// one is asked for). After a failure it asks again soon (1 s, doubling up
+/// to the interval): one brief error skips no more than the pets until
+/// the retry's answer, and a long outage is asked once an interval.
+pub fn api_probe_due(
+    last: Option<(bool, tokio::time::Instant)>,
+    failures: u32,
+    interval: Duration,
+    now: tokio::time::Instant,
+) -> tokio::time::Instant {
+    match last {
+        None => now,
+        Some((true, at)) => at + interval,
+        Some((false, at)) => {
+            let retry =
+                API_PROBE_RETRY.saturating_mul(1 << failures.clamp(1, 16).saturating_sub(1));
+            at + retry.min(interval)
+        }
+    }
+}
+
+/// How often the `requireApiServer` probe asks: one pet interval after the
+/// last answer, the shortest of the targets petted (`None` when nothing is
+/// petted).
 pub fn api_probe_interval(systemd: Option<Duration>, device: Option<Duration>) -> Option<Duration> {
     match (systemd, device) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -286,6 +315,35 @@ mod tests {
         assert_eq!(api_probe_interval(None, Some(s(20))), Some(s(20)));
         assert_eq!(api_probe_interval(Some(s(15)), Some(s(10))), Some(s(10)));
         assert_eq!(api_probe_interval(Some(s(1)), Some(s(10))), Some(s(1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn when_the_next_probe_begins() {
+        let s = Duration::from_secs;
+        let t0 = tokio::time::Instant::now();
+        let now = t0 + s(100);
+        for (last, failures, interval, due) in [
+            // None yet: at once.
+            (None, 0, s(15), now),
+            // One interval after an answer, the interval in force now: a
+            // policy edit that shortened it moves the probe forward.
+            (Some((true, t0)), 0, s(15), t0 + s(15)),
+            (Some((true, t0)), 0, s(300), t0 + s(300)),
+            (Some((true, t0)), 0, s(30), t0 + s(30)),
+            // After failures: 1 s, doubling, never past the interval.
+            (Some((false, t0)), 1, s(15), t0 + s(1)),
+            (Some((false, t0)), 2, s(15), t0 + s(2)),
+            (Some((false, t0)), 4, s(15), t0 + s(8)),
+            (Some((false, t0)), 5, s(15), t0 + s(15)),
+            (Some((false, t0)), 40, s(15), t0 + s(15)),
+            (Some((false, t0)), 3, s(1), t0 + s(1)),
+        ] {
+            assert_eq!(
+                api_probe_due(last, failures, interval, now),
+                due,
+                "{last:?} {failures} {interval:?}"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -337,13 +337,18 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
                 core::device_pet_interval(a.device.timeout_seconds(), a.spec.pet_interval_percent)
             }),
         );
-        if !require_api {
+        // Nothing to ask for: the flag off, or nothing petted (an answer
+        // kept meanwhile would be stale when a target is armed again, and
+        // skip its first pets with the API server there).
+        if !require_api || probe_interval.is_none() {
             probing = None;
             api = ApiProbeState::default();
         }
+        let probe_due =
+            probe_interval.map(|i| core::api_probe_due(api.last, api.failures, i, Instant::now()));
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = sleep_until(api.next.unwrap_or_else(Instant::now)), if require_api && probing.is_none() && probe_interval.is_some() => {
+            _ = sleep_until(probe_due.unwrap_or_else(Instant::now)), if require_api && probing.is_none() && probe_due.is_some() => {
                 api.since = Some(Instant::now());
                 // The port answers within API_PROBE_TIMEOUT; one that does
                 // not is an answer of no.
@@ -358,7 +363,7 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
                 let now = Instant::now();
                 api.last = Some((answered, now));
                 api.since = None;
-                api.next = Some(now + probe_interval.unwrap_or(core::API_PROBE_TIMEOUT));
+                api.failures = if answered { 0 } else { api.failures.saturating_add(1) };
             }
             _ = sleep_until(ready_check), if !ready_sent => {
                 if health.report().ready
@@ -508,8 +513,8 @@ struct ApiProbeState {
     last: Option<(bool, Instant)>,
     /// When the probe in flight began.
     since: Option<Instant>,
-    /// When the next probe begins (at once, when `Default`).
-    next: Option<Instant>,
+    /// Failed answers in a row.
+    failures: u32,
 }
 
 impl ApiProbeState {

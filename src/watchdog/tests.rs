@@ -114,16 +114,28 @@ impl DeviceOpener for StandIn {
     }
 }
 
-/// The API server as the probe finds it: whether it answers, and how
-/// long each answer takes.
+/// The API server as the probe finds it: whether it answers (as it is
+/// when asked), how long each answer takes, and when it was asked.
 #[derive(Clone, Default)]
-struct Api(Arc<AtomicBool>, Arc<Mutex<Duration>>);
+struct Api(
+    Arc<AtomicBool>,
+    Arc<Mutex<Duration>>,
+    Arc<Mutex<Vec<Instant>>>,
+);
 
 impl ApiProbe for Api {
     async fn reachable(&self) -> bool {
+        self.2.lock().unwrap().push(Instant::now());
+        let answer = self.0.load(Ordering::SeqCst);
         let delay = *self.1.lock().unwrap();
         tokio::time::sleep(delay).await;
-        self.0.load(Ordering::SeqCst)
+        answer
+    }
+}
+
+impl Api {
+    fn asked(&self) -> Vec<Instant> {
+        self.2.lock().unwrap().clone()
     }
 }
 
@@ -160,7 +172,11 @@ fn rig(systemd_timeout: Option<Duration>, spec: Option<WatchdogSpec>, dir: PathB
     let notes = Notes::default();
     let ioctls = Ioctls::default();
     let busy = Arc::new(AtomicBool::new(false));
-    let api = Api(Arc::new(AtomicBool::new(true)), Default::default());
+    let api = Api(
+        Arc::new(AtomicBool::new(true)),
+        Default::default(),
+        Default::default(),
+    );
     let health = Health::new();
     let mut registry = Registry::default();
     let (reporter, _q) = Reporter::new(&ReportConfig::default(), &mut registry);
@@ -507,17 +523,124 @@ async fn a_slow_api_server_delays_no_pet_and_a_silent_one_stops_them() {
         "{}",
         metrics_text(&r)
     );
-    // The API server stops answering at all: the probe's own timeout
-    // makes its answer a no, and the pets stop.
+    // The API server stops answering at all. The answer in flight (yes,
+    // 3 s late) still counts for an interval plus 5 s; the next probe
+    // never answers, and its own timeout (6 s) comes after that: the last
+    // answer's expiry stops the pets, 3 + 1 + 5 s after the cut at most.
     r.api.0.store(false, Ordering::SeqCst);
     *r.api.1.lock().unwrap() = Duration::from_secs(3600);
     let cut = Instant::now();
     secs(20).await;
     let last = *r.notes.times("WATCHDOG=1").last().unwrap();
     assert!(
-        last - cut <= Duration::from_secs(1) + core::API_PROBE_TIMEOUT + Duration::from_secs(1),
+        last - cut <= Duration::from_secs(3 + 1) + core::API_PROBE_TIMEOUT,
         "the last pet {:?} after the cut",
         last - cut
+    );
+    assert!(
+        !metrics_text(&r)
+            .contains("nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"} 0"),
+        "the pets after are skipped, counted"
+    );
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+fn api_skips(r: &Rig, target: &str) -> String {
+    let text = metrics_text(r);
+    let key = format!(
+        "nodeguard_watchdog_skipped_pets_total{{target=\"{target}\",reason=\"api_server_unreachable\"}} "
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix(key.as_str()))
+        .unwrap_or("absent")
+        .to_string()
+}
+
+/// Review finding: the next probe was set when an answer came, from the
+/// interval then. A policy edit that shortened the device's interval
+/// (600 s timeout at 50 %: probes 300 s apart; then 60 s: pets every
+/// 30 s) left the next probe minutes away while each pet judged the last
+/// answer by the new interval: every pet skipped, and the host would have
+/// reset with the API server answering throughout.
+#[tokio::test(start_paused = true)]
+async fn a_shorter_interval_by_a_policy_edit_moves_the_next_probe_with_it() {
+    let dir = tmp("api-shorter");
+    let mut spec = device_spec(&dir, 600, true);
+    spec.pet_interval_percent = 50;
+    spec.require_api_server = true;
+    let r = rig(None, Some(spec.clone()), dir);
+    secs(10).await;
+    let pets = r.ioctls.count(device::WDIOC_KEEPALIVE);
+    assert!(pets >= 1, "armed and petted");
+    secs(50).await;
+    spec.timeout_seconds = 60;
+    r.settings.send_replace(Some(spec));
+    secs(120).await;
+    assert_eq!(api_skips(&r, "device"), "0", "{}", metrics_text(&r));
+    assert!(
+        r.ioctls.count(device::WDIOC_KEEPALIVE) >= pets + 4,
+        "a pet every 30 s after the edit"
+    );
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+/// Review finding: while nothing was petted (the device off by an edit,
+/// or busy and retried) the last answer stayed, and the first pets after
+/// the device was armed again were skipped for an answer that expired
+/// meanwhile, with the API server there.
+#[tokio::test(start_paused = true)]
+async fn an_answer_from_before_a_pause_does_not_skip_the_pets_after_it() {
+    let dir = tmp("api-pause");
+    let mut spec = device_spec(&dir, 20, true);
+    spec.require_api_server = true;
+    let r = rig(None, Some(spec.clone()), dir);
+    secs(10).await;
+    let mut off = spec.clone();
+    off.mode = WatchdogMode::Off;
+    r.settings.send_replace(Some(off));
+    secs(600).await;
+    let pets = r.ioctls.count(device::WDIOC_KEEPALIVE);
+    r.settings.send_replace(Some(spec));
+    secs(20).await;
+    assert_eq!(api_skips(&r, "device"), "0", "{}", metrics_text(&r));
+    assert!(r.ioctls.count(device::WDIOC_KEEPALIVE) >= pets + 3);
+    r.shutdown.cancel();
+    r.task.await.unwrap();
+}
+
+/// Review finding: after a failed answer the next probe waited a whole
+/// interval, so one brief error (a load balancer's 502) could skip the
+/// pets of two intervals. It asks again after 1 s, doubling while it
+/// fails, up to the interval.
+#[tokio::test(start_paused = true)]
+async fn a_failed_answer_is_asked_again_soon_then_less_often() {
+    let r = rig(Some(Duration::from_secs(20)), None, tmp("api-retry"));
+    r.api.0.store(false, Ordering::SeqCst);
+    r.settings.send_replace(Some(WatchdogSpec {
+        mode: WatchdogMode::Systemd,
+        require_api_server: true,
+        ..Default::default()
+    }));
+    secs(60).await;
+    let asked = r.api.asked();
+    let gaps: Vec<u64> = asked.windows(2).map(|w| (w[1] - w[0]).as_secs()).collect();
+    assert_eq!(gaps[..6], [1, 2, 4, 8, 10, 10], "{gaps:?}");
+    // Back: the retry's answer lets the next pet go.
+    r.api.0.store(true, Ordering::SeqCst);
+    let back = Instant::now();
+    secs(25).await;
+    let first = r
+        .notes
+        .times("WATCHDOG=1")
+        .into_iter()
+        .find(|t| *t > back)
+        .unwrap();
+    assert!(
+        first - back <= Duration::from_secs(20),
+        "{:?}",
+        first - back
     );
     r.shutdown.cancel();
     r.task.await.unwrap();

@@ -4,9 +4,11 @@
 //! thaw, as behind a stateful firewall that lost its flow or a peer that
 //! vanished without a reset. Only new connections forward again.
 //!
-//! It can also slow the API server down: with a delay set, every byte the
-//! API server sends reaches the client that much later (in order), as over
-//! a saturated link or from an API server slow to answer.
+//! It can also slow the API server down on the connections open now:
+//! every byte the API server sends on them from then on reaches the client
+//! that much later (in order), as from an API server slow to answer. New
+//! connections are not slowed (their TLS handshake would take the delay
+//! once more, a different thing to test).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,8 +21,9 @@ use tokio::net::{TcpListener, TcpStream};
 pub struct BlackholeProxy {
     pub addr: SocketAddr,
     frozen: Arc<AtomicBool>,
-    /// Milliseconds each chunk from the API server is held.
-    delay_ms: Arc<AtomicU64>,
+    /// Each connection's delay (milliseconds each chunk from the API
+    /// server is held).
+    delays: Arc<std::sync::Mutex<Vec<std::sync::Weak<AtomicU64>>>>,
     /// Connections accepted so far.
     pub connections: Arc<AtomicU64>,
 }
@@ -31,8 +34,8 @@ impl BlackholeProxy {
         let addr = listener.local_addr().unwrap();
         let frozen = Arc::new(AtomicBool::new(false));
         let connections = Arc::new(AtomicU64::new(0));
-        let delay_ms = Arc::new(AtomicU64::new(0));
-        let (f, c, d) = (frozen.clone(), connections.clone(), delay_ms.clone());
+        let delays: Arc<std::sync::Mutex<Vec<std::sync::Weak<AtomicU64>>>> = Default::default();
+        let (f, c, d) = (frozen.clone(), connections.clone(), delays.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 c.fetch_add(1, Ordering::SeqCst);
@@ -43,13 +46,15 @@ impl BlackholeProxy {
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
                 tokio::spawn(pipe(cr, sw, f.clone(), dead.clone(), None));
-                tokio::spawn(pipe(sr, cw, f.clone(), dead, Some(d.clone())));
+                let delay = Arc::new(AtomicU64::new(0));
+                d.lock().unwrap().push(Arc::downgrade(&delay));
+                tokio::spawn(pipe(sr, cw, f.clone(), dead, Some(delay)));
             }
         });
         BlackholeProxy {
             addr,
             frozen,
-            delay_ms,
+            delays,
             connections,
         }
     }
@@ -62,10 +67,14 @@ impl BlackholeProxy {
         self.frozen.store(false, Ordering::SeqCst);
     }
 
-    /// Holds what the API server sends from now on for `delay`.
+    /// Holds what the API server sends from now on, on the connections
+    /// open now, for `delay`.
     pub fn slow_down(&self, delay: std::time::Duration) {
-        self.delay_ms
-            .store(delay.as_millis() as u64, Ordering::SeqCst);
+        let mut delays = self.delays.lock().unwrap();
+        delays.retain(|d| d.strong_count() > 0);
+        for d in delays.iter().filter_map(std::sync::Weak::upgrade) {
+            d.store(delay.as_millis() as u64, Ordering::SeqCst);
+        }
     }
 }
 

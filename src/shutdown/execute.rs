@@ -61,6 +61,9 @@ pub(super) async fn execute<C: ClusterPort>(
 ) -> ShutdownRecord {
     let now_wall = ctx.clock.now();
     let now_monotonic = ctx.clock.monotonic();
+    // The start as recorded before this process (none when its
+    // predecessor was stopped before the record's first save).
+    let recorded_start = record.started_at;
     // A resumed shutdown, or one found under way with its start known (the
     // handover unit's note): timed from when it began.
     let start = if resume || record.started_at.is_some() {
@@ -83,7 +86,14 @@ pub(super) async fn execute<C: ClusterPort>(
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
     ctx.metrics.end_time.set(0.0);
     let (groups, timeline) = plan(&ctx, &cfg, &record, delay_max, start);
-    let stored = announce(&ctx, &cfg, &record, resume, start, &already);
+    let stored = announce(
+        &ctx,
+        &cfg,
+        &record,
+        resume.then_some(recorded_start),
+        start,
+        &already,
+    );
     let (ending, record) = run(
         &ctx,
         &cfg,
@@ -220,19 +230,27 @@ fn plan<C>(
 /// with one. A restarted agent whose predecessor was killed before the
 /// API server stored the start's Event says that one too, first (with the
 /// recorded start): the shutdown's start is what operators and alerts
-/// look for. The receiver says when the start's Event is stored, or was
+/// look for. `resumed` holds the start recorded before this process when
+/// it resumes. The receiver says when the start's Event is stored, or was
 /// before.
 fn announce<C>(
     ctx: &Ctx<C>,
     cfg: &ShutdownConfig,
     record: &ShutdownRecord,
-    resume: bool,
+    resumed: Option<Option<jiff::Timestamp>>,
     start: Instant,
     already: &BTreeSet<String>,
 ) -> StartStored {
+    let resume = resumed.is_some();
     let (tx, rx) = watch::channel(record.announced.then_some(true));
     if !record.announced {
-        let stored = say_started(&ctx.reporter, resume.then_some(record.started_at).flatten());
+        let stored = say_started(
+            &ctx.reporter,
+            match resumed {
+                None => Start::Now,
+                Some(at) => Start::Late(at),
+            },
+        );
         tokio::spawn(async move {
             let _ = tx.send(Some(stored.await));
         });
@@ -265,21 +283,33 @@ fn announce<C>(
     rx
 }
 
-/// Queues `ShutdownStarted`; the future says whether it was stored. With
-/// `late`, the time the shutdown began: a restarted agent says it for a
-/// predecessor killed before its Event was stored.
+/// Whose `ShutdownStarted` it is.
+pub(super) enum Start {
+    /// The shutdown begins now.
+    Now,
+    /// A restarted agent says it for a predecessor stopped before its
+    /// Event was stored; when the shutdown began, if that was recorded.
+    Late(Option<jiff::Timestamp>),
+}
+
+/// Queues `ShutdownStarted`; the future says whether it was stored.
 pub(super) fn say_started(
     reporter: &crate::report::Reporter,
-    late: Option<jiff::Timestamp>,
+    start: Start,
 ) -> impl std::future::Future<Output = bool> + use<> {
     let what = format!(
         "nodeguard taints the node {} and evicts its pods by priority",
         cluster::TAINT_KEY
     );
-    let note = match late {
-        None => format!("The host is shutting down (PrepareForShutdown); {what}."),
-        Some(at) => format!(
-            "The host began shutting down at {at} (PrepareForShutdown); {what}. Said by the restarted agent: the one before was stopped before its Event was stored."
+    let late =
+        "Said by the restarted agent: the one before was stopped before its Event was stored.";
+    let note = match start {
+        Start::Now => format!("The host is shutting down (PrepareForShutdown); {what}."),
+        Start::Late(Some(at)) => {
+            format!("The host began shutting down at {at} (PrepareForShutdown); {what}. {late}")
+        }
+        Start::Late(None) => format!(
+            "The host is shutting down (PrepareForShutdown), since a time not recorded (the agent before was stopped before it saved it); {what}. {late}"
         ),
     };
     reporter.event_confirmed(EventKind::Warning, "ShutdownStarted", "StartShutdown", note)

@@ -71,7 +71,10 @@ pub(super) async fn start_up<C: ClusterPort, L: LogindConnector>(
                 // Killed after its end was recorded and before its start's
                 // Event was stored (a slow API server retrying it): said
                 // now, or the node never shows the shutdown began.
-                drop(super::execute::say_started(&ctx.reporter, r.started_at));
+                drop(super::execute::say_started(
+                    &ctx.reporter,
+                    super::execute::Start::Late(r.started_at),
+                ));
             }
             let taint_added = record.is_some_and(|r| r.taint_ours());
             (None, None, Some(taint_added))

@@ -2884,3 +2884,33 @@ async fn a_quick_shutdown_records_its_start_as_said() {
     r.stop.cancel();
     r.task.await.unwrap();
 }
+
+/// Review finding: a successor that found the shutdown under way with no
+/// record stamped its own start, and its late `ShutdownStarted` said the
+/// shutdown began then, the restart's delay later than it did.
+#[test]
+fn a_late_start_says_when_the_shutdown_began_only_when_it_was_recorded() {
+    use super::execute::{Start, say_started};
+    let (reporter, mut queue) = Reporter::new(&ReportConfig::default(), &mut Registry::default());
+    let at: jiff::Timestamp = "2030-01-01T00:00:05Z".parse().unwrap();
+    for start in [Start::Now, Start::Late(Some(at)), Start::Late(None)] {
+        drop(say_started(&reporter, start));
+    }
+    let notes: Vec<String> = queue.drain().into_iter().map(|e| e.note).collect();
+    assert_eq!(notes.len(), 3, "{notes:?}");
+    assert!(notes[0].starts_with("The host is shutting down (PrepareForShutdown);"));
+    assert!(!notes[0].contains("restarted"), "{}", notes[0]);
+    assert!(
+        notes[1].contains("began shutting down at 2030-01-01T00:00:05Z")
+            && notes[1].contains("Said by the restarted agent"),
+        "{}",
+        notes[1]
+    );
+    assert!(
+        notes[2].contains("since a time not recorded")
+            && !notes[2].contains("began shutting down at")
+            && notes[2].contains("Said by the restarted agent"),
+        "{}",
+        notes[2]
+    );
+}

@@ -363,6 +363,15 @@ pub async fn run_watchdog<N: NotifyPort, O: DeviceOpener, A: ApiProbe>(
                 let now = Instant::now();
                 api.last = Some((answered, now));
                 api.since = None;
+                if answered && api.failures > 0 {
+                    // Back after failed answers, whose pets were skipped:
+                    // pet now rather than at the next slot, which with the
+                    // retry's wait could outlast the watchdog's timeout.
+                    systemd_next = systemd_next.map(|t| t.min(now));
+                    if let Some(a) = armed.as_mut() {
+                        a.next_pet = a.next_pet.min(now);
+                    }
+                }
                 api.failures = if answered { 0 } else { api.failures.saturating_add(1) };
             }
             _ = sleep_until(ready_check), if !ready_sent => {

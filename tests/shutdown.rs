@@ -1336,6 +1336,56 @@ impl Drop for Killed {
     }
 }
 
+/// `nodeguard keep` on a socket in `dir`, which holds the copy of the lock
+/// that outlives a killed agent; killed when dropped.
+fn keeper(dir: &TempDir) -> (Killed, std::path::PathBuf) {
+    let socket = dir.path.join("keep.sock");
+    let keeper = Killed(
+        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+            .arg("keep")
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    (keeper, socket)
+}
+
+/// The shutdown record at `path`, as JSON.
+fn read_record(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The record at `path`, if there is one whole.
+fn try_read_record(path: &std::path::Path) -> Option<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+}
+
+/// Writes the record at `path` back without `field`, as a process killed
+/// before it saved that field leaves it; returns the record as it was.
+fn strip_record_field(path: &std::path::Path, field: &str) -> serde_json::Value {
+    let record = read_record(path);
+    let mut stripped = record.clone();
+    stripped.as_object_mut().unwrap().remove(field);
+    std::fs::write(path, stripped.to_string()).unwrap();
+    record
+}
+
+/// Deletes the node's Events of `reason`, as if they were never stored.
+async fn delete_node_events(admin: &Client, node: &str, reason: &str) {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(admin.clone(), "default");
+    while let Some(e) = node_event(admin, node, reason).await {
+        events
+            .delete(&e.metadata.name.unwrap(), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+}
+
 /// Issue 18, item 5: the agent SIGKILLed (the OOM killer, a crash) during a
 /// shutdown, its first group evicted. Before, its delay inhibitor went with
 /// its process and logind went on at once: the remaining groups never ran.
@@ -1404,16 +1454,7 @@ async fn killed_agent_case(successor: Successor) {
         running_pod(&s.admin, &s.node.name, name, class, serde_json::json!({})).await;
     }
     let dir = TempDir::new("keep");
-    let socket = dir.path.join("keep.sock");
-    let keeper = Killed(
-        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
-            .arg("keep")
-            .arg("--socket")
-            .arg(&socket)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (keeper, socket) = keeper(&dir);
     let state = TempDir::new("state");
     let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
     first.ready().await;
@@ -1591,16 +1632,7 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
     )
     .await;
     let dir = TempDir::new("keep");
-    let socket = dir.path.join("keep.sock");
-    let keeper = Killed(
-        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
-            .arg("keep")
-            .arg("--socket")
-            .arg(&socket)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (keeper, socket) = keeper(&dir);
     let state = TempDir::new("state");
     let record_path = state.path.join("shutdown-state.json");
     let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
@@ -1615,8 +1647,7 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
     // The record as the first process saved it before sending the taint
     // request (a kill between the API server's answer and the next save
     // leaves exactly this): the shutdown started, no answer recorded.
-    let mut record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    let mut record = read_record(&record_path);
     assert!(!record["startedAt"].is_null(), "{record}");
     let fields = record.as_object_mut().unwrap();
     fields.insert("taintAdded".into(), serde_json::json!(false));
@@ -1629,10 +1660,7 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
         "the successor finished the shutdown and released the lock",
         || async {
             s.peer.held() == 0
-                && std::fs::read_to_string(&record_path)
-                    .ok()
-                    .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                    .is_some_and(|r| !r["endedAt"].is_null())
+                && try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
         },
     )
     .await;
@@ -1698,16 +1726,7 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     )
     .await;
     let dir = TempDir::new("keep");
-    let socket = dir.path.join("keep.sock");
-    let keeper = Killed(
-        std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
-            .arg("keep")
-            .arg("--socket")
-            .arg(&socket)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (keeper, socket) = keeper(&dir);
     let state = TempDir::new("state");
     let record_path = state.path.join("shutdown-state.json");
     let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
@@ -1726,19 +1745,9 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     first.kill();
     // What a kill between the record's first save and the Event's store
     // leaves: the record without the store, no Event on the node.
-    let mut record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    let record = strip_record_field(&record_path, "announced");
     assert!(!record["startedAt"].is_null(), "{record}");
-    record.as_object_mut().unwrap().remove("announced");
-    std::fs::write(&record_path, record.to_string()).unwrap();
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(s.admin.clone(), "default");
-    while let Some(e) = node_event(&s.admin, &s.node.name, "ShutdownStarted").await {
-        events
-            .delete(&e.metadata.name.unwrap(), &DeleteParams::default())
-            .await
-            .unwrap();
-    }
+    delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
 
     let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
     eventually(
@@ -1777,10 +1786,9 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
         Duration::from_secs(5),
         "the record says the start's Event was stored",
         || {
-            let r = std::fs::read_to_string(&record_path)
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-            std::future::ready(r.is_some_and(|r| r["announced"] == true))
+            std::future::ready(
+                try_read_record(&record_path).is_some_and(|r| r["announced"] == true),
+            )
         },
     )
     .await;
@@ -1789,10 +1797,7 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
         "the successor finished the shutdown and released the lock",
         || async {
             s.peer.held() == 0
-                && std::fs::read_to_string(&record_path)
-                    .ok()
-                    .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                    .is_some_and(|r| !r["endedAt"].is_null())
+                && try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
         },
     )
     .await;
@@ -1801,17 +1806,9 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     // Review finding: killed again after the end was recorded and before
     // the start's Event was stored (a slow API server retrying it), the
     // next process found the host going down and said nothing.
-    let mut record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    let record = strip_record_field(&record_path, "announced");
     assert_eq!(record["announced"], true, "{record}");
-    record.as_object_mut().unwrap().remove("announced");
-    std::fs::write(&record_path, record.to_string()).unwrap();
-    while let Some(e) = node_event(&s.admin, &s.node.name, "ShutdownStarted").await {
-        events
-            .delete(&e.metadata.name.unwrap(), &DeleteParams::default())
-            .await
-            .unwrap();
-    }
+    delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
     let mut third = AgentProcess::start(&s, &state.path, Some(&socket));
     let deadline = Instant::now() + Duration::from_secs(15);
     let late = loop {
@@ -1827,6 +1824,122 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     };
     let note = late.note.unwrap_or_default();
     assert!(note.contains("Said by the restarted agent"), "{note}");
+    third.kill();
+    drop(keeper);
+    force_delete(&s.admin, &[&low]).await;
+    s.cleanup().await;
+}
+
+/// Two kills in a row (helper-70's review): the first agent killed before
+/// its record's first save, so its successor found the shutdown under way
+/// with no record and stamped its own time as the start; the successor
+/// killed in turn before its `ShutdownStarted` was stored. The third
+/// process then said "began shutting down at" the second one's restart,
+/// off by the restart's delay. A start found late is never claimed as when
+/// the shutdown began. This is also the agent-level test of the path that
+/// resumes with no record.
+#[tokio::test]
+async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
+    let s = setup_with(
+        "found-late",
+        Duration::from_secs(60),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 8}]),
+        false,
+    )
+    .await;
+    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
+    let low = unique_name("low");
+    running_pod(
+        &s.admin,
+        &s.node.name,
+        &low,
+        "nodeguard-test-low",
+        serde_json::json!({}),
+    )
+    .await;
+    let dir = TempDir::new("keep");
+    let (keeper, socket) = keeper(&dir);
+    let state = TempDir::new("state");
+    let record_path = state.path.join("shutdown-state.json");
+    let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
+    first.ready().await;
+    s.peer.prepare_for_shutdown(true).await;
+    eventually(
+        Duration::from_secs(5),
+        "the first ShutdownStarted",
+        || async {
+            node_event(&s.admin, &s.node.name, "ShutdownStarted")
+                .await
+                .is_some()
+        },
+    )
+    .await;
+    first.kill();
+    // Killed before its record's first save: no record, no Event.
+    std::fs::remove_file(&record_path).unwrap();
+    delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
+
+    let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
+    eventually(
+        Duration::from_secs(15),
+        "the second process said the start, its time not recorded",
+        || async {
+            node_event(&s.admin, &s.node.name, "ShutdownStarted")
+                .await
+                .and_then(|e| e.note)
+                .is_some_and(|n| n.contains("since a time not recorded"))
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "the second process's record: its stamped start, the Event stored",
+        || {
+            std::future::ready(
+                try_read_record(&record_path)
+                    .is_some_and(|r| !r["startedAt"].is_null() && r["announced"] == true),
+            )
+        },
+    )
+    .await;
+    second.kill();
+    // Killed before its Event was stored.
+    let stamped = strip_record_field(&record_path, "announced");
+    assert!(
+        stamped["endedAt"].is_null(),
+        "killed with its group under way: {stamped}"
+    );
+    delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
+
+    let mut third = AgentProcess::start(&s, &state.path, Some(&socket));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let late = loop {
+        if let Some(e) = node_event(&s.admin, &s.node.name, "ShutdownStarted").await {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the third process said the start:\n{}",
+            events_for(&s.node.name).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let note = late.note.unwrap_or_default();
+    assert!(
+        note.contains("since a time not recorded") && !note.contains("began shutting down at"),
+        "the second process's restart is not when the shutdown began \
+         (it stamped {}): {note}",
+        stamped["startedAt"]
+    );
+    eventually(
+        Duration::from_secs(20),
+        "the third process finished the shutdown and released the lock",
+        || async {
+            s.peer.held() == 0
+                && try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
+        },
+    )
+    .await;
     third.kill();
     drop(keeper);
     force_delete(&s.admin, &[&low]).await;
@@ -1871,8 +1984,7 @@ async fn a_resumed_shutdown_that_was_cancelled_while_logind_did_not_answer_is_un
     })
     .await;
     first.kill();
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    let record = read_record(&record_path);
     assert!(
         record["endedAt"].is_null(),
         "killed with its group under way: {record}"
@@ -2515,10 +2627,7 @@ async fn stop_with_logind_gone(after: Duration) {
     s.peer.kill().await;
     let killed = Instant::now();
     eventually(Duration::from_secs(20), "the groups done", || async {
-        std::fs::read_to_string(&record_path)
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .is_some_and(|r| !r["endedAt"].is_null())
+        try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
     })
     .await;
     tokio::time::sleep_until((killed + after).max(Instant::now()).into()).await;
@@ -2644,6 +2753,17 @@ async fn a_shutdown_begun_between_two_agents_is_planned_from_when_it_began() {
     assert!(
         resumed.contains("restarted 5.") || resumed.contains("restarted 6."),
         "the second agent says how far into the shutdown it came: {resumed:?}"
+    );
+    // No agent ran when it began: the second says the start, and whose
+    // note it is (helper-70's review: it said "the one before was
+    // stopped before its Event was stored").
+    let started = node_event(&s.admin, &s.node.name, "ShutdownStarted")
+        .await
+        .and_then(|e| e.note)
+        .unwrap_or_default();
+    assert!(
+        started.contains("between two agents") && !started.contains("restarted agent"),
+        "the start, noted by the handover unit: {started:?}"
     );
     // The unit's process ended: the second agent stopped it.
     assert!(

@@ -19,7 +19,7 @@ use super::core;
 use super::keep::{self, Keeper};
 use super::logind::InhibitLock;
 use super::metrics::unix_seconds;
-use super::state::ShutdownRecord;
+use super::state::{ShutdownRecord, StartedBy};
 use super::taint::taint_for_shutdown;
 use super::{Ctx, ShutdownConfig, save};
 use crate::k8s::watch::Snapshot;
@@ -61,9 +61,9 @@ pub(super) async fn execute<C: ClusterPort>(
 ) -> ShutdownRecord {
     let now_wall = ctx.clock.now();
     let now_monotonic = ctx.clock.monotonic();
-    // The start as recorded before this process (none when its
-    // predecessor was stopped before the record's first save).
-    let recorded_start = record.started_at;
+    // A resumed shutdown's start, as recorded before this process, for
+    // the start's Event if its predecessor did not get it stored.
+    let late = resume.then(|| Start::late(&record));
     // A resumed shutdown, or one found under way with its start known (the
     // handover unit's note): timed from when it began.
     let start = if resume || record.started_at.is_some() {
@@ -77,7 +77,7 @@ pub(super) async fn execute<C: ClusterPort>(
     } else {
         BTreeSet::new()
     };
-    stamp(&ctx, &cfg, &mut record, now_wall, now_monotonic);
+    stamp(&ctx, &cfg, &mut record, now_wall, now_monotonic, resume);
     // From here until the release, a copy of the lock outlives this
     // process (an agent killed now does not let logind go on).
     let lock = lock.map(|l| l.kept_by(&ctx.keeper));
@@ -86,14 +86,7 @@ pub(super) async fn execute<C: ClusterPort>(
         .set(unix_seconds(record.started_at.unwrap_or(now_wall)));
     ctx.metrics.end_time.set(0.0);
     let (groups, timeline) = plan(&ctx, &cfg, &record, delay_max, start);
-    let stored = announce(
-        &ctx,
-        &cfg,
-        &record,
-        resume.then_some(recorded_start),
-        start,
-        &already,
-    );
+    let stored = announce(&ctx, &cfg, &record, late, start, &already);
     let (ending, record) = run(
         &ctx,
         &cfg,
@@ -177,10 +170,15 @@ fn stamp<C>(
     record: &mut ShutdownRecord,
     now_wall: jiff::Timestamp,
     now_monotonic: Duration,
+    resume: bool,
 ) {
     if record.started_at.is_none() {
         record.started_at = Some(now_wall);
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
+        if resume {
+            // Resumed with no record: found now, begun earlier.
+            record.started_by = StartedBy::Successor;
+        }
     }
     record.boot_id = ctx.boot_id.clone();
     if record.plan.is_none() {
@@ -230,27 +228,21 @@ fn plan<C>(
 /// with one. A restarted agent whose predecessor was killed before the
 /// API server stored the start's Event says that one too, first (with the
 /// recorded start): the shutdown's start is what operators and alerts
-/// look for. `resumed` holds the start recorded before this process when
-/// it resumes. The receiver says when the start's Event is stored, or was
-/// before.
+/// look for. `late` is the start to say when this process resumes (from
+/// the record as it was before). The receiver says when the start's Event
+/// is stored, or was before.
 fn announce<C>(
     ctx: &Ctx<C>,
     cfg: &ShutdownConfig,
     record: &ShutdownRecord,
-    resumed: Option<Option<jiff::Timestamp>>,
+    late: Option<Start>,
     start: Instant,
     already: &BTreeSet<String>,
 ) -> StartStored {
-    let resume = resumed.is_some();
+    let resume = late.is_some();
     let (tx, rx) = watch::channel(record.announced.then_some(true));
     if !record.announced {
-        let stored = say_started(
-            &ctx.reporter,
-            match resumed {
-                None => Start::Now,
-                Some(at) => Start::Late(at),
-            },
-        );
+        let stored = say_started(&ctx.reporter, late.unwrap_or(Start::Now));
         tokio::spawn(async move {
             let _ = tx.send(Some(stored.await));
         });
@@ -284,12 +276,27 @@ fn announce<C>(
 }
 
 /// Whose `ShutdownStarted` it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Start {
     /// The shutdown begins now.
     Now,
     /// A restarted agent says it for a predecessor stopped before its
     /// Event was stored; when the shutdown began, if that was recorded.
     Late(Option<jiff::Timestamp>),
+    /// The agent that took over from the handover unit says it: the
+    /// shutdown began between the two agents, at the unit's note.
+    HandedOver(jiff::Timestamp),
+}
+
+impl Start {
+    /// The start a restarted agent says, from the record as it found it.
+    pub(super) fn late(record: &ShutdownRecord) -> Start {
+        match (record.started_by, record.started_at) {
+            (StartedBy::Handover, Some(at)) => Start::HandedOver(at),
+            (StartedBy::Successor, _) => Start::Late(None),
+            (_, at) => Start::Late(at),
+        }
+    }
 }
 
 /// Queues `ShutdownStarted`; the future says whether it was stored.
@@ -310,6 +317,9 @@ pub(super) fn say_started(
         }
         Start::Late(None) => format!(
             "The host is shutting down (PrepareForShutdown), since a time not recorded (the agent before was stopped before it saved it); {what}. {late}"
+        ),
+        Start::HandedOver(at) => format!(
+            "The host began shutting down at {at} (PrepareForShutdown), between two agents: the handover unit held the delay lock and noted when; {what}. Said by the agent that took over."
         ),
     };
     reporter.event_confirmed(EventKind::Warning, "ShutdownStarted", "StartShutdown", note)

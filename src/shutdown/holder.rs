@@ -166,6 +166,7 @@ pub fn record_began(
     record.boot_id = boot_id.to_string();
     record.started_at = Some(now);
     record.started_monotonic_ms = Some(monotonic.as_millis() as u64);
+    record.started_by = super::state::StartedBy::Handover;
     record.ended_at = None;
     record.groups_done.clear();
     let json = serde_json::to_vec_pretty(&record).expect("a record serializes");

@@ -73,7 +73,7 @@ pub(super) async fn start_up<C: ClusterPort, L: LogindConnector>(
                 // now, or the node never shows the shutdown began.
                 drop(super::execute::say_started(
                     &ctx.reporter,
-                    super::execute::Start::Late(r.started_at),
+                    super::execute::Start::late(r),
                 ));
             }
             let taint_added = record.is_some_and(|r| r.taint_ours());

@@ -42,12 +42,39 @@ pub struct ShutdownRecord {
     /// at logind's signal) leaves it unsaid: its successor says it.
     #[serde(default)]
     pub announced: bool,
+    /// Who recorded `startedAt`: absent, the agent that saw the shutdown
+    /// begin. A start found late is never said to be when the shutdown
+    /// began.
+    #[serde(default, skip_serializing_if = "StartedBy::is_agent")]
+    pub started_by: StartedBy,
     /// The shutdown section in force when the shutdown began. A restarted
     /// agent finishes the shutdown with it, whatever the policy says by
     /// then (edited, made invalid, or without a shutdown section: the lock
     /// taken back from the keeper is not dropped with the groups left).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<super::ShutdownConfig>,
+}
+
+/// Who recorded a shutdown's start ([`ShutdownRecord::started_by`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum StartedBy {
+    /// The agent that saw `PrepareForShutdown`.
+    #[default]
+    Agent,
+    /// The handover unit, which held the delay lock between two agents
+    /// and noted when the shutdown began.
+    Handover,
+    /// A restarted agent that found the shutdown under way with no record
+    /// (its predecessor stopped before the first save): `startedAt` is
+    /// when it found it, not when it began.
+    Successor,
+}
+
+impl StartedBy {
+    fn is_agent(&self) -> bool {
+        *self == StartedBy::Agent
+    }
 }
 
 impl ShutdownRecord {
@@ -350,6 +377,7 @@ mod tests {
             taint_added: true,
             taint_answered: true,
             announced: true,
+            started_by: Default::default(),
             plan: None,
         };
         let (reporter, _events) = crate::report::Reporter::new(

@@ -1840,7 +1840,7 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
 /// resumes with no record.
 #[tokio::test]
 async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
-    let s = setup_with(
+    let mut s = setup_with(
         "found-late",
         Duration::from_secs(60),
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 8}]),
@@ -1942,6 +1942,52 @@ async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
     .await;
     third.kill();
     drop(keeper);
+
+    // helper-71's review: after the reboot, the report and the duration
+    // metric took the found time for the start (the duration too short).
+    s.peer.kill().await;
+    s.peer.come_back().await;
+    let dir_after = state.path.clone();
+    let address = s.bus.address.clone();
+    let (agent, _state) = start_agent_with(s.admin.clone(), &s.node.name, move |c| {
+        c.system_bus_address = Some(address);
+        c.boot_id = "the-next-boot".into();
+        c.state_dir = dir_after;
+    })
+    .await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    eventually(
+        Duration::from_secs(15),
+        "GracefulShutdown=False (NodeRebooted)",
+        || async {
+            node_has(
+                &nodes.get(&s.node.name).await.unwrap(),
+                "GracefulShutdown",
+                "False",
+            )
+        },
+    )
+    .await;
+    let (_, reason, message) = condition_of(&nodes, &s.node.name, "GracefulShutdown")
+        .await
+        .unwrap();
+    assert_eq!(reason, "NodeRebooted", "{message}");
+    assert!(
+        message.contains("found under way at") && message.contains("took at least"),
+        "the report does not claim the time found as the start: {message}"
+    );
+    let metrics = http_get(agent.addr, "/metrics").await.1;
+    assert_eq!(
+        sample(&metrics, "nodeguard_shutdown_last_duration_seconds"),
+        Some(0.0),
+        "a lower bound is not exported as the duration:\n{}",
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("nodeguard_shutdown_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    agent.stop().await;
     force_delete(&s.admin, &[&low]).await;
     s.cleanup().await;
 }

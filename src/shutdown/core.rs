@@ -496,6 +496,9 @@ pub enum LastShutdown {
     /// The node is back after a shutdown of an earlier boot.
     Rebooted {
         started_at: String,
+        /// The start is when an agent found the shutdown under way, not
+        /// when it began (`StartedBy::Found`): `took` is a lower bound.
+        found: bool,
         /// `None`: it did not finish before the machine went down.
         took: Option<Duration>,
         taint: TaintAfter,
@@ -570,13 +573,32 @@ pub fn cancel_message(cause: CancelCause, taint: TaintAfter, inhibitor: AfterCan
 
 /// The message of the first start after a reboot (the condition's and the
 /// Event's).
-pub fn rebooted_message(started_at: &str, took: Option<Duration>, taint: TaintAfter) -> String {
-    let took = match took {
-        Some(d) => format!("took {}s", d.as_secs()),
-        None => "did not finish before the machine went down".into(),
+pub fn rebooted_message(
+    started_at: &str,
+    found: bool,
+    took: Option<Duration>,
+    taint: TaintAfter,
+) -> String {
+    let (start, took) = match (found, took) {
+        (false, Some(d)) => (
+            format!("that started at {started_at}"),
+            format!("took {}s", d.as_secs()),
+        ),
+        (true, Some(d)) => (
+            format!("found under way at {started_at} (its start was not recorded)"),
+            format!("took at least {}s", d.as_secs()),
+        ),
+        (false, None) => (
+            format!("that started at {started_at}"),
+            "did not finish before the machine went down".into(),
+        ),
+        (true, None) => (
+            format!("found under way at {started_at} (its start was not recorded)"),
+            "did not finish before the machine went down".into(),
+        ),
     };
     format!(
-        "The node is back after a shutdown that started at {started_at} and {took}{}.",
+        "The node is back after a shutdown {start} and {took}{}.",
         taint_text(taint)
     )
 }
@@ -613,13 +635,14 @@ pub fn condition(phase: &Phase, last: Option<&LastShutdown>) -> ConditionUpdate 
             _,
             Some(LastShutdown::Rebooted {
                 started_at,
+                found,
                 took,
                 taint,
             }),
         ) => ConditionUpdate::Set(desired(
             Status::False,
             "NodeRebooted",
-            rebooted_message(started_at, *took, *taint),
+            rebooted_message(started_at, *found, *took, *taint),
         )),
         (Phase::Armed(r), None) if r.short() => ConditionUpdate::Set(desired(
             Status::False,
@@ -1056,6 +1079,7 @@ mod tests {
         };
         let rebooted = LastShutdown::Rebooted {
             started_at: "2027-01-15T08:00:00Z".into(),
+            found: false,
             took: Some(Duration::from_secs(17)),
             taint: TaintAfter::Removed,
         };
@@ -1152,8 +1176,22 @@ mod tests {
             assert_eq!(cancel_message(cause, taint, inhibitor), want);
         }
         assert_eq!(
-            rebooted_message("T", None, TaintAfter::NotOurs),
+            rebooted_message("T", false, None, TaintAfter::NotOurs),
             "The node is back after a shutdown that started at T and did not finish before the machine went down."
+        );
+        // A start found under way: not claimed, and its time a lower bound.
+        assert_eq!(
+            rebooted_message(
+                "T",
+                true,
+                Some(Duration::from_secs(12)),
+                TaintAfter::NotOurs
+            ),
+            "The node is back after a shutdown found under way at T (its start was not recorded) and took at least 12s."
+        );
+        assert_eq!(
+            rebooted_message("T", true, None, TaintAfter::NotOurs),
+            "The node is back after a shutdown found under way at T (its start was not recorded) and did not finish before the machine went down."
         );
     }
 

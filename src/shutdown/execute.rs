@@ -177,7 +177,7 @@ fn stamp<C>(
         record.started_monotonic_ms = Some(now_monotonic.as_millis() as u64);
         if resume {
             // Resumed with no record: found now, begun earlier.
-            record.started_by = StartedBy::Successor;
+            record.started_by = StartedBy::Found;
         }
     }
     record.boot_id = ctx.boot_id.clone();
@@ -293,7 +293,7 @@ impl Start {
     pub(super) fn late(record: &ShutdownRecord) -> Start {
         match (record.started_by, record.started_at) {
             (StartedBy::Handover, Some(at)) => Start::HandedOver(at),
-            (StartedBy::Successor, _) => Start::Late(None),
+            (StartedBy::Found, _) => Start::Late(None),
             (_, at) => Start::Late(at),
         }
     }
@@ -316,7 +316,7 @@ pub(super) fn say_started(
             format!("The host began shutting down at {at} (PrepareForShutdown); {what}. {late}")
         }
         Start::Late(None) => format!(
-            "The host is shutting down (PrepareForShutdown), since a time not recorded (the agent before was stopped before it saved it); {what}. {late}"
+            "The host is shutting down (PrepareForShutdown), since a time not recorded (the shutdown was found under way); {what}. {late}"
         ),
         Start::HandedOver(at) => format!(
             "The host began shutting down at {at} (PrepareForShutdown), between two agents: the handover unit held the delay lock and noted when; {what}. Said by the agent that took over."

@@ -265,6 +265,9 @@ pub fn adopt(
         match current {
             Some(own) => own,
             None => {
+                // The handover unit's note, whichever version wrote it.
+                let mut began = began;
+                began.started_by = super::state::StartedBy::Handover;
                 tracing::warn!(
                     began = ?began.started_at,
                     "a shutdown began between the previous agent and this one: the handover unit recorded when, and it goes on from there"
@@ -511,6 +514,27 @@ mod tests {
         assert_eq!(state::load(&dir).unwrap(), Some(r));
         assert!(!dir.join(BEGAN_FILE).exists(), "the note is taken");
         assert!(adopt(&dir, "boot-1", &writes(), None).is_none(), "once");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// helper-71's review: in the first rollout onto a version with
+    /// `startedBy`, the handover unit runs the older agent's copy, whose
+    /// note does not say it; the note is the unit's whoever wrote it.
+    #[test]
+    fn a_note_from_an_older_holder_is_adopted_as_the_handover_units() {
+        let dir = scratch("record-older");
+        let note = serde_json::json!({
+            "bootId": "boot-1",
+            "startedAt": ts(1_800_000_000).to_string(),
+            "startedMonotonicMs": 123_456,
+            "endedAt": null,
+            "plan": plan(),
+        });
+        std::fs::write(dir.join(BEGAN_FILE), note.to_string()).unwrap();
+        let r = adopt(&dir, "boot-1", &writes(), None).unwrap();
+        assert_eq!(r.started_at, Some(ts(1_800_000_000)));
+        assert_eq!(r.started_by, state::StartedBy::Handover);
+        assert_eq!(state::load(&dir).unwrap(), Some(r), "saved as adopted");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -22,7 +22,7 @@ use super::startup::{
     cancelled_meanwhile, logind_after_restart, preparing_for_shutdown, shutdown_under_way,
     start_up, watch_going_down,
 };
-use super::state::{self, ShutdownRecord};
+use super::state::{self, ShutdownRecord, StartedBy};
 use super::stop::{ArmedMark, StopPhase, StopQuestions};
 use super::taint::{clean_up_left_taint, undo_taint};
 use super::{CALL_TIMEOUT, Ctx, ShutdownConfig, ShutdownMetrics, UNAVAILABLE};
@@ -568,7 +568,8 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     // The lock was handed over (or tried) when a stop asked; the stop
     // follows, and does not try again.
     let mut handover_tried = false;
-    let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st));
+    // Found under way: its start was not seen, so not recorded as seen.
+    let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st, true));
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
     let mut latest = Some(st.cfg.clone());
@@ -631,7 +632,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     if running.is_some() { continue; }
                     tracing::warn!("PrepareForShutdown(true): the host is shutting down");
-                    running = Some(begin_shutdown(ctx, st));
+                    running = Some(begin_shutdown(ctx, st, false));
                 }
                 Some(LogindEvent::PrepareForShutdown(false)) => {
                     tracing::warn!("PrepareForShutdown(false): the shutdown was cancelled");
@@ -770,7 +771,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     running = Some(spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false));
                 } else if preparing {
                     tracing::warn!("asked to stop as the host begins shutting down (PrepareForShutdown not handled yet): the shutdown runs first");
-                    running = Some(begin_shutdown(ctx, st));
+                    running = Some(begin_shutdown(ctx, st, false));
                 }
                 let answered = answer.send(*ctx.in_progress.borrow()).is_ok();
                 // The stop now waits for the shutdown: the unit's lock may go
@@ -880,10 +881,21 @@ fn began_at<C>(ctx: &Ctx<C>, since: Instant) -> ShutdownRecord {
     }
 }
 
-fn begin_shutdown<C: ClusterPort>(ctx: &Arc<Ctx<C>>, st: &mut ArmedState<'_>) -> Running {
+/// `found`: the shutdown began before this agent subscribed, so its
+/// start is when it was found ([`StartedBy::Found`]).
+fn begin_shutdown<C: ClusterPort>(
+    ctx: &Arc<Ctx<C>>,
+    st: &mut ArmedState<'_>,
+    found: bool,
+) -> Running {
     *st.last = None;
     let record = ShutdownRecord {
         boot_id: ctx.boot_id.clone(),
+        started_by: if found {
+            StartedBy::Found
+        } else {
+            StartedBy::Agent
+        },
         ..Default::default()
     };
     spawn_shutdown(ctx, &st.cfg, st.lock.take(), st.delay_max, record, false)

@@ -33,7 +33,7 @@ impl ShutdownMetrics {
         let m = ShutdownMetrics::default();
         registry.register(
             "nodeguard_shutdown_start_time_seconds",
-            "Unix time the last graceful shutdown started (0: none in this process)",
+            "Unix time the last graceful shutdown started, or was found under way when its start was not recorded (0: none in this process)",
             m.start_time.clone(),
         );
         registry.register(

@@ -86,7 +86,12 @@ pub(super) async fn start_up<C: ClusterPort, L: LogindConnector>(
         ),
         OnStart::AfterReboot { took, taint_added } => {
             let taint = undo_taint(ctx, taint_added).await;
-            if let Some(d) = took {
+            // A start found under way makes the duration a lower bound:
+            // not exported as the shutdown's duration.
+            let found = record
+                .as_ref()
+                .is_some_and(|r| r.started_by == state::StartedBy::Found);
+            if let Some(d) = took.filter(|_| !found) {
                 ctx.metrics.last_duration.set(d.as_secs_f64());
             }
             let started_at = record
@@ -94,7 +99,7 @@ pub(super) async fn start_up<C: ClusterPort, L: LogindConnector>(
                 .and_then(|r| r.started_at)
                 .map(|t| t.to_string())
                 .unwrap_or_default();
-            let message = core::rebooted_message(&started_at, took, taint);
+            let message = core::rebooted_message(&started_at, found, took, taint);
             tracing::info!("{message}");
             ctx.reporter.event(
                 EventKind::Normal,
@@ -104,6 +109,7 @@ pub(super) async fn start_up<C: ClusterPort, L: LogindConnector>(
             );
             let last = core::LastShutdown::Rebooted {
                 started_at,
+                found,
                 took,
                 taint,
             };

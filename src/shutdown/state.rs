@@ -65,10 +65,13 @@ pub enum StartedBy {
     /// The handover unit, which held the delay lock between two agents
     /// and noted when the shutdown began.
     Handover,
-    /// A restarted agent that found the shutdown under way with no record
-    /// (its predecessor stopped before the first save): `startedAt` is
-    /// when it found it, not when it began.
-    Successor,
+    /// An agent that found the shutdown under way with no record of its
+    /// start (its predecessor stopped before the first save, or the
+    /// shutdown began before it subscribed to logind): `startedAt` is when
+    /// it found it, not when it began. Also what a name this version does
+    /// not know reads as (a record from a newer one).
+    #[serde(other)]
+    Found,
 }
 
 impl StartedBy {

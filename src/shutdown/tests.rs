@@ -2966,4 +2966,11 @@ fn a_restarted_agent_says_the_start_its_record_knows() {
         serde_json::from_str(r#"{"bootId":"b","startedAt":"2030-01-01T00:00:05Z","endedAt":null}"#)
             .unwrap();
     assert_eq!(old.started_by, StartedBy::Agent);
+    // A name from a newer version: its start is not claimed, and the
+    // record is not refused as corrupt.
+    let newer: ShutdownRecord = serde_json::from_str(
+        r#"{"bootId":"b","startedAt":"2030-01-01T00:00:05Z","endedAt":null,"startedBy":"someNewSource"}"#,
+    )
+    .unwrap();
+    assert_eq!(newer.started_by, StartedBy::Found);
 }

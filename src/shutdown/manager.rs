@@ -568,8 +568,21 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
     // The lock was handed over (or tried) when a stop asked; the stop
     // follows, and does not try again.
     let mut handover_tried = false;
-    // Found under way: its start was not seen, so not recorded as seen.
-    let mut running: Option<Running> = fresh.then(|| begin_shutdown(ctx, st, true));
+    // Found under way: its start was not seen, so not recorded as seen,
+    // unless its signal is already queued (it began after the
+    // subscription: seen, and that signal is this shutdown's).
+    let mut pending = None;
+    let mut running: Option<Running> = fresh.then(|| {
+        let seen = match events.try_recv() {
+            Ok(LogindEvent::PrepareForShutdown(true)) => true,
+            Ok(other) => {
+                pending = Some(other);
+                false
+            }
+            Err(_) => false,
+        };
+        begin_shutdown(ctx, st, !seen)
+    });
     // What the policy wants now; differs from `st.cfg` while a shutdown
     // runs and the policy changed meanwhile.
     let mut latest = Some(st.cfg.clone());
@@ -628,7 +641,7 @@ async fn armed<L: LogindConnector, C: ClusterPort>(
                     Some(_) => {}
                 }
             }
-            e = events.recv() => match e {
+            e = next_event(&mut pending, &mut events) => match e {
                 Some(LogindEvent::PrepareForShutdown(true)) => {
                     if running.is_some() { continue; }
                     tracing::warn!("PrepareForShutdown(true): the host is shutting down");
@@ -865,6 +878,17 @@ async fn cancelled<P: LogindPort, C: ClusterPort>(
             report_condition(ctx, &core::Phase::Waiting, st.last.as_ref());
             Some(Armed::Reconnect(None))
         }
+    }
+}
+
+/// The event looked at before the loop, then the subscription's.
+async fn next_event(
+    pending: &mut Option<LogindEvent>,
+    events: &mut mpsc::Receiver<LogindEvent>,
+) -> Option<LogindEvent> {
+    match pending.take() {
+        Some(e) => Some(e),
+        None => events.recv().await,
     }
 }
 

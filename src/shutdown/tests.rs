@@ -61,6 +61,9 @@ struct LogindState {
     /// whose signal the agent does not get (`systemctl reboot` while it
     /// was between subscriptions).
     reboot_after_next_lock: bool,
+    /// The next lock granted is followed at once by a shutdown request
+    /// whose signal the agent does get: queued on its subscription.
+    signal_after_next_lock: bool,
     /// The handover unit's inhibitor (its write end), while it runs.
     handover: Option<OwnedFd>,
     /// How many inhibitors were held, the unit's included, each time the
@@ -124,6 +127,11 @@ impl LogindPort for FakeLogind {
             s.whys.push(why.into());
             if std::mem::take(&mut s.reboot_after_next_lock) {
                 s.preparing = true;
+            }
+            if std::mem::take(&mut s.signal_after_next_lock) {
+                s.preparing = true;
+                let tx = s.signals.clone().expect("subscribed before the lock");
+                tx.try_send(LogindEvent::PrepareForShutdown(true)).unwrap();
             }
         });
         Ok(InhibitLock::new(w))
@@ -2518,6 +2526,35 @@ async fn a_shutdown_begun_before_the_next_agent_subscribed_runs_on_the_handed_ov
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert!(!handover_held(&logind), "released with the shutdown");
     assert_eq!(logind.held(), 0);
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// helper-73's review of 1ff45e6: on a handed-over lock, a reboot asked for
+/// right after the agent's own lock was granted, so after it subscribed:
+/// its signal is queued, yet the agent's look found the shutdown under way
+/// first and recorded it as found (after the reboot: "its start was not
+/// recorded", no duration). A signal already queued means it was seen.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_signalled_after_the_subscription_is_seen_not_found() {
+    let logind = FakeLogind::new(Duration::from_secs(60));
+    predecessors_unit(&logind).await;
+    let pods = vec![pod("a/low", 0, None)];
+    let dir = tmp("handover-seen");
+    let r = handover_rig(dir.clone(), &logind, None, pods, handover_on());
+    ms(300).await;
+    logind.with(|s| s.signal_after_next_lock = true);
+    r.config.send_replace(Some(config(&[(0, 5)])));
+    ms(300).await;
+    assert!(
+        evicted(&r, "a/low"),
+        "the groups run; calls: {:?}",
+        r.cluster.calls()
+    );
+    let record = state::load(&dir).unwrap().expect("the shutdown's record");
+    assert_eq!(record.started_by, state::StartedBy::Agent, "{record:?}");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(logind.held(), 0, "released with the shutdown");
     r.stop.cancel();
     r.task.await.unwrap();
 }

@@ -16,17 +16,8 @@ use support::*;
 async fn a_request_on_a_connection_that_stops_answering_fails_at_its_deadline() {
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "hang", &[]).await;
-    let mut config = admin_config().await;
-    let upstream = format!(
-        "{}:{}",
-        config.cluster_url.host().unwrap(),
-        config.cluster_url.port_u16().unwrap()
-    )
-    .parse()
-    .unwrap();
-    let proxy = BlackholeProxy::start(upstream).await;
-    config.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
-    let through_proxy = kube::Client::try_from(config).unwrap();
+    let proxy = BlackholeProxy::in_front_of_the_api_server().await;
+    let through_proxy = proxy.client().await;
     let (agent, _state) = start_agent(through_proxy, &node.name).await;
     eventually(Duration::from_secs(30), "agent ready", || async {
         http_get(agent.addr, "/readyz").await.0 == 200

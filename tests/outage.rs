@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kube::Api;
 use nodeguard::report::Status;
-use support::notify::NotifySocket;
+use support::notify::{agent_under_systemd_watchdog, api_server_skips};
 use support::*;
 
 /// The tests of this binary stop the shared API server: one at a time.
@@ -700,29 +700,9 @@ async fn the_watchdogs_pets_go_on_while_etcd_is_down() {
         }),
     )
     .await;
-    let notify = NotifySocket::bind();
-    let path = notify.path.display().to_string();
-    let (agent, _state) = start_agent_with(admin.clone(), &node.name, |c| {
-        c.notify_socket = Some(path);
-        c.systemd_watchdog = Some(Duration::from_secs(2));
-    })
-    .await;
-    eventually(
-        Duration::from_secs(20),
-        "READY=1 and the policy in force",
-        || async {
-            !notify.times("READY=1").is_empty()
-                && effective_policies(&admin, &node.name).await == Some(format!("{policy}@1"))
-        },
-    )
-    .await;
-    let skipped = || async {
-        let (_, metrics) = http_get(agent.addr, "/metrics").await;
-        sample(
-            &metrics,
-            "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"}",
-        )
-    };
+    let (agent, _state, notify) =
+        agent_under_systemd_watchdog(admin.clone(), &admin, &node.name, &policy).await;
+    let skipped = || api_server_skips(agent.addr);
     assert_eq!(skipped().await, Some(0.0), "served, and no pet skipped yet");
 
     let guard = EtcdBack;

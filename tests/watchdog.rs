@@ -9,7 +9,7 @@ mod support;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::notify::NotifySocket;
+use support::notify::{NotifySocket, agent_under_systemd_watchdog, api_server_skips};
 use support::proxy::BlackholeProxy;
 use support::*;
 
@@ -188,51 +188,16 @@ async fn a_slow_api_server_delays_no_pet_and_a_cut_off_one_stops_them() {
         }),
     )
     .await;
-    let mut config = admin_config().await;
-    let upstream = format!(
-        "{}:{}",
-        config.cluster_url.host().unwrap(),
-        config.cluster_url.port_u16().unwrap()
-    )
-    .parse()
-    .unwrap();
-    let proxy = BlackholeProxy::start(upstream).await;
-    config.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
-    let through_proxy = kube::Client::try_from(config).unwrap();
-    let socket = NotifySocket::bind();
-    let path = socket.path.display().to_string();
-    let (agent, _state) = start_agent_with(through_proxy, &node.name, |c| {
-        c.notify_socket = Some(path);
-        c.systemd_watchdog = Some(Duration::from_secs(2));
-    })
-    .await;
-    eventually(
-        Duration::from_secs(20),
-        "READY=1 and the policy in force",
-        || async {
-            !socket.times("READY=1").is_empty()
-                && effective_policies(&admin, &node.name).await == Some(format!("{policy}@1"))
-        },
-    )
-    .await;
-    let skipped = || async {
-        let (_, metrics) = http_get(agent.addr, "/metrics").await;
-        sample(
-            &metrics,
-            "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"}",
-        )
-        .unwrap_or(-1.0)
-    };
+    let proxy = BlackholeProxy::in_front_of_the_api_server().await;
+    let through_proxy = proxy.client().await;
+    let (agent, _state, socket) =
+        agent_under_systemd_watchdog(through_proxy, &admin, &node.name, &policy).await;
+    let skipped = || async { api_server_skips(agent.addr).await.unwrap_or(-1.0) };
     let skipped_before = skipped().await;
 
     // What the agent's probe asks takes 3 s to answer now, on a
     // connection already open, as the agent's (the proxy slows those).
-    let probe_client = kube::Client::try_from({
-        let mut c = admin_config().await;
-        c.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
-        c
-    })
-    .unwrap();
+    let probe_client = proxy.client().await;
     let ask = || {
         let req = http::Request::get(nodeguard::watchdog::core::API_PROBE_PATH)
             .body(Vec::new())

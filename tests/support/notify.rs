@@ -49,3 +49,41 @@ impl NotifySocket {
             .collect()
     }
 }
+
+/// An agent under a 2 s systemd watchdog, notifying a socket of its own,
+/// once it said READY=1 and runs `policy` (its first generation); it
+/// reaches the API server through `client`.
+pub async fn agent_under_systemd_watchdog(
+    client: kube::Client,
+    admin: &kube::Client,
+    node: &str,
+    policy: &str,
+) -> (nodeguard::agent::RunningAgent, TempDir, NotifySocket) {
+    let socket = NotifySocket::bind();
+    let path = socket.path.display().to_string();
+    let (agent, state) = super::start_agent_with(client, node, |c| {
+        c.notify_socket = Some(path);
+        c.systemd_watchdog = Some(std::time::Duration::from_secs(2));
+    })
+    .await;
+    super::eventually(
+        std::time::Duration::from_secs(20),
+        "READY=1 and the policy in force",
+        || async {
+            !socket.times("READY=1").is_empty()
+                && super::effective_policies(admin, node).await == Some(format!("{policy}@1"))
+        },
+    )
+    .await;
+    (agent, state, socket)
+}
+
+/// The systemd pets the agent at `addr` skipped because the API server did
+/// not answer (`None`: no such series in its /metrics).
+pub async fn api_server_skips(addr: std::net::SocketAddr) -> Option<f64> {
+    let (_, metrics) = super::http_get(addr, "/metrics").await;
+    super::sample(
+        &metrics,
+        "nodeguard_watchdog_skipped_pets_total{target=\"systemd\",reason=\"api_server_unreachable\"}",
+    )
+}

@@ -29,6 +29,26 @@ pub struct BlackholeProxy {
 }
 
 impl BlackholeProxy {
+    /// A proxy in front of the test API server.
+    pub async fn in_front_of_the_api_server() -> Self {
+        let config = super::admin_config().await;
+        let upstream = format!(
+            "{}:{}",
+            config.cluster_url.host().unwrap(),
+            config.cluster_url.port_u16().unwrap()
+        )
+        .parse()
+        .unwrap();
+        Self::start(upstream).await
+    }
+
+    /// An admin client whose connections go through this proxy.
+    pub async fn client(&self) -> kube::Client {
+        let mut config = super::admin_config().await;
+        config.cluster_url = format!("https://{}", self.addr).parse().unwrap();
+        kube::Client::try_from(config).unwrap()
+    }
+
     pub async fn start(upstream: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -94,6 +94,9 @@ pub struct AgentConfig {
     /// Where exec probes and plugin monitors run their commands
     /// (`--command-root`: the node's root file system mounted into the pod).
     pub command_root: crate::command::CommandRoot,
+    /// Drop the executable's pages the start touched from the RSS once the
+    /// agent is ready (`footprint`); `--keep-executable-pages` turns it off.
+    pub release_executable_pages: bool,
 }
 
 impl AgentConfig {
@@ -119,6 +122,7 @@ impl AgentConfig {
             handover: shutdown::Handover::default(),
             journalctl: "journalctl".into(),
             command_root: Default::default(),
+            release_executable_pages: true,
         }
     }
 }
@@ -515,6 +519,13 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
             shutdown.clone(),
         ),
     );
+    if config.release_executable_pages {
+        // Once, after the start: not a loop, so not supervised.
+        tokio::spawn(crate::footprint::release_when_ready(
+            health.clone(),
+            shutdown.clone(),
+        ));
+    }
 
     Ok(RunningAgent {
         probes: probe_handle,

@@ -219,6 +219,16 @@ pub struct RunArgs {
     #[arg(long, env = "NODEGUARD_COMMAND_ROOT", value_parser = absolute_path)]
     pub command_root: Option<PathBuf>,
 
+    /// Keep the executable's pages that only the start touched mapped. By
+    /// default, 10 s after it is first ready the agent drops them from its
+    /// RSS (`madvise(MADV_DONTNEED)`; they stay in the page cache and what
+    /// runs again maps them back by a minor fault). For comparing, or a
+    /// kernel where that misbehaves. In the environment, empty, 0, no, off
+    /// and false mean off; any other value on.
+    #[arg(long, env = "NODEGUARD_KEEP_EXECUTABLE_PAGES",
+          value_parser = clap::builder::FalseyValueParser::new())]
+    pub keep_executable_pages: bool,
+
     #[command(flatten)]
     pub trust: TrustArgs,
 

@@ -4,6 +4,7 @@ pub mod agent;
 pub mod cli;
 pub mod clock;
 pub mod command;
+pub mod footprint;
 pub mod k8s;
 pub mod monitor;
 pub mod node_view;

@@ -168,6 +168,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             args.command_root.clone(),
             config.trust.commands.clone(),
         );
+        config.release_executable_pages = !args.keep_executable_pages;
         let retiring_flag = config.handover.retiring.clone();
         *config.reclaimed_inhibitor.lock().unwrap() = reclaimed;
         if let Ok(ns) = std::env::var("POD_NAMESPACE")

@@ -174,6 +174,33 @@ fn a_command_root_that_is_no_root_file_system_stops_the_agent_at_start() {
     );
 }
 
+/// helper-72's review: the off switch for the executable's pages, set as
+/// operators set switches (`=1`), stopped the agent at start ("invalid
+/// value '1'": clap's strict bool). Each value here must get past the
+/// arguments, to the missing kubeconfig.
+#[test]
+fn the_keep_executable_pages_switch_takes_the_usual_spellings() {
+    let state = support::TempDir::new("keep-pages");
+    for value in ["1", "true", "yes", "on", "0", "false", "no", "off", ""] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"))
+            .args([
+                "run",
+                "--node-name=n",
+                "--listen=127.0.0.1:0",
+                "--kubeconfig=/nonexistent/kubeconfig",
+            ])
+            .arg(format!("--state-dir={}", state.path.display()))
+            .env("NODEGUARD_KEEP_EXECUTABLE_PAGES", value)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !err.contains("invalid value") && err.contains("kubeconfig"),
+            "NODEGUARD_KEEP_EXECUTABLE_PAGES={value:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn import_npd_converts_npds_own_configs_into_a_valid_policy() {
     // node-problem-detector's own files, from its Go module (e2e/npd-configs).

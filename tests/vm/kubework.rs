@@ -1658,6 +1658,38 @@ pub async fn alerts(
     use crate::support::alerts::{missing_from, quiet_test, rule_groups_for, test_rules};
     let pod = agent_pod(admin, agent_ns).await;
     let pod_name = pod.metadata.name.clone().unwrap();
+    // The image's binary, 10 s after it was ready, dropped its executable's
+    // resident pages (helper-74's review: on this static PIE, musl's loader
+    // gives a load bias of 0, and the first version released nothing while
+    // its log said it had).
+    let logs = Api::<Pod>::namespaced(admin.clone(), agent_ns)
+        .logs(
+            &pod_name,
+            &kube::api::LogParams {
+                container: Some("nodeguard".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("the executable's"))
+        .unwrap_or_else(|| panic!("no line about the executable's pages in the agent's log"));
+    let ranges: u32 = line
+        .split_once("\"ranges\":")
+        .and_then(|(_, rest)| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0);
+    assert!(
+        line.contains("released the executable's resident pages") && ranges > 0,
+        "{line}"
+    );
+    eprintln!("kube-alerts: {line}");
     vm.sh("for i in $(seq 1 15); do echo \"Killed process $((4000 + i)) (stress-ng) total-vm:10240kB, anon-rss:8192kB, file-rss:0kB, shmem-rss:0kB\" > /dev/kmsg; done")
         .await;
     let dropped = "nodeguard_events_dropped_total{reason=\"OOMKilling\",cause=\"rate_limited\"}";

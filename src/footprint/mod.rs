@@ -41,7 +41,8 @@ pub enum FootprintError {
     #[error("the executable's program headers were not found")]
     NoHeaders,
     #[error(
-        "where the executable is loaded is not clear (smaps: {from_smaps:?}, the loader: {from_loader:#x})"
+        "where the executable is loaded is not clear (smaps: {}, the loader: {from_loader:#x})",
+        from_smaps.map_or("none".to_string(), |b| format!("{b:#x}"))
     )]
     Where {
         from_smaps: Option<usize>,
@@ -92,12 +93,15 @@ pub async fn release_when_ready(health: Health, stop: CancellationToken) {
         }
         Ok(r) => tracing::info!(
             ranges = r.ranges.len(),
-            rss_file_mib_before = format!("{:.1}", r.rss_file_kib.0 as f64 / 1024.0),
-            rss_file_mib_after = format!("{:.1}", r.rss_file_kib.1 as f64 / 1024.0),
+            rss_file_mib_before = (r.rss_file_kib.0 as f64 / 102.4).round() / 10.0,
+            rss_file_mib_after = (r.rss_file_kib.1 as f64 / 102.4).round() / 10.0,
             "released the executable's resident pages (kept in the page cache; \
              what runs again maps them back)"
         ),
-        Err(e) => tracing::warn!(error = %e, "not all of the executable's pages were released"),
+        Err(e @ FootprintError::Advise { .. }) => {
+            tracing::warn!(error = %e, "not all of the executable's pages were released")
+        }
+        Err(e) => tracing::warn!(error = %e, "the executable's pages were not released"),
     }
 }
 

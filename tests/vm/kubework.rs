@@ -1662,23 +1662,34 @@ pub async fn alerts(
     // resident pages (helper-74's review: on this static PIE, musl's loader
     // gives a load bias of 0, and the first version released nothing while
     // its log said it had).
-    let logs = Api::<Pod>::namespaced(admin.clone(), agent_ns)
-        .logs(
-            &pod_name,
-            &kube::api::LogParams {
-                container: Some("nodeguard".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    let line = logs
-        .lines()
-        .find(|l| l.contains("the executable's"))
-        .unwrap_or_else(|| panic!("no line about the executable's pages in the agent's log"));
-    let ranges: u32 = line
-        .split_once("\"ranges\":")
-        .and_then(|(_, rest)| {
+    // The line comes 10 s after the pod is first ready: asked for up to 30 s.
+    // Text logs (this install) say `ranges=3`, JSON logs `"ranges":3`.
+    let pods_api = Api::<Pod>::namespaced(admin.clone(), agent_ns);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let line = loop {
+        let logs = pods_api
+            .logs(
+                &pod_name,
+                &kube::api::LogParams {
+                    container: Some("nodeguard".into()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        if let Some(l) = logs.lines().find(|l| l.contains("the executable's")) {
+            break l.to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no line about the executable's pages in the agent's log 30 s on:\n{logs}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let ranges: u32 = ["ranges=", "\"ranges\":"]
+        .iter()
+        .find_map(|key| {
+            let (_, rest) = line.split_once(key)?;
             rest.split(|c: char| !c.is_ascii_digit())
                 .next()?
                 .parse()

@@ -161,6 +161,77 @@ impl Setup {
         started
     }
 
+    /// A running pod of priority 0 on the node (class `nodeguard-test-low`),
+    /// named from `prefix`. No kubelet here: evicted, it stays, terminating,
+    /// so its group takes its whole window.
+    async fn low_pod(&self, prefix: &str, labels: serde_json::Value) -> String {
+        ensure_priority_class(&self.admin, "nodeguard-test-low", 0).await;
+        let name = unique_name(prefix);
+        running_pod(
+            &self.admin,
+            &self.node.name,
+            &name,
+            "nodeguard-test-low",
+            labels,
+        )
+        .await;
+        name
+    }
+
+    /// The node's `reason` Event, waited for up to `within`; the panic
+    /// lists the node's Events.
+    async fn event_within(
+        &self,
+        within: Duration,
+        reason: &str,
+        what: &str,
+    ) -> k8s_openapi::api::events::v1::Event {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(e) = node_event(&self.admin, &self.node.name, reason).await {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: no {reason} within {within:?}:\n{}",
+                events_for(&self.node.name).await
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Waits until an agent process working from `record_path` has
+    /// recorded the shutdown's end and logind holds no lock of it.
+    async fn finished_and_released(&self, record_path: &std::path::Path, who: &str) {
+        eventually(
+            Duration::from_secs(20),
+            &format!("{who} finished the shutdown and released the lock"),
+            || async {
+                self.peer.held() == 0
+                    && try_read_record(record_path).is_some_and(|r| !r["endedAt"].is_null())
+            },
+        )
+        .await;
+    }
+
+    /// The reboot: logind restarted, knowing no shutdown, then an agent of
+    /// the next boot on the state the processes before it kept.
+    async fn agent_after_reboot(
+        &mut self,
+        state_dir: &std::path::Path,
+    ) -> (nodeguard::agent::RunningAgent, TempDir) {
+        self.peer.kill().await;
+        self.peer.come_back().await;
+        let state_dir = state_dir.to_path_buf();
+        let address = self.bus.address.clone();
+        start_agent_with(self.admin.clone(), &self.node.name, move |c| {
+            c.system_bus_address = Some(address);
+            c.boot_id = "the-next-boot".into();
+            c.state_dir = state_dir;
+        })
+        .await
+    }
+
     async fn cleanup(self) {
         let api: Api<NodeGuardPolicy> = Api::all(self.admin.clone());
         let _ = api.delete(&self.policy, &DeleteParams::default()).await;
@@ -384,17 +455,8 @@ async fn the_release_event_is_stored_first_also_when_the_window_closes() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
     // No kubelet: the evicted pod stays, terminating, past the window.
-    let low = unique_name("stays");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("stays", serde_json::json!({})).await;
     let (agent, _state) = s.start_armed().await;
     agent_sees_pods(&agent, 1).await;
     s.peer.prepare_for_shutdown(true).await;
@@ -843,16 +905,7 @@ async fn shutdown_turned_off_during_a_shutdown_is_not_re_armed_after_the_cancel(
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 30}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let slow = unique_name("slow");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &slow,
-        "nodeguard-test-low",
-        serde_json::json!({"app": "slow"}),
-    )
-    .await;
+    let slow = s.low_pod("slow", serde_json::json!({"app": "slow"})).await;
     let (agent, _state) = s.start_armed().await;
     agent_sees_pods(&agent, 1).await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
@@ -1028,17 +1081,8 @@ async fn a_stop_during_a_shutdown_waits_for_its_groups_and_a_restart_keeps_the_t
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
     // No kubelet: the evicted pod stays, so the group takes its 6 s window.
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({"app": "low"}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({"app": "low"})).await;
     let (agent, state) = s.start_armed().await;
     // The agent knows the pod before the signal (else its plan is empty).
     let key = format!("{TEST_NAMESPACE}/{low}");
@@ -1621,16 +1665,7 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
         false,
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let dir = TempDir::new("keep");
     let (keeper, socket) = keeper(&dir);
     let state = TempDir::new("state");
@@ -1655,29 +1690,12 @@ async fn a_taint_applied_just_before_the_agent_was_killed_is_removed_after_the_r
     std::fs::write(&record_path, record.to_string()).unwrap();
 
     let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
-    eventually(
-        Duration::from_secs(20),
-        "the successor finished the shutdown and released the lock",
-        || async {
-            s.peer.held() == 0
-                && try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
-        },
-    )
-    .await;
+    s.finished_and_released(&record_path, "the successor").await;
     second.kill();
     drop(keeper);
 
     // The reboot: a new boot id, a logind that knows no shutdown.
-    s.peer.kill().await;
-    s.peer.come_back().await;
-    let dir_after = state.path.clone();
-    let address = s.bus.address.clone();
-    let (agent, _state) = start_agent_with(s.admin.clone(), &s.node.name, move |c| {
-        c.system_bus_address = Some(address);
-        c.boot_id = "the-next-boot".into();
-        c.state_dir = dir_after;
-    })
-    .await;
+    let (agent, _state) = s.agent_after_reboot(&state.path).await;
     eventually(
         Duration::from_secs(15),
         "GracefulShutdown=False (NodeRebooted) and nodeguard's taint removed",
@@ -1715,16 +1733,7 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
         false,
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let dir = TempDir::new("keep");
     let (keeper, socket) = keeper(&dir);
     let state = TempDir::new("state");
@@ -1732,14 +1741,10 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
     first.ready().await;
     s.peer.prepare_for_shutdown(true).await;
-    eventually(
+    s.event_within(
         Duration::from_secs(5),
+        "ShutdownStarted",
         "the first ShutdownStarted",
-        || async {
-            node_event(&s.admin, &s.node.name, "ShutdownStarted")
-                .await
-                .is_some()
-        },
     )
     .await;
     first.kill();
@@ -1750,14 +1755,10 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
 
     let mut second = AgentProcess::start(&s, &state.path, Some(&socket));
-    eventually(
+    s.event_within(
         Duration::from_secs(15),
+        "ShutdownResumed",
         "the successor said the shutdown resumed",
-        || async {
-            node_event(&s.admin, &s.node.name, "ShutdownResumed")
-                .await
-                .is_some()
-        },
     )
     .await;
     let started = node_event(&s.admin, &s.node.name, "ShutdownStarted").await;
@@ -1792,15 +1793,7 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
         },
     )
     .await;
-    eventually(
-        Duration::from_secs(20),
-        "the successor finished the shutdown and released the lock",
-        || async {
-            s.peer.held() == 0
-                && try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
-        },
-    )
-    .await;
+    s.finished_and_released(&record_path, "the successor").await;
     second.kill();
 
     // Review finding: killed again after the end was recorded and before
@@ -1810,18 +1803,13 @@ async fn a_start_event_lost_with_the_killed_agent_is_said_by_its_successor() {
     assert_eq!(record["announced"], true, "{record}");
     delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
     let mut third = AgentProcess::start(&s, &state.path, Some(&socket));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let late = loop {
-        if let Some(e) = node_event(&s.admin, &s.node.name, "ShutdownStarted").await {
-            break e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the start said by the agent restarted while the host goes down:\n{}",
-            events_for(&s.node.name).await
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let late = s
+        .event_within(
+            Duration::from_secs(15),
+            "ShutdownStarted",
+            "the start said by the agent restarted while the host goes down",
+        )
+        .await;
     let note = late.note.unwrap_or_default();
     assert!(note.contains("Said by the restarted agent"), "{note}");
     third.kill();
@@ -1847,16 +1835,7 @@ async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
         false,
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let dir = TempDir::new("keep");
     let (keeper, socket) = keeper(&dir);
     let state = TempDir::new("state");
@@ -1864,14 +1843,10 @@ async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
     let mut first = AgentProcess::start(&s, &state.path, Some(&socket));
     first.ready().await;
     s.peer.prepare_for_shutdown(true).await;
-    eventually(
+    s.event_within(
         Duration::from_secs(5),
+        "ShutdownStarted",
         "the first ShutdownStarted",
-        || async {
-            node_event(&s.admin, &s.node.name, "ShutdownStarted")
-                .await
-                .is_some()
-        },
     )
     .await;
     first.kill();
@@ -1912,18 +1887,13 @@ async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
     delete_node_events(&s.admin, &s.node.name, "ShutdownStarted").await;
 
     let mut third = AgentProcess::start(&s, &state.path, Some(&socket));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let late = loop {
-        if let Some(e) = node_event(&s.admin, &s.node.name, "ShutdownStarted").await {
-            break e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the third process said the start:\n{}",
-            events_for(&s.node.name).await
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let late = s
+        .event_within(
+            Duration::from_secs(15),
+            "ShutdownStarted",
+            "the third process said the start",
+        )
+        .await;
     let note = late.note.unwrap_or_default();
     assert!(
         note.contains("since a time not recorded") && !note.contains("began shutting down at"),
@@ -1931,30 +1901,14 @@ async fn a_start_found_late_is_never_said_as_when_the_shutdown_began() {
          (it stamped {}): {note}",
         stamped["startedAt"]
     );
-    eventually(
-        Duration::from_secs(20),
-        "the third process finished the shutdown and released the lock",
-        || async {
-            s.peer.held() == 0
-                && try_read_record(&record_path).is_some_and(|r| !r["endedAt"].is_null())
-        },
-    )
-    .await;
+    s.finished_and_released(&record_path, "the third process")
+        .await;
     third.kill();
     drop(keeper);
 
     // helper-71's review: after the reboot, the report and the duration
     // metric took the found time for the start (the duration too short).
-    s.peer.kill().await;
-    s.peer.come_back().await;
-    let dir_after = state.path.clone();
-    let address = s.bus.address.clone();
-    let (agent, _state) = start_agent_with(s.admin.clone(), &s.node.name, move |c| {
-        c.system_bus_address = Some(address);
-        c.boot_id = "the-next-boot".into();
-        c.state_dir = dir_after;
-    })
-    .await;
+    let (agent, _state) = s.agent_after_reboot(&state.path).await;
     let nodes: Api<Node> = Api::all(s.admin.clone());
     eventually(
         Duration::from_secs(15),
@@ -2008,17 +1962,8 @@ async fn a_resumed_shutdown_that_was_cancelled_while_logind_did_not_answer_is_un
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
     // No kubelet: the evicted pod stays, so the group takes its 4 s window.
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let state = TempDir::new("state");
     let record_path = state.path.join("shutdown-state.json");
     let mut first = AgentProcess::start(&s, &state.path, None);
@@ -2084,16 +2029,7 @@ async fn the_node_is_tainted_before_the_first_eviction() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let (agent, _state) = s.start_armed().await;
     let key = format!("{TEST_NAMESPACE}/{low}");
     eventually(
@@ -2283,17 +2219,8 @@ async fn a_stop_as_the_host_begins_shutting_down_runs_the_shutdown_first() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 4}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
     // No kubelet: the evicted pod stays, so the group takes its 4 s window.
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let state = TempDir::new("state");
     let mut agent = AgentProcess::start(&s, &state.path, None);
     agent.ready().await;
@@ -2587,16 +2514,7 @@ async fn a_second_signal_during_the_stops_question_stops_at_once() {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 6}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let state = TempDir::new("state");
     let mut agent = AgentProcess::start(&s, &state.path, None);
     agent.ready().await;
@@ -2650,16 +2568,7 @@ async fn stop_with_logind_gone(after: Duration) {
         serde_json::json!([{"priority": 0, "gracePeriodSeconds": 2}]),
     )
     .await;
-    ensure_priority_class(&s.admin, "nodeguard-test-low", 0).await;
-    let low = unique_name("low");
-    running_pod(
-        &s.admin,
-        &s.node.name,
-        &low,
-        "nodeguard-test-low",
-        serde_json::json!({}),
-    )
-    .await;
+    let low = s.low_pod("low", serde_json::json!({})).await;
     let state = TempDir::new("state");
     let record_path = state.path.join("shutdown-state.json");
     let mut agent = AgentProcess::start(&s, &state.path, None);

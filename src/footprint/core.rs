@@ -300,6 +300,24 @@ mod tests {
         mapping("500000-a00000", "r-xp", "fd:01", 1234, rss, anon)
     }
 
+    fn load(offset: usize, vaddr: usize, filesz: usize, writable: bool) -> Segment {
+        Segment::Load {
+            offset,
+            vaddr,
+            filesz,
+            writable,
+        }
+    }
+
+    /// `other` beside the agent's clean text mapping: only the text is clean.
+    fn only_the_text_beside(other: String, case: &str) {
+        assert_eq!(
+            clean_mappings(&[text(4000, 0), other].concat(), CODE),
+            vec![at(0x500000, 0x500000, 4000)],
+            "{case}"
+        );
+    }
+
     fn at(start: usize, len: usize, resident_kib: u64) -> Clean {
         Clean {
             start,
@@ -324,14 +342,9 @@ mod tests {
     #[test]
     fn a_mapping_with_a_written_page_does_not() {
         // RELRO: read-only now, relocated by the loader before.
-        let smaps = [
-            text(4000, 0),
+        only_the_text_beside(
             mapping("a00000-a10000", "r--p", "fd:01", 1234, 64, 60),
-        ]
-        .concat();
-        assert_eq!(
-            clean_mappings(&smaps, CODE),
-            vec![at(0x500000, 0x500000, 4000)]
+            "relro",
         );
         // A breakpoint's copy in the text.
         assert_eq!(clean_mappings(&text(4000, 4), CODE), vec![]);
@@ -340,15 +353,9 @@ mod tests {
     #[test]
     fn writable_shared_and_unreadable_mappings_do_not() {
         for perms in ["rw-p", "r-xs", "r--s", "---p", "-w-p", "rwxp"] {
-            let smaps = [
-                text(4000, 0),
+            only_the_text_beside(
                 mapping("a00000-b00000", perms, "fd:01", 1234, 100, 0),
-            ]
-            .concat();
-            assert_eq!(
-                clean_mappings(&smaps, CODE),
-                vec![at(0x500000, 0x500000, 4000)],
-                "{perms}"
+                perms,
             );
         }
     }
@@ -356,15 +363,9 @@ mod tests {
     #[test]
     fn other_files_do_not_even_with_the_same_inode() {
         for (dev, inode) in [("fd:01", 99), ("fd:02", 1234), ("08:01", 1234)] {
-            let smaps = [
-                text(4000, 0),
+            only_the_text_beside(
                 mapping("7f0000000-7f0100000", "r-xp", dev, inode, 100, 0),
-            ]
-            .concat();
-            assert_eq!(
-                clean_mappings(&smaps, CODE),
-                vec![at(0x500000, 0x500000, 4000)],
-                "{dev} {inode}"
+                &format!("{dev} {inode}"),
             );
         }
     }
@@ -404,16 +405,14 @@ mod tests {
 
     #[test]
     fn anonymous_mappings_and_the_kernels_own_do_not() {
-        let smaps = [
-            text(4000, 0).as_str(),
-            "7ffd000-7fff000 rw-p 00000000 00:00 0 [stack]\nRss: 8 kB\nAnonymous: 8 kB\n",
-            "7fff000-8000000 r-xp 00000000 00:00 0 [vdso]\nRss: 4 kB\nAnonymous: 0 kB\n",
-            "8000000-8001000 r--p 00000000 00:00 0\nRss: 4 kB\nAnonymous: 0 kB\n",
-        ]
-        .concat();
-        assert_eq!(
-            clean_mappings(&smaps, CODE),
-            vec![at(0x500000, 0x500000, 4000)]
+        only_the_text_beside(
+            [
+                "7ffd000-7fff000 rw-p 00000000 00:00 0 [stack]\nRss: 8 kB\nAnonymous: 8 kB\n",
+                "7fff000-8000000 r-xp 00000000 00:00 0 [vdso]\nRss: 4 kB\nAnonymous: 0 kB\n",
+                "8000000-8001000 r--p 00000000 00:00 0\nRss: 4 kB\nAnonymous: 0 kB\n",
+            ]
+            .concat(),
+            "anonymous",
         );
     }
 
@@ -483,26 +482,11 @@ mod tests {
         let segments = [
             // .rodata, from a page boundary; its last page is partly the
             // next segment's, so it is left.
-            Segment::Load {
-                offset: 0x0,
-                vaddr: 0x0,
-                filesz: 0x2800,
-                writable: false,
-            },
+            load(0x0, 0x0, 0x2800, false),
             // .text, starting mid-page: its first page is left.
-            Segment::Load {
-                offset: 0x2800,
-                vaddr: 0x2800,
-                filesz: 0x7800,
-                writable: false,
-            },
+            load(0x2800, 0x2800, 0x7800, false),
             // .data.rel.ro, .got (RELRO), .data, .bss.
-            Segment::Load {
-                offset: 0xa000,
-                vaddr: 0xa000,
-                filesz: 0x3000,
-                writable: true,
-            },
+            load(0xa000, 0xa000, 0x3000, true),
             Segment::Relro {
                 vaddr: 0xa000,
                 memsz: 0x1800,
@@ -520,12 +504,7 @@ mod tests {
         // makes it read-only after relocating): its pages, and any page it
         // touches, are never released.
         let segments = [
-            Segment::Load {
-                offset: 0x0,
-                vaddr: 0x0,
-                filesz: 0x10000,
-                writable: false,
-            },
+            load(0x0, 0x0, 0x10000, false),
             Segment::Relro {
                 vaddr: 0x4800,
                 memsz: 0x1000,
@@ -563,30 +542,10 @@ mod tests {
     /// nothing released on it). The text segment's mapping tells the bias.
     fn musl_segments() -> Vec<Segment> {
         vec![
-            Segment::Load {
-                offset: 0x0,
-                vaddr: 0x0,
-                filesz: 0x814e8,
-                writable: false,
-            },
-            Segment::Load {
-                offset: 0x82000,
-                vaddr: 0x82000,
-                filesz: 0x9d0bb8,
-                writable: false,
-            },
-            Segment::Load {
-                offset: 0xa53000,
-                vaddr: 0xa53000,
-                filesz: 0x28afc0,
-                writable: false,
-            },
-            Segment::Load {
-                offset: 0xcde2e0,
-                vaddr: 0xcde2e0,
-                filesz: 0x65c20,
-                writable: true,
-            },
+            load(0x0, 0x0, 0x814e8, false),
+            load(0x82000, 0x82000, 0x9d0bb8, false),
+            load(0xa53000, 0xa53000, 0x28afc0, false),
+            load(0xcde2e0, 0xcde2e0, 0x65c20, true),
             Segment::Relro {
                 vaddr: 0xcde2e0,
                 memsz: 0x60d20,
@@ -627,12 +586,7 @@ mod tests {
     #[test]
     fn the_load_bias_follows_a_segment_mapped_away_from_its_offset() {
         // vaddr 0x3000 above its file offset (a layout lld makes).
-        let segments = [Segment::Load {
-            offset: 0x1000,
-            vaddr: 0x4000,
-            filesz: 0x8000,
-            writable: false,
-        }];
+        let segments = [load(0x1000, 0x4000, 0x8000, false)];
         let smaps = mapping("555000004000-55500000c000", "r-xp", "fd:01", 1234, 8, 0);
         // The mapping starts at file offset 0x1000 (the helper's).
         assert_eq!(
@@ -641,24 +595,14 @@ mod tests {
         );
         // No mapping holds the address, or no segment its offset.
         assert_eq!(load_bias(&smaps, 0x10, &segments), None);
-        let elsewhere = [Segment::Load {
-            offset: 0x100000,
-            vaddr: 0x100000,
-            filesz: 0x1000,
-            writable: false,
-        }];
+        let elsewhere = [load(0x100000, 0x100000, 0x1000, false)];
         assert_eq!(load_bias(&smaps, 0x5550_0000_5000, &elsewhere), None);
     }
 
     #[test]
     fn relro_is_left_out_wherever_the_executable_is_loaded() {
         let segments = [
-            Segment::Load {
-                offset: 0x0,
-                vaddr: 0x0,
-                filesz: 0x10000,
-                writable: false,
-            },
+            load(0x0, 0x0, 0x10000, false),
             Segment::Relro {
                 vaddr: 0x4800,
                 memsz: 0x1000,

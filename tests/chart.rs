@@ -828,6 +828,28 @@ fn rendered_trust(set: &[&str]) -> nodeguard::policy::NodeTrust {
     run.trust.trust()
 }
 
+/// The chart's value for `--keep-executable-pages`: off by default (the
+/// agent releases its start's pages), and the agent's own command line
+/// takes the rendered switch.
+#[test]
+fn keep_executable_pages_is_a_chart_value_the_agent_takes() {
+    use clap::Parser;
+    for (set, keep) in [(None, false), (Some("keepExecutablePages=true"), true)] {
+        let out = render(set.as_slice()).unwrap_or_else(|err| panic!("{err}"));
+        let mut argv = vec!["nodeguard".to_string()];
+        argv.extend(daemonset_args(&out));
+        argv.extend(["--node-name".into(), "n".into()]);
+        let cli = nodeguard::cli::Cli::try_parse_from(&argv)
+            .unwrap_or_else(|err| panic!("the agent refuses the chart's args {argv:?}: {err}"));
+        let nodeguard::cli::Command::Run(run) = cli.command else {
+            panic!("the chart runs `nodeguard run`")
+        };
+        assert_eq!(run.keep_executable_pages, keep, "{set:?}: {argv:?}");
+    }
+    let err = render(&["keepExecutablePages=maybe"]).unwrap_err();
+    assert!(err.contains("keepExecutablePages"), "{err}");
+}
+
 #[test]
 fn the_charts_trust_defaults_are_the_agents_and_values_widen_them() {
     use nodeguard::policy::NodeTrust;

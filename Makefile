@@ -13,7 +13,7 @@ demo-stop:    ## stop the demo agent and the control plane
 test:         ## everything CI runs: setup, fmt, clippy, all tests against the real control plane
 	e2e/test-all
 
-bench:        ## every benchmark beside node-problem-detector; writes bench/RESULTS.md (~20 min)
+bench:        ## every benchmark beside node-problem-detector; writes bench/RESULTS.md (about three and a half hours)
 	bench/run
 
 cluster-up:

@@ -14,20 +14,40 @@ use crate::server::Health;
 use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// One inhibitor handed out: the read end tells whether it is still held.
-struct Held(OwnedFd);
+/// One inhibitor handed out: the pipe's read end, and the pipe's inode.
+struct Held(OwnedFd, u64);
 
 impl Held {
+    fn new(read: OwnedFd) -> Self {
+        let ino = std::fs::File::from(read.try_clone().unwrap())
+            .metadata()
+            .unwrap()
+            .ino();
+        Held(read, ino)
+    }
+
+    /// This process has no descriptor of the pipe left but the read end:
+    /// the manager let go of its write end. Not "the pipe reads EOF":
+    /// another test's child (a probe, a plugin, a fake journalctl) holds a
+    /// copy of every descriptor between its fork and its exec, which
+    /// close-on-exec does not close until the exec, and that is not the
+    /// manager holding the lock.
     fn released(&self) -> bool {
-        let mut b = [0u8; 1];
-        // SAFETY: reading one byte from our own non-blocking pipe end.
-        let n = unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
-        n == 0
+        let link = format!("pipe:[{}]", self.1);
+        let own = self.0.as_raw_fd().to_string();
+        !std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .any(|e| {
+                e.file_name().to_str() != Some(own.as_str())
+                    && std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == link.as_str())
+            })
     }
 }
 
@@ -123,7 +143,7 @@ impl LogindPort for FakeLogind {
         }
         let (r, w) = pipe();
         self.with(|s| {
-            s.locks.push((Instant::now(), Held(r)));
+            s.locks.push((Instant::now(), Held::new(r)));
             s.whys.push(why.into());
             if std::mem::take(&mut s.reboot_after_next_lock) {
                 s.preparing = true;
@@ -172,7 +192,7 @@ impl LogindPort for FakeLogind {
         // agent; a new one replaces an earlier one.
         let (r, w) = pipe();
         let signal = self.with(|s| {
-            s.locks.push((Instant::now(), Held(r)));
+            s.locks.push((Instant::now(), Held::new(r)));
             s.whys.push(format!("handover: {why}"));
             s.handover = Some(w);
             if let Some(t) = s.cancel_during_handover.take() {
@@ -1693,12 +1713,10 @@ async fn a_group_left_no_time_is_skipped() {
     let t0 = Instant::now();
     r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
     // Released once the one group it could run is done, long before
-    // logind's 8 s. Not at an exact instant: make test once found the lock
-    // still held at exactly 1 s (CALL_HEADROOM, the longest the release
-    // waits for its Event), which 52 runs under load did not repeat.
+    // logind's 8 s.
     let held_for = released_after(&r, t0).await;
     assert!(
-        held_for <= Duration::from_secs(2),
+        held_for <= Duration::from_secs(1),
         "released {held_for:?} after the signal, not once the group was done"
     );
     assert_eq!(
@@ -1710,6 +1728,51 @@ async fn a_group_left_no_time_is_skipped() {
         text.contains("nodeguard_shutdown_pods_total{group=\"0\",outcome=\"skipped\"} 1"),
         "{text}"
     );
+    r.stop.cancel();
+    r.task.await.unwrap();
+}
+
+/// The rig's own check: a lock is released once the manager let go of it,
+/// though a child forked elsewhere in this process (another test's probe
+/// or plugin) still holds a copy of the descriptor until its exec. Before,
+/// the rig waited for the pipe to read EOF, and make test once found the
+/// lock "held" a second after a release because of such a child.
+#[tokio::test(start_paused = true)]
+async fn a_child_between_fork_and_exec_does_not_hold_the_rigs_lock() {
+    use std::os::unix::process::CommandExt;
+    let r = rig(
+        "forked",
+        FakeLogind::new(Duration::from_secs(8)),
+        Some(config(&[(0, 10), (2_000_000_000, 6)])),
+        vec![
+            pod("a/low", 0, None),
+            pod("sys/critical", 2_000_000_000, None),
+        ],
+        "b1",
+    );
+    ms(100).await;
+    assert_eq!(r.logind.held(), 1, "armed");
+    let child = std::thread::spawn(|| {
+        let mut c = std::process::Command::new("true");
+        // SAFETY: the child only calls sleep, which is async-signal-safe.
+        unsafe {
+            c.pre_exec(|| {
+                libc::sleep(2);
+                Ok(())
+            });
+        }
+        c.status().unwrap()
+    });
+    // The child forked: it holds every descriptor until its exec.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
+    ms(1000).await;
+    assert!(
+        !child.is_finished(),
+        "the child is still before its exec, or this test shows nothing"
+    );
+    assert_eq!(r.logind.held(), 0, "the manager released its lock");
+    assert!(child.join().unwrap().success());
     r.stop.cancel();
     r.task.await.unwrap();
 }

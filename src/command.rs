@@ -266,6 +266,11 @@ pub async fn run_command(
             });
         }
     }
+    // SAFETY: runs in the forked child before exec (after the chroot
+    // above, when there is one) and only makes system calls.
+    unsafe {
+        cmd.pre_exec(close_inherited_on_exec);
+    }
     let mut child = cmd.spawn().map_err(spawn_error)?;
     let group = EndGroup(child.id());
     let mut stdout = child.stdout.take().expect("piped");
@@ -324,6 +329,60 @@ pub async fn run_command(
         output,
         stdout,
     })
+}
+
+/// For a forked child, before its exec (`pre_exec`): every descriptor from
+/// 3 up becomes close-on-exec, so the program starts with its standard
+/// streams only. The agent opens its own descriptors close-on-exec, but
+/// not every library does: zbus receives logind's delay inhibitor without
+/// it and keeps that copy until its message is dropped, and a child forked
+/// in that moment would hold the lock for its whole life (journalctl
+/// follows for hours), so a shutdown would wait logind's whole
+/// InhibitDelayMaxSec after the agent released it.
+///
+/// One close_range(2) since Linux 5.11; on older kernels, fcntl(2) on each
+/// descriptor below the soft RLIMIT_NOFILE (at most 65,536). System calls
+/// only: async-signal-safe.
+pub(crate) fn close_inherited_on_exec() -> std::io::Result<()> {
+    // SAFETY: close_range on this process's own descriptor table, with
+    // CLOSE_RANGE_CLOEXEC: nothing is closed, only marked.
+    let marked = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if marked == 0 {
+        return Ok(());
+    }
+    mark_each_on_exec()
+}
+
+/// Before Linux 5.11 (close_range without CLOSE_RANGE_CLOEXEC): each
+/// descriptor from 3 below the soft RLIMIT_NOFILE, at most 65,536.
+fn mark_each_on_exec() -> std::io::Result<()> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct it is given.
+    let most = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+        limit.rlim_cur.min(65_536) as libc::c_int
+    } else {
+        65_536
+    };
+    for fd in 3..most {
+        // SAFETY: fcntl on a descriptor number; one not open is EBADF.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 && flags & libc::FD_CLOEXEC == 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How long the end of a command's process group is waited for.
@@ -419,6 +478,51 @@ async fn read_capped<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A descriptor open without close-on-exec in the agent reaches the
+    /// program unless marked, and either way of marking (close_range, or
+    /// each descriptor on kernels before 5.11) keeps it out.
+    #[test]
+    fn a_descriptor_without_close_on_exec_reaches_no_program_once_marked() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        use std::os::unix::process::CommandExt;
+        let ways: [(&str, Option<fn() -> std::io::Result<()>>); 3] = [
+            ("unmarked", None),
+            ("close_range", Some(close_inherited_on_exec)),
+            ("each", Some(mark_each_on_exec)),
+        ];
+        for (way, mark) in ways {
+            let (read, write) = std::io::pipe().unwrap();
+            let ino = std::fs::File::from(std::os::fd::OwnedFd::from(read))
+                .metadata()
+                .unwrap()
+                .ino();
+            let fd = write.as_raw_fd();
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", "ls -l /proc/$$/fd"]);
+            // SAFETY: fcntl, and the marking (system calls only), in the
+            // child before its exec; the parent's write end stays
+            // close-on-exec, so no other test's child gets it.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    mark.map_or(Ok(()), |m| m())
+                });
+            }
+            let out = cmd.output().unwrap();
+            assert!(out.status.success(), "{way}: {out:?}");
+            let listed = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(
+                listed.contains(&format!("pipe:[{ino}]")),
+                mark.is_none(),
+                "{way}: {listed}"
+            );
+            drop(write);
+        }
+    }
 
     /// Links resolve inside the root, as for a process changed into it:
     /// an absolute link is the root's path, `..` stops at the root.

@@ -904,6 +904,144 @@ async fn a_removed_monitor_leaves_no_reader_thread_and_no_journalctl_behind() {
     );
 }
 
+/// The living child processes of `pid`, each with its name.
+fn children_of(pid: u32) -> Vec<(u32, String)> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(child) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        if rest.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid) && rest[0] != "Z" {
+            children.push((child, stat[open + 1..close].to_string()));
+        }
+    }
+    children
+}
+
+/// Whether process `pid` has a descriptor on the pipe of inode `ino`.
+fn holds_pipe(pid: u32, ino: u64) -> bool {
+    let link = format!("pipe:[{ino}]");
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == link.as_str()))
+        })
+        .unwrap_or(false)
+}
+
+/// zbus receives logind's delay inhibitor without close-on-exec and keeps
+/// that copy until its message is dropped: journalctl or a plugin started
+/// in that moment kept the lock for its life (journalctl for hours), and a
+/// shutdown waited logind's whole InhibitDelayMaxSec after the agent had
+/// released it. The shipped binary, started with a pipe's write end open
+/// without close-on-exec (the lock as zbus leaves it), runs a journald and
+/// a plugin monitor: neither journalctl nor the plugin holds the pipe.
+#[tokio::test]
+async fn a_descriptor_open_without_close_on_exec_reaches_no_child() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::os::unix::process::CommandExt;
+    let admin = admin_client().await;
+    let node = TestNode::selectable(&admin, "no-inherit").await;
+    let journal = TempDir::new("no-inherit-journal");
+    support::journal_entry(
+        &journal.path,
+        "dockerd",
+        "API listen on /run/docker.sock",
+        1_700_000_000_000_000,
+    );
+    let plugin = journal.path.join("check.sh");
+    std::fs::write(&plugin, "#!/bin/sh\nsleep 2\necho ok\n").unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let policy = unique_name("no-inherit");
+    apply_monitors(
+        &admin,
+        &policy,
+        &node.name,
+        serde_json::json!([
+            docker_journal_monitor(&journal.path),
+            {"name": "check", "source": {"plugin": {"intervalSeconds": 1, "timeoutSeconds": 5}},
+             "conditions": [{"type": "CheckProblem", "reason": "CheckIsFine", "message": "fine"}],
+             "rules": [{"type": "permanent", "condition": "CheckProblem", "reason": "CheckFailed",
+                        "command": [plugin.display().to_string()]}]},
+        ]),
+    )
+    .await;
+    let (read, write) = std::io::pipe().unwrap();
+    let ino = std::fs::File::from(std::os::fd::OwnedFd::from(read.try_clone().unwrap()))
+        .metadata()
+        .unwrap()
+        .ino();
+    let lock = write.as_raw_fd();
+    let state = TempDir::new("no-inherit-state");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_nodeguard"));
+    cmd.args(["run", "--listen", "127.0.0.1:0", "--node-name", &node.name])
+        .arg("--kubeconfig")
+        .arg(kubeconfig_path())
+        .arg("--state-dir")
+        .arg(&state.path)
+        .arg(format!("--allow-read-path={}", journal.path.display()))
+        .arg(format!("--allow-command={}", plugin.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: one fcntl in the child before its exec: the write end stays
+    // open in the agent, without close-on-exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(lock, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut agent = cmd.spawn().unwrap();
+    drop(write);
+    let pid = agent.id();
+    let mut seen: Vec<(u32, String)> = Vec::new();
+    let mut holding: Vec<(u32, String)> = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(30) {
+        for (child, name) in children_of(pid) {
+            if holds_pipe(child, ino) && !holding.iter().any(|(p, _)| *p == child) {
+                holding.push((child, name.clone()));
+            }
+            if !seen.iter().any(|(p, _)| *p == child) {
+                seen.push((child, name));
+            }
+        }
+        if seen.iter().any(|(_, n)| n == "journalctl")
+            && seen.iter().filter(|(_, n)| n == "check.sh").count() >= 2
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let agent_held = holds_pipe(pid, ino);
+    let _ = agent.kill();
+    let _ = agent.wait();
+    delete_policy(&admin, &policy).await;
+    assert!(
+        agent_held,
+        "the agent itself holds the pipe, or this test shows nothing"
+    );
+    assert!(
+        seen.iter().any(|(_, n)| n == "journalctl")
+            && seen.iter().filter(|(_, n)| n == "check.sh").count() >= 2,
+        "journalctl and two plugin runs within 30 s: saw {seen:?}"
+    );
+    assert!(
+        holding.is_empty(),
+        "children holding the agent's descriptor: {holding:?} (of {seen:?})"
+    );
+}
+
 /// A counting window had no bound and one entry per matching second: a
 /// day-long window on a rule that matches every second held 86,400 entries,
 /// summed on every match and rewritten into the state file every second

@@ -206,6 +206,18 @@ pub(super) fn spawn_journalctl(
                 let run_started = std::time::Instant::now();
                 cmd.stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped());
+                // Nothing of the agent's but its pipes: journalctl runs for
+                // hours, and a descriptor it kept (logind's delay lock, in
+                // the moment zbus holds it without close-on-exec) would
+                // be held as long.
+                // SAFETY: runs in the forked child before exec; system
+                // calls only.
+                unsafe {
+                    std::os::unix::process::CommandExt::pre_exec(
+                        &mut cmd,
+                        crate::command::close_inherited_on_exec,
+                    );
+                }
                 let mut child = match cmd.spawn() {
                     Ok(c) => c,
                     Err(e) => {

@@ -269,7 +269,7 @@ pub async fn run_command(
     // SAFETY: runs in the forked child before exec (after the chroot
     // above, when there is one) and only makes system calls.
     unsafe {
-        cmd.pre_exec(close_inherited_on_exec);
+        cmd.pre_exec(marking_for_exec());
     }
     let mut child = cmd.spawn().map_err(spawn_error)?;
     let group = EndGroup(child.id());
@@ -331,49 +331,88 @@ pub async fn run_command(
     })
 }
 
-/// For a forked child, before its exec (`pre_exec`): every descriptor from
-/// 3 up becomes close-on-exec, so the program starts with its standard
-/// streams only. The agent opens its own descriptors close-on-exec, but
-/// not every library does: zbus receives logind's delay inhibitor without
-/// it and keeps that copy until its message is dropped, and a child forked
-/// in that moment would hold the lock for its whole life (journalctl
-/// follows for hours), so a shutdown would wait logind's whole
+/// For a forked child, before its exec: `cmd.pre_exec(marking_for_exec())`
+/// makes every descriptor from 3 up close-on-exec, so the program starts
+/// with its standard streams only. The agent opens its own descriptors
+/// close-on-exec, but not every library does: zbus receives logind's delay
+/// inhibitor without it and keeps that copy until its message is dropped,
+/// and a child forked in that moment would hold the lock for its whole life
+/// (journalctl follows for hours), so a shutdown would wait logind's whole
 /// InhibitDelayMaxSec after the agent released it.
 ///
-/// One close_range(2) since Linux 5.11; on older kernels, fcntl(2) on each
-/// descriptor below the soft RLIMIT_NOFILE (at most 65,536). System calls
-/// only: async-signal-safe.
-pub(crate) fn close_inherited_on_exec() -> std::io::Result<()> {
-    // SAFETY: close_range on this process's own descriptor table, with
-    // CLOSE_RANGE_CLOEXEC: nothing is closed, only marked.
-    let marked = unsafe {
+/// One close_range(2) where it takes CLOSE_RANGE_CLOEXEC (Linux 5.11, and a
+/// seccomp profile that allows it). Elsewhere, fcntl(2) on each descriptor
+/// up to 64 above the highest this process has open now (one opened
+/// meanwhile takes the lowest free number), read here, in the parent. The
+/// child makes system calls only: async-signal-safe.
+pub(crate) fn marking_for_exec() -> impl FnMut() -> std::io::Result<()> + Send + Sync + 'static {
+    let below = (!close_range_marks()).then(each_bound);
+    move || {
+        match below {
+            None if close_range_cloexec(3) == 0 => {}
+            None => mark_each_below(65_536),
+            Some(below) => mark_each_below(below),
+        }
+        Ok(())
+    }
+}
+
+/// close_range(first, ~0, CLOSE_RANGE_CLOEXEC): 0, or -1 with errno set.
+fn close_range_cloexec(first: libc::c_uint) -> libc::c_long {
+    // SAFETY: marks descriptors of this process's own table close-on-exec;
+    // nothing is closed.
+    unsafe {
         libc::syscall(
             libc::SYS_close_range,
-            3 as libc::c_uint,
+            first,
             libc::c_uint::MAX,
             libc::CLOSE_RANGE_CLOEXEC,
         )
-    };
-    if marked == 0 {
-        return Ok(());
     }
-    mark_each_on_exec()
 }
 
-/// Before Linux 5.11 (close_range without CLOSE_RANGE_CLOEXEC): each
-/// descriptor from 3 below the soft RLIMIT_NOFILE, at most 65,536.
-fn mark_each_on_exec() -> std::io::Result<()> {
+/// Whether close_range takes CLOSE_RANGE_CLOEXEC here: asked once, on a
+/// range that holds no descriptor, and said once when it does not.
+fn close_range_marks() -> bool {
+    static MARKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MARKS.get_or_init(|| {
+        if close_range_cloexec(libc::c_uint::MAX) == 0 {
+            return true;
+        }
+        tracing::info!(
+            error = %std::io::Error::last_os_error(),
+            "close_range(2) cannot mark descriptors close-on-exec here (Linux before 5.11, or a seccomp profile without it): each command's descriptors are marked one by one"
+        );
+        false
+    })
+}
+
+/// 64 above the highest descriptor this process has open; without
+/// /proc, the soft RLIMIT_NOFILE, at most 65,536.
+fn each_bound() -> libc::c_int {
+    let highest = std::fs::read_dir("/proc/self/fd").ok().and_then(|d| {
+        d.flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<libc::c_int>().ok())
+            .max()
+    });
+    if let Some(h) = highest {
+        return h.saturating_add(64);
+    }
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit fills the struct it is given.
-    let most = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
         limit.rlim_cur.min(65_536) as libc::c_int
     } else {
         65_536
-    };
-    for fd in 3..most {
+    }
+}
+
+/// fcntl(F_SETFD, FD_CLOEXEC) on each descriptor from 3 below `below`.
+fn mark_each_below(below: libc::c_int) {
+    for fd in 3..below {
         // SAFETY: fcntl on a descriptor number; one not open is EBADF.
         unsafe {
             let flags = libc::fcntl(fd, libc::F_GETFD);
@@ -382,7 +421,6 @@ fn mark_each_on_exec() -> std::io::Result<()> {
             }
         }
     }
-    Ok(())
 }
 
 /// How long the end of a command's process group is waited for.
@@ -481,35 +519,44 @@ mod tests {
 
     /// A descriptor open without close-on-exec in the agent reaches the
     /// program unless marked, and either way of marking (close_range, or
-    /// each descriptor on kernels before 5.11) keeps it out.
+    /// each descriptor up to the bound, for kernels before 5.11) keeps it
+    /// out. This machine's kernel (and qemu-aarch64's) takes
+    /// CLOSE_RANGE_CLOEXEC, so the first way is the one tested.
     #[test]
     fn a_descriptor_without_close_on_exec_reaches_no_program_once_marked() {
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::MetadataExt;
         use std::os::unix::process::CommandExt;
-        let ways: [(&str, Option<fn() -> std::io::Result<()>>); 3] = [
-            ("unmarked", None),
-            ("close_range", Some(close_inherited_on_exec)),
-            ("each", Some(mark_each_on_exec)),
-        ];
-        for (way, mark) in ways {
+        assert!(
+            close_range_marks(),
+            "close_range(2) with CLOSE_RANGE_CLOEXEC: this test bed needs Linux 5.11 or later"
+        );
+        for way in ["unmarked", "close_range", "each"] {
             let (read, write) = std::io::pipe().unwrap();
             let ino = std::fs::File::from(std::os::fd::OwnedFd::from(read))
                 .metadata()
                 .unwrap()
                 .ino();
             let fd = write.as_raw_fd();
+            let below = each_bound();
             let mut cmd = std::process::Command::new("/bin/sh");
             cmd.args(["-c", "ls -l /proc/$$/fd"]);
             // SAFETY: fcntl, and the marking (system calls only), in the
-            // child before its exec; the parent's write end stays
+            // child before its exec. The parent's write end stays
             // close-on-exec, so no other test's child gets it.
             unsafe {
                 cmd.pre_exec(move || {
                     if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    mark.map_or(Ok(()), |m| m())
+                    match way {
+                        "close_range" if close_range_cloexec(3) != 0 => {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        "each" => mark_each_below(below),
+                        _ => {}
+                    }
+                    Ok(())
                 });
             }
             let out = cmd.output().unwrap();
@@ -517,7 +564,7 @@ mod tests {
             let listed = String::from_utf8_lossy(&out.stdout);
             assert_eq!(
                 listed.contains(&format!("pipe:[{ino}]")),
-                mark.is_none(),
+                way == "unmarked",
                 "{way}: {listed}"
             );
             drop(write);

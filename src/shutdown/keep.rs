@@ -392,11 +392,11 @@ mod tests {
         rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap()
     }
 
-    /// Whether the read end sees every write end closed.
+    /// Whether this process (the sender, and the keeper serving in a thread
+    /// here) holds no write end any more, whatever another test's child
+    /// holds until its exec.
     fn all_writers_closed(r: &OwnedFd) -> bool {
-        rustix::fs::fcntl_setfl(r, rustix::fs::OFlags::NONBLOCK).unwrap();
-        let mut b = [0u8; 1];
-        matches!(rustix::io::read(r, &mut b), Ok(0))
+        crate::shutdown::pipes::others_here(r).is_empty()
     }
 
     fn serving(name: &str) -> (PathBuf, std::thread::JoinHandle<()>) {

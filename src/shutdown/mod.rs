@@ -40,6 +40,8 @@ pub mod keep;
 pub mod logind;
 mod manager;
 mod metrics;
+#[cfg(test)]
+mod pipes;
 mod startup;
 pub mod state;
 mod stop;

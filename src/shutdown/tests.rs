@@ -14,40 +14,20 @@ use crate::server::Health;
 use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// One inhibitor handed out: the pipe's read end, and the pipe's inode.
-struct Held(OwnedFd, u64);
+/// One inhibitor handed out: its pipe's read end.
+struct Held(OwnedFd);
 
 impl Held {
-    fn new(read: OwnedFd) -> Self {
-        let ino = std::fs::File::from(read.try_clone().unwrap())
-            .metadata()
-            .unwrap()
-            .ino();
-        Held(read, ino)
-    }
-
     /// This process has no descriptor of the pipe left but the read end:
-    /// the manager let go of its write end. Not "the pipe reads EOF":
-    /// another test's child (a probe, a plugin, a fake journalctl) holds a
-    /// copy of every descriptor between its fork and its exec, which
-    /// close-on-exec does not close until the exec, and that is not the
-    /// manager holding the lock.
+    /// the manager let go of its write end (whatever a child forked
+    /// elsewhere still holds until its exec: see `super::pipes`).
     fn released(&self) -> bool {
-        let link = format!("pipe:[{}]", self.1);
-        let own = self.0.as_raw_fd().to_string();
-        !std::fs::read_dir("/proc/self/fd")
-            .unwrap()
-            .flatten()
-            .any(|e| {
-                e.file_name().to_str() != Some(own.as_str())
-                    && std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == link.as_str())
-            })
+        super::pipes::others_here(&self.0).is_empty()
     }
 }
 
@@ -143,7 +123,7 @@ impl LogindPort for FakeLogind {
         }
         let (r, w) = pipe();
         self.with(|s| {
-            s.locks.push((Instant::now(), Held::new(r)));
+            s.locks.push((Instant::now(), Held(r)));
             s.whys.push(why.into());
             if std::mem::take(&mut s.reboot_after_next_lock) {
                 s.preparing = true;
@@ -192,7 +172,7 @@ impl LogindPort for FakeLogind {
         // agent; a new one replaces an earlier one.
         let (r, w) = pipe();
         let signal = self.with(|s| {
-            s.locks.push((Instant::now(), Held::new(r)));
+            s.locks.push((Instant::now(), Held(r)));
             s.whys.push(format!("handover: {why}"));
             s.handover = Some(w);
             if let Some(t) = s.cancel_during_handover.take() {
@@ -1739,6 +1719,7 @@ async fn a_group_left_no_time_is_skipped() {
 /// lock "held" a second after a release because of such a child.
 #[tokio::test(start_paused = true)]
 async fn a_child_between_fork_and_exec_does_not_hold_the_rigs_lock() {
+    use std::io::{Read, Write};
     use std::os::unix::process::CommandExt;
     let r = rig(
         "forked",
@@ -1752,27 +1733,64 @@ async fn a_child_between_fork_and_exec_does_not_hold_the_rigs_lock() {
     );
     ms(100).await;
     assert_eq!(r.logind.held(), 1, "armed");
-    let child = std::thread::spawn(|| {
+    let (lock, ino) = r.logind.with(|s| {
+        let read = &s.locks[0].1.0;
+        (super::pipes::others_here(read), super::pipes::inode(read))
+    });
+    assert_eq!(lock.len(), 1, "the manager's write end");
+    // The child says its pid once forked, then waits before its exec until
+    // `go` closes, holding the lock and the two ends it uses, nothing else
+    // (no other test's descriptor is kept open by it).
+    let (mut forked_r, forked_w) = std::io::pipe().unwrap();
+    let (go_r, go_w) = std::io::pipe().unwrap();
+    let (fw, gr) = (forked_w.as_raw_fd(), go_r.as_raw_fd());
+    let mut keep = [lock[0], fw, gr];
+    keep.sort();
+    let child = std::thread::spawn(move || {
         let mut c = std::process::Command::new("true");
-        // SAFETY: the child only calls sleep, which is async-signal-safe.
+        // SAFETY: close_range, getpid, write and read only (system calls,
+        // async-signal-safe), on descriptor numbers copied in.
         unsafe {
-            c.pre_exec(|| {
-                libc::sleep(2);
+            c.pre_exec(move || {
+                let mut from = 3;
+                for fd in keep {
+                    if fd > from {
+                        libc::syscall(libc::SYS_close_range, from, fd - 1, 0);
+                    }
+                    from = fd + 1;
+                }
+                libc::syscall(libc::SYS_close_range, from, libc::c_uint::MAX, 0);
+                let pid = libc::getpid().to_ne_bytes();
+                libc::write(fw, pid.as_ptr().cast(), pid.len());
+                let mut b = 0u8;
+                libc::read(gr, (&mut b as *mut u8).cast(), 1);
                 Ok(())
             });
         }
-        c.status().unwrap()
+        let status = c.status().unwrap();
+        drop((forked_w, go_r));
+        status
     });
-    // The child forked: it holds every descriptor until its exec.
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    let mut pid = [0u8; 4];
+    forked_r.read_exact(&mut pid).unwrap();
+    let pid = i32::from_ne_bytes(pid).to_string();
+    assert!(
+        !super::pipes::descriptors(&pid, ino).is_empty(),
+        "the child holds a copy of the lock, or this test shows nothing"
+    );
     r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
     ms(1000).await;
-    assert!(
-        !child.is_finished(),
-        "the child is still before its exec, or this test shows nothing"
-    );
-    assert_eq!(r.logind.held(), 0, "the manager released its lock");
+    let held = r.logind.held();
+    let child_holds = !super::pipes::descriptors(&pid, ino).is_empty();
+    let mut go_w = go_w;
+    let _ = go_w.flush();
+    drop(go_w);
     assert!(child.join().unwrap().success());
+    assert!(
+        child_holds,
+        "the child still held its copy when the rig looked"
+    );
+    assert_eq!(held, 0, "the manager released its lock");
     r.stop.cancel();
     r.task.await.unwrap();
 }

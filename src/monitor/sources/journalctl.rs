@@ -215,7 +215,7 @@ pub(super) fn spawn_journalctl(
                 unsafe {
                     std::os::unix::process::CommandExt::pre_exec(
                         &mut cmd,
-                        crate::command::close_inherited_on_exec,
+                        crate::command::marking_for_exec(),
                     );
                 }
                 let mut child = match cmd.spawn() {

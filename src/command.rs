@@ -525,7 +525,6 @@ mod tests {
     #[test]
     fn a_descriptor_without_close_on_exec_reaches_no_program_once_marked() {
         use std::os::fd::AsRawFd;
-        use std::os::unix::fs::MetadataExt;
         use std::os::unix::process::CommandExt;
         assert!(
             close_range_marks(),
@@ -533,10 +532,7 @@ mod tests {
         );
         for way in ["unmarked", "close_range", "each"] {
             let (read, write) = std::io::pipe().unwrap();
-            let ino = std::fs::File::from(std::os::fd::OwnedFd::from(read))
-                .metadata()
-                .unwrap()
-                .ino();
+            let ino = crate::pipes::inode(&std::os::fd::OwnedFd::from(read));
             let fd = write.as_raw_fd();
             let below = each_bound();
             let mut cmd = std::process::Command::new("/bin/sh");
@@ -563,7 +559,7 @@ mod tests {
             assert!(out.status.success(), "{way}: {out:?}");
             let listed = String::from_utf8_lossy(&out.stdout);
             assert_eq!(
-                listed.contains(&format!("pipe:[{ino}]")),
+                listed.contains(&crate::pipes::link(ino)),
                 way == "unmarked",
                 "{way}: {listed}"
             );

@@ -8,6 +8,8 @@ pub mod footprint;
 pub mod k8s;
 pub mod monitor;
 pub mod node_view;
+#[cfg(test)]
+mod pipes;
 pub mod policy;
 pub mod probe;
 pub mod report;

@@ -797,19 +797,26 @@ async fn a_journald_monitor_on_systemd_247_reads_no_earlier_boot_after_a_reboot(
     delete_policy(&admin, &policy).await;
 }
 
-/// The names of `pid`'s threads, and of its child processes with their
-/// state (`Z`: a zombie).
-fn threads_and_children(pid: u32) -> (Vec<String>, Vec<(String, char)>) {
-    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+/// The names of `pid`'s threads.
+fn threads(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|d| {
             d.flatten()
                 .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
                 .map(|c| c.trim().to_string())
                 .collect()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// `pid`'s child processes, each with its pid, name and state (`Z`: a
+/// zombie).
+fn children(pid: u32) -> Vec<(u32, String, char)> {
     let mut children = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(child) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
@@ -819,10 +826,10 @@ fn threads_and_children(pid: u32) -> (Vec<String>, Vec<(String, char)>) {
         let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
         if rest.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid) {
             let state = rest[0].chars().next().unwrap_or('?');
-            children.push((stat[open + 1..close].to_string(), state));
+            children.push((child, stat[open + 1..close].to_string(), state));
         }
     }
-    (threads, children)
+    children
 }
 
 /// Removing a monitor stops its reader: the kernel log reader's thread
@@ -873,18 +880,19 @@ async fn a_removed_monitor_leaves_no_reader_thread_and_no_journalctl_behind() {
         .unwrap();
     let pid = agent.id();
     eventually(Duration::from_secs(20), "both readers running", || {
-        let (threads, children) = threads_and_children(pid);
         std::future::ready(
-            threads.iter().any(|t| t == "nodeguard-kmsg")
-                && children.iter().any(|(c, s)| c == "journalctl" && *s != 'Z'),
+            threads(pid).iter().any(|t| t == "nodeguard-kmsg")
+                && children(pid)
+                    .iter()
+                    .any(|(_, c, s)| c == "journalctl" && *s != 'Z'),
         )
     })
     .await;
     delete_policy(&admin, &policy).await;
     let started = std::time::Instant::now();
-    let mut left = threads_and_children(pid);
+    let mut left = (threads(pid), children(pid));
     while started.elapsed() < Duration::from_secs(3) {
-        left = threads_and_children(pid);
+        left = (threads(pid), children(pid));
         if !left.0.iter().any(|t| t.starts_with("nodeguard-")) && left.1.is_empty() {
             break;
         }
@@ -902,27 +910,6 @@ async fn a_removed_monitor_leaves_no_reader_thread_and_no_journalctl_behind() {
         "3 s after the monitors were removed: reader threads {readers:?}, child processes {:?}",
         left.1
     );
-}
-
-/// The living child processes of `pid`, each with its name.
-fn children_of(pid: u32) -> Vec<(u32, String)> {
-    let mut children = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(child) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-        if rest.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid) && rest[0] != "Z" {
-            children.push((child, stat[open + 1..close].to_string()));
-        }
-    }
-    children
 }
 
 /// Whether process `pid` has a descriptor on the pipe of inode `ino`.
@@ -1011,7 +998,7 @@ async fn a_descriptor_open_without_close_on_exec_reaches_no_child() {
         // Judged once it is journalctl or the plugin: a child between its
         // fork and its exec still has every descriptor and the forking
         // thread's name (the exec marks close-on-exec ones closed first).
-        for (child, name) in children_of(pid) {
+        for (child, name, _) in children(pid).into_iter().filter(|c| c.2 != 'Z') {
             if name != "journalctl" && name != "check.sh" {
                 continue;
             }
@@ -1036,7 +1023,7 @@ async fn a_descriptor_open_without_close_on_exec_reaches_no_child() {
     eventually(
         Duration::from_secs(10),
         "the monitors' children gone",
-        || std::future::ready(children_of(pid).is_empty()),
+        || std::future::ready(children(pid).iter().all(|c| c.2 == 'Z')),
     )
     .await;
     let _ = agent.kill();

@@ -396,7 +396,7 @@ mod tests {
     /// here) holds no write end any more, whatever another test's child
     /// holds until its exec.
     fn all_writers_closed(r: &OwnedFd) -> bool {
-        crate::shutdown::pipes::others_here(r).is_empty()
+        crate::pipes::others_here(r, crate::pipes::inode(r)).is_empty()
     }
 
     fn serving(name: &str) -> (PathBuf, std::thread::JoinHandle<()>) {

@@ -40,8 +40,6 @@ pub mod keep;
 pub mod logind;
 mod manager;
 mod metrics;
-#[cfg(test)]
-mod pipes;
 mod startup;
 pub mod state;
 mod stop;

@@ -19,15 +19,20 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// One inhibitor handed out: its pipe's read end.
-struct Held(OwnedFd);
+/// One inhibitor handed out: its pipe's read end, and the pipe's inode.
+struct Held(OwnedFd, u64);
 
 impl Held {
+    fn new(read: OwnedFd) -> Self {
+        let ino = crate::pipes::inode(&read);
+        Held(read, ino)
+    }
+
     /// This process has no descriptor of the pipe left but the read end:
     /// the manager let go of its write end (whatever a child forked
-    /// elsewhere still holds until its exec: see `super::pipes`).
+    /// elsewhere still holds until its exec: see `crate::pipes`).
     fn released(&self) -> bool {
-        super::pipes::others_here(&self.0).is_empty()
+        crate::pipes::others_here(&self.0, self.1).is_empty()
     }
 }
 
@@ -123,7 +128,7 @@ impl LogindPort for FakeLogind {
         }
         let (r, w) = pipe();
         self.with(|s| {
-            s.locks.push((Instant::now(), Held(r)));
+            s.locks.push((Instant::now(), Held::new(r)));
             s.whys.push(why.into());
             if std::mem::take(&mut s.reboot_after_next_lock) {
                 s.preparing = true;
@@ -172,7 +177,7 @@ impl LogindPort for FakeLogind {
         // agent; a new one replaces an earlier one.
         let (r, w) = pipe();
         let signal = self.with(|s| {
-            s.locks.push((Instant::now(), Held(r)));
+            s.locks.push((Instant::now(), Held::new(r)));
             s.whys.push(format!("handover: {why}"));
             s.handover = Some(w);
             if let Some(t) = s.cancel_during_handover.take() {
@@ -1734,8 +1739,8 @@ async fn a_child_between_fork_and_exec_does_not_hold_the_rigs_lock() {
     ms(100).await;
     assert_eq!(r.logind.held(), 1, "armed");
     let (lock, ino) = r.logind.with(|s| {
-        let read = &s.locks[0].1.0;
-        (super::pipes::others_here(read), super::pipes::inode(read))
+        let held = &s.locks[0].1;
+        (crate::pipes::others_here(&held.0, held.1), held.1)
     });
     assert_eq!(lock.len(), 1, "the manager's write end");
     // The child says its pid once forked, then waits before its exec until
@@ -1775,13 +1780,13 @@ async fn a_child_between_fork_and_exec_does_not_hold_the_rigs_lock() {
     forked_r.read_exact(&mut pid).unwrap();
     let pid = i32::from_ne_bytes(pid).to_string();
     assert!(
-        !super::pipes::descriptors(&pid, ino).is_empty(),
+        !crate::pipes::descriptors(&pid, ino).is_empty(),
         "the child holds a copy of the lock, or this test shows nothing"
     );
     r.logind.signal(LogindEvent::PrepareForShutdown(true)).await;
     ms(1000).await;
     let held = r.logind.held();
-    let child_holds = !super::pipes::descriptors(&pid, ino).is_empty();
+    let child_holds = !crate::pipes::descriptors(&pid, ino).is_empty();
     let mut go_w = go_w;
     let _ = go_w.flush();
     drop(go_w);

@@ -14,9 +14,14 @@ pub fn inode(end: &OwnedFd) -> u64 {
         .ino()
 }
 
+/// What `/proc/<pid>/fd/<n>` links to for the pipe of inode `ino`.
+pub fn link(ino: u64) -> String {
+    format!("pipe:[{ino}]")
+}
+
 /// The descriptors of process `pid` (`self`) on the pipe of inode `ino`.
 pub fn descriptors(pid: &str, ino: u64) -> Vec<RawFd> {
-    let link = format!("pipe:[{ino}]");
+    let link = link(ino);
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| {
             d.flatten()
@@ -29,11 +34,12 @@ pub fn descriptors(pid: &str, ino: u64) -> Vec<RawFd> {
         .unwrap_or_default()
 }
 
-/// The descriptors this process has on `read`'s pipe besides `read`: its
-/// write ends, unless something here holds a second read end.
-pub fn others_here(read: &OwnedFd) -> Vec<RawFd> {
+/// The descriptors this process has on `read`'s pipe (of inode `ino`)
+/// besides `read`: its write ends, unless something here holds a second
+/// read end.
+pub fn others_here(read: &OwnedFd, ino: u64) -> Vec<RawFd> {
     let own = read.as_raw_fd();
-    descriptors("self", inode(read))
+    descriptors("self", ino)
         .into_iter()
         .filter(|fd| *fd != own)
         .collect()

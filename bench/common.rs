@@ -300,6 +300,66 @@ pub async fn scrape(port: u16, path: &str) -> String {
     }
 }
 
+/// What the benches' agents log: warnings, and what they did with their
+/// start's pages ([`wait_for_page_release`] reads it).
+pub const AGENT_LOG: &str = "warn,nodeguard::footprint=info";
+
+/// Whether the agents this bench starts release their start's pages: not
+/// when `NODEGUARD_KEEP_EXECUTABLE_PAGES` (which they inherit) is on, read
+/// as the agent reads it (clap's `FalseyValueParser`: unset, empty, `n`,
+/// `no`, `f`, `false`, `off` and `0` in any case are off).
+pub fn agents_release_pages() -> bool {
+    match std::env::var("NODEGUARD_KEEP_EXECUTABLE_PAGES") {
+        Err(_) => true,
+        Ok(v) => {
+            let v = v.to_ascii_lowercase();
+            v.is_empty() || ["n", "no", "f", "false", "off", "0"].contains(&v.as_str())
+        }
+    }
+}
+
+/// Whether a nodeguard's log text says it released its start's pages;
+/// panics on a line saying they were not.
+pub fn says_released(log: &str, what: &std::path::Path) -> bool {
+    for line in log.lines() {
+        if line.contains("released the executable's resident pages") {
+            return true;
+        }
+        assert!(
+            !line.contains("the executable's pages were not released")
+                && !line.contains("not all of the executable's pages were released")
+                && !line.contains("found none of the executable's pages to release"),
+            "{}: {line}",
+            what.display()
+        );
+    }
+    false
+}
+
+/// Waits, up to `within`, for the nodeguard whose log is `log` to say it
+/// released its executable's pages (`footprint`: 60-120 s after it is first
+/// ready, once its API calls have gone through for 30-60 s), so an idle
+/// window measures what ships. Returns at once when the agents keep them
+/// ([`agents_release_pages`]). Panics when the line does not come (a
+/// `NODEGUARD_BENCH_BINARY` from before the release: run it with
+/// `NODEGUARD_KEEP_EXECUTABLE_PAGES=1`), or a line says the pages were not
+/// released.
+pub async fn wait_for_page_release(log: &std::path::Path, within: Duration) {
+    if !agents_release_pages() {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + within;
+    while !says_released(&std::fs::read_to_string(log).unwrap_or_default(), log) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{}: no line about the executable's pages {} s on",
+            log.display(),
+            within.as_secs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// The binary the image ships (see the header); fails, never falls back
 /// to another build.
 pub fn shipped_binary(repo: &std::path::Path) -> PathBuf {

@@ -43,7 +43,10 @@
 //!   its code), and how long the API
 //!   server took to answer them (the audit log's received and completed
 //!   times); the same for the rollout;
-//! - steady state over `NODEGUARD_FLEET_STEADY_SECONDS` (default 120):
+//! - steady state over `NODEGUARD_FLEET_STEADY_SECONDS` (default 120),
+//!   from 15 s after every member is ready (nodeguard: after every agent's
+//!   log says it released its start's pages, 60-120 s after it was ready or
+//!   later, `footprint`, unless `NODEGUARD_KEEP_EXECUTABLE_PAGES` is on):
 //!   requests per second by verb, resource and answer (audit log), writes per node
 //!   per heartbeat, watches open (the API server's
 //!   `apiserver_longrunning_requests`), the API server's and etcd's CPU and
@@ -192,6 +195,8 @@ struct Settings {
 struct Member {
     child: Child,
     port: u16,
+    /// Its stdout and stderr.
+    log: PathBuf,
 }
 
 impl Drop for Member {
@@ -762,7 +767,7 @@ impl Fleet {
                     ))
                     .env("NODE_NAME", node)
                     .env("POD_NAMESPACE", NS)
-                    .env("RUST_LOG", "warn");
+                    .env("RUST_LOG", AGENT_LOG);
                 if let Some(journal) = self.journal_dir(side, run) {
                     c.arg(format!(
                         "--allow-read-path={},/dev/kmsg,/var/log/journal",
@@ -800,7 +805,11 @@ impl Fleet {
             .stderr(log)
             .spawn()
             .unwrap();
-        Member { child, port }
+        Member {
+            child,
+            port,
+            log: dir.join("log"),
+        }
     }
 
     fn start_all(&self, side: Side, run: usize, nodes: &[String]) -> Vec<Member> {
@@ -1009,7 +1018,32 @@ impl Fleet {
             return s;
         }
 
-        // Steady state.
+        // Steady state: once every agent has released its start's pages
+        // (60-120 s after it was ready, later if its calls were still shed:
+        // footprint), so the window holds what an agent at rest does.
+        if side == Side::Nodeguard && agents_release_pages() {
+            let t = Instant::now();
+            loop {
+                let left = members
+                    .iter()
+                    .filter(|m| {
+                        !says_released(&std::fs::read_to_string(&m.log).unwrap_or_default(), &m.log)
+                    })
+                    .count();
+                if left == 0 {
+                    break;
+                }
+                assert!(
+                    t.elapsed() < Duration::from_secs(600),
+                    "{left} of the fleet had not released their start's pages 600 s after all were ready"
+                );
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            eprintln!(
+                "fleet: every agent released its start's pages {:.0} s after all were ready",
+                t.elapsed().as_secs_f64()
+            );
+        }
         tokio::time::sleep(Duration::from_secs(15)).await;
         let offset = audit_mark(&self.audit_log);
         let m0 = apiserver_metrics(admin).await;
@@ -1452,19 +1486,7 @@ async fn account_kubeconfig(admin: &Client, name: &str, path: &Path) {
         .status
         .unwrap()
         .token;
-    let mut kc = kube::config::Kubeconfig::read_from(kubeconfig_path()).unwrap();
-    for a in &mut kc.auth_infos {
-        a.auth_info = Some(kube::config::AuthInfo {
-            token: Some(token.clone().into()),
-            ..Default::default()
-        });
-    }
-    // Kubeconfig skips secrets when serialized; write the token by hand.
-    let mut v = serde_json::to_value(&kc).unwrap();
-    for a in v["users"].as_array_mut().unwrap() {
-        a["user"] = serde_json::json!({"token": token});
-    }
-    std::fs::write(path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    kubeconfig_with_token(&token, path);
 }
 
 async fn prepare_namespace(admin: &Client) {

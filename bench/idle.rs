@@ -25,8 +25,9 @@
 //!   answers them.
 //!
 //! Each peer is started, waited for (nodeguard: `/readyz` 200; NPD: its
-//! KernelDeadlock condition in the API), left `NODEGUARD_IDLE_SETTLE_SECONDS`
-//! (10) to settle, then measured
+//! KernelDeadlock condition in the API; nodeguard: then its log's line that it
+//! released its start's pages, 60-120 s later), left
+//! `NODEGUARD_IDLE_SETTLE_SECONDS` (10) to settle, then measured
 //! over `NODEGUARD_IDLE_SECONDS` (default 120):
 //! - CPU: the agent's utime+stime (its exited threads included) and its
 //!   children's (what it reaped, and each live child's), from /proc. The
@@ -412,7 +413,7 @@ impl Bench {
             ))
             .arg(format!("--condition-heartbeat-seconds={}", self.heartbeat))
             .env("NODE_NAME", node)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", AGENT_LOG)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -476,6 +477,15 @@ impl Bench {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // nodeguard releases its start's pages 60-120 s after ready
+        // (footprint): the window measures it after that.
+        if p.port.is_some() {
+            wait_for_page_release(
+                &dir.join(format!("{}.log", peer.label())),
+                Duration::from_secs(240),
+            )
+            .await;
         }
         tokio::time::sleep(self.settle).await;
         let before = read(pid);

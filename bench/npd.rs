@@ -11,7 +11,9 @@
 //! - startup: process start to the peer's KernelDeadlock condition in the
 //!   API (both) and, for nodeguard, to `/readyz` 200;
 //! - idle: CPU, RSS and API writes per minute (from the audit log, by the
-//!   peer's user agent) over `NODEGUARD_BENCH_IDLE_SECONDS`;
+//!   peer's user agent) over `NODEGUARD_BENCH_IDLE_SECONDS`, from 5 s after
+//!   ready (nodeguard: after its log says it released its start's pages,
+//!   60-120 s after ready);
 //! - detection latency: one hung-task line appended to a quiet log, to the
 //!   condition `True` in the API; for nodeguard also a series of
 //!   `NODEGUARD_BENCH_LATENCY_LINES` (100) lines, each setting a condition
@@ -216,7 +218,7 @@ impl Bench {
                         dir.display()
                     ))
                     .env("NODE_NAME", node)
-                    .env("RUST_LOG", "warn")
+                    .env("RUST_LOG", AGENT_LOG)
                     .stdin(Stdio::null())
                     .stdout(log_file.try_clone().unwrap())
                     .stderr(log_file);
@@ -355,7 +357,12 @@ impl Bench {
             ..Sample::default()
         };
 
-        // Idle.
+        // Idle: once nodeguard has released its start's pages (as it does
+        // 60-120 s after ready, footprint), then 5 s more.
+        if ready_port.is_some() {
+            let log = dir.join(format!("{}.log", peer.label()));
+            wait_for_page_release(&log, Duration::from_secs(240)).await;
+        }
         tokio::time::sleep(Duration::from_secs(5)).await;
         let audit_start = std::fs::metadata(&self.audit_log).unwrap().len();
         let cpu0 = tree_cpu_seconds(pid);

@@ -521,8 +521,11 @@ pub async fn start(config: AgentConfig, client: Client) -> Result<RunningAgent, 
     );
     if config.release_executable_pages {
         // Once, after the start: not a loop, so not supervised.
+        let (reporter, shed) = (reporter.clone(), shed_metrics.clone());
         tokio::spawn(crate::footprint::release_when_ready(
             health.clone(),
+            move || reporter.api_write_errors() + shed.troubles(),
+            node_shutdown.clone(),
             shutdown.clone(),
         ));
     }

@@ -220,8 +220,10 @@ pub struct RunArgs {
     pub command_root: Option<PathBuf>,
 
     /// Keep the executable's pages that only the start touched mapped. By
-    /// default, 10 s after it is first ready the agent drops them from its
-    /// RSS (`madvise(MADV_DONTNEED)`; they stay in the page cache and what
+    /// default, 60 to 120 s after it is first ready, once it has had no
+    /// shutdown under way and its API calls have gone through for 30 to 60
+    /// s, the agent drops them from its RSS
+    /// (`madvise(MADV_DONTNEED)`; they stay in the page cache and what
     /// runs again maps them back by a minor fault). For comparing, or a
     /// kernel where that misbehaves. In the environment, empty, 0, no, off
     /// and false mean off; any other value on.

@@ -1204,6 +1204,69 @@ async fn ready_means_the_delay_inhibitor_is_held() {
     assert_eq!(drop_in, 1, "ready before logind's delay was raised");
 }
 
+/// A graceful shutdown under way holds the release of the agent's start
+/// pages (`footprint`): the shutdown runs code the start never ran, once,
+/// within the inhibit window. The shipped binary; logind announces the
+/// shutdown once the agent is ready; its group waits 170 s for a pod that
+/// never ends (no kubelet here). No release meanwhile, though the delay (at
+/// most 120 s) and a quiet time since the start have passed. Cancelled at
+/// 150 s: the release follows within the quiet time (at most 60 s) and a
+/// look.
+#[tokio::test]
+async fn the_start_pages_stay_mapped_while_a_shutdown_is_under_way() {
+    const RELEASED: &str = "released the executable's resident pages";
+    let s = setup(
+        "pages-shutdown",
+        Duration::from_secs(220),
+        serde_json::json!([{"priority": 0, "gracePeriodSeconds": 170}]),
+    )
+    .await;
+    s.low_pod("pages", serde_json::json!({})).await;
+    let state = TempDir::new("pages-shutdown-state");
+    let log = state.path.join("agent.log");
+    // The group's 170 s and the margin, beyond the default trust's 32 s.
+    let agent = AgentProcess::start_logged(
+        &s,
+        &state.path.join("state"),
+        &["--max-inhibit-delay-seconds=300".into()],
+        &log,
+    );
+    agent.ready().await;
+    let ready_at = Instant::now();
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
+    s.peer.prepare_for_shutdown(true).await;
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    eventually(Duration::from_secs(10), "tainted", || async {
+        tainted(&nodes.get(&s.node.name).await.unwrap())
+    })
+    .await;
+    while ready_at.elapsed() < Duration::from_secs(150) {
+        assert!(
+            !logged().contains(RELEASED),
+            "released {:?} after ready, the shutdown under way:\n{}",
+            ready_at.elapsed(),
+            logged()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert_eq!(
+        s.peer.held(),
+        1,
+        "the shutdown still under way (the test's premise)"
+    );
+    s.peer.prepare_for_shutdown(false).await;
+    let cancelled_at = Instant::now();
+    eventually(
+        Duration::from_secs(90),
+        "the release after the cancelled shutdown",
+        || std::future::ready(logged().contains(RELEASED)),
+    )
+    .await;
+    eprintln!("released {:?} after the cancel", cancelled_at.elapsed());
+    drop(agent);
+    s.cleanup().await;
+}
+
 /// The state directory full when logind announces the shutdown: the
 /// shutdown runs from memory (taint, groups, release in time), the failed
 /// record write is one Warning naming the file, no part of a record is
@@ -1295,6 +1358,27 @@ impl AgentProcess {
         keeper: Option<&std::path::Path>,
         extra: &[std::ffi::OsString],
     ) -> Self {
+        Self::spawn(s, state, keeper, extra, std::process::Stdio::inherit())
+    }
+
+    /// [`AgentProcess::start_with`], its log (stderr) to `log`.
+    fn start_logged(
+        s: &Setup,
+        state: &std::path::Path,
+        extra: &[std::ffi::OsString],
+        log: &std::path::Path,
+    ) -> Self {
+        let file = std::fs::File::create(log).unwrap();
+        Self::spawn(s, state, None, extra, file.into())
+    }
+
+    fn spawn(
+        s: &Setup,
+        state: &std::path::Path,
+        keeper: Option<&std::path::Path>,
+        extra: &[std::ffi::OsString],
+        stderr: std::process::Stdio,
+    ) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -1311,7 +1395,10 @@ impl AgentProcess {
             .env("DBUS_SYSTEM_BUS_ADDRESS", &s.bus.address)
             .env("RUST_LOG", "info")
             .env_remove("NOTIFY_SOCKET")
-            .stdout(std::process::Stdio::null());
+            // The shipped default, whatever the shell running the tests says.
+            .env_remove("NODEGUARD_KEEP_EXECUTABLE_PAGES")
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr);
         if let Some(k) = keeper {
             cmd.arg("--inhibitor-keeper").arg(k);
         }

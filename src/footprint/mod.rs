@@ -17,19 +17,29 @@
 //! shutdown read the disk again).
 
 pub mod core;
+pub mod settle;
 
 use std::ops::Range;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::server::Health;
 use core::{Segment, load_bias, read_only_ranges, releasable};
 
-/// How long after `/readyz` first passes the pages are released: the start's
+/// The least time from `/readyz` first passing to the release: the start's
 /// last work (the first condition write, the first Events, the first probe
 /// results) is done by then.
-pub const SETTLE: Duration = Duration::from_secs(10);
+pub const DELAY: Duration = Duration::from_secs(60);
+
+/// The least time before the release the agent must have been ready, with
+/// no shutdown under way and its API calls going through (no request
+/// without an answer, no 429 or 5xx, no failed write): see [`settle`].
+pub const QUIET: Duration = Duration::from_secs(30);
+
+/// How often [`release_when_ready`] looks at the agent, until it releases.
+const LOOK_EVERY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum FootprintError {
@@ -69,23 +79,52 @@ pub struct Released {
     pub rss_file_kib: (u64, u64),
 }
 
-/// Waits for the agent's first ready report, then [`SETTLE`], then releases
-/// the executable's pages once and logs what it did. Ends then, or when
-/// `stop` is cancelled. A failure is logged and changes nothing else: the
-/// pages not released stay mapped, as without this.
-pub async fn release_when_ready(health: Health, stop: CancellationToken) {
+/// Waits until the agent has been ready for [`DELAY`], the last [`QUIET`]
+/// of it with no shutdown under way (`shutting_down`) and no new API
+/// trouble (`troubles`: the count of requests without an answer, answered
+/// 429 or 5xx, and failed writes so far), each stretched by one random part
+/// of up to as much again per agent, so that agents started together, or
+/// troubled by the same outage, do not all fault their code back in the
+/// same second. Then releases the executable's pages once and logs what it
+/// did. Ends then, or when `stop` is cancelled. A failure is logged and
+/// changes nothing else: the pages not released stay mapped, as without
+/// this.
+pub async fn release_when_ready(
+    health: Health,
+    troubles: impl Fn() -> u64 + Send,
+    shutting_down: watch::Receiver<bool>,
+    stop: CancellationToken,
+) {
+    let stretch = 1.0 + fastrand::f64();
+    let (delay, quiet) = (DELAY.mul_f64(stretch), QUIET.mul_f64(stretch));
+    let mut settle = settle::Settle::new(delay, quiet);
+    let mut held = false;
     loop {
-        if health.report().ready {
+        let look = settle::Look {
+            at: tokio::time::Instant::now(),
+            ready: health.report().ready,
+            shutting_down: *shutting_down.borrow(),
+            troubles: troubles(),
+        };
+        if settle.look(look) {
             break;
+        }
+        if !held
+            && settle
+                .first_ready()
+                .is_some_and(|t| look.at.saturating_duration_since(t) >= delay)
+        {
+            held = true;
+            tracing::debug!(
+                quiet_s = quiet.as_secs(),
+                "the start's pages stay mapped until the agent has been ready, with no \
+                 shutdown under way and its API calls going through, for the quiet time"
+            );
         }
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = tokio::time::sleep(LOOK_EVERY) => {}
         }
-    }
-    tokio::select! {
-        _ = stop.cancelled() => return,
-        _ = tokio::time::sleep(SETTLE) => {}
     }
     match release_executable_pages() {
         Ok(r) if r.ranges.is_empty() => {
@@ -228,11 +267,115 @@ fn program_headers() -> Option<(usize, Vec<Segment>)> {
 mod tests {
     use super::*;
 
+    /// One release at a time in this process: another's release between a
+    /// test's two RSS reads would hide its own.
+    static RELEASING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+    /// No shutdown under way.
+    fn running() -> watch::Receiver<bool> {
+        watch::channel(false).1
+    }
+
+    /// API troubles every 10 s until 200 s after the start, the agent ready
+    /// throughout: whatever the random part (delay 60-120 s, quiet 30-60
+    /// s), the release waits for a quiet time after the last one (230-260
+    /// s), then comes within a look.
+    #[tokio::test(start_paused = true)]
+    async fn the_release_waits_for_the_api_calls_to_go_through() {
+        let _one = RELEASING.lock().await;
+        let t0 = tokio::time::Instant::now();
+        let troubles = move || t0.elapsed().as_secs().min(200) / 10;
+        let release =
+            release_when_ready(Health::new(), troubles, running(), CancellationToken::new());
+        tokio::pin!(release);
+        let early = tokio::time::timeout(Duration::from_secs(229), &mut release).await;
+        assert!(
+            early.is_err(),
+            "released {:?} after the start",
+            t0.elapsed()
+        );
+        tokio::time::timeout(Duration::from_secs(37), &mut release)
+            .await
+            .expect("released within a look of 60 s without trouble");
+    }
+
+    /// Ready from the start and no trouble: the release comes between 60
+    /// and 120 s (the delay and its random part) and a look, and agents
+    /// started together do not all release at the same look.
+    #[tokio::test(start_paused = true)]
+    async fn the_release_comes_after_the_delay_spread_over_its_random_part() {
+        let _one = RELEASING.lock().await;
+        let mut at = Vec::new();
+        for _ in 0..8 {
+            let t0 = tokio::time::Instant::now();
+            release_when_ready(Health::new(), || 0, running(), CancellationToken::new()).await;
+            let secs = t0.elapsed().as_secs();
+            assert!((60..=125).contains(&secs), "released {secs} s after ready");
+            at.push(secs);
+        }
+        at.sort_unstable();
+        at.dedup();
+        assert!(at.len() > 1, "all eight released {at:?} s after ready");
+    }
+
+    /// A shutdown under way from 30 s to 300 s after ready: no release
+    /// meanwhile; once it is over, after the quiet time (30-60 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_under_way_holds_the_release() {
+        let _one = RELEASING.lock().await;
+        let (tx, rx) = watch::channel(false);
+        let release = release_when_ready(Health::new(), || 0, rx, CancellationToken::new());
+        tokio::pin!(release);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(30), &mut release)
+                .await
+                .is_err()
+        );
+        tx.send_replace(true);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(270), &mut release)
+                .await
+                .is_err(),
+            "released during the shutdown"
+        );
+        tx.send_replace(false);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(29), &mut release)
+                .await
+                .is_err(),
+            "released less than the quiet time after the shutdown"
+        );
+        tokio::time::timeout(Duration::from_secs(37), &mut release)
+            .await
+            .expect("released a quiet time after the shutdown");
+    }
+
+    /// Never ready: no release; the agent's stop ends the wait.
+    #[tokio::test(start_paused = true)]
+    async fn never_ready_means_no_release_and_the_stop_ends_the_wait() {
+        let _one = RELEASING.lock().await;
+        let health = Health::new();
+        let _never = health.register("never-synced", Duration::from_secs(3600));
+        let stop = CancellationToken::new();
+        let release = release_when_ready(health, || 0, running(), stop.clone());
+        tokio::pin!(release);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(600), &mut release)
+                .await
+                .is_err()
+        );
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(1), &mut release)
+            .await
+            .expect("ended at the stop");
+    }
+
     /// On this test process, for real: its executable's pages go from its
     /// RSS, and it runs on (formatting goes through vtables in the RELRO
     /// segment, which must not be dropped; the code is read back).
     #[test]
     fn the_executables_pages_leave_the_rss_and_the_process_runs_on() {
+        let _one = RELEASING.blocking_lock();
         let (_, segments) = program_headers().expect("the program's headers");
         assert!(
             segments.iter().any(|s| matches!(

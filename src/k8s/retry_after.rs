@@ -34,7 +34,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -153,6 +154,10 @@ struct OutcomeLabels {
 pub struct ShedMetrics {
     responses: Family<OutcomeLabels, Counter>,
     wait_seconds: Counter<f64, AtomicU64>,
+    /// Requests that went wrong on the API server's side: no answer (a
+    /// connection refused or reset, a deadline), a 429 or a 5xx. Not a
+    /// metric: what `footprint` waits to see stop.
+    troubles: Arc<AtomicU64>,
 }
 
 impl ShedMetrics {
@@ -194,6 +199,16 @@ impl ShedMetrics {
     /// Seconds waited in all.
     pub fn wait_seconds(&self) -> f64 {
         self.wait_seconds.get()
+    }
+
+    /// Requests without an answer, or answered 429 or 5xx, so far
+    /// (each try of a request counts).
+    pub fn troubles(&self) -> u64 {
+        self.troubles.load(Ordering::Relaxed)
+    }
+
+    fn trouble(&self) {
+        self.troubles.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -255,7 +270,18 @@ impl tower_service::Service<Request<Body>> for RetryAfter {
             loop {
                 let again = copy(&req);
                 let (method, path) = (req.method().clone(), req.uri().path().to_string());
-                let mut response = client.send(req).await.map_err(Box::new)?;
+                let mut response = match client.send(req).await {
+                    Ok(response) => response,
+                    Err(e) => {
+                        metrics.trouble();
+                        return Err(Box::new(e) as BoxError);
+                    }
+                };
+                if response.status() == StatusCode::TOO_MANY_REQUESTS
+                    || response.status().is_server_error()
+                {
+                    metrics.trouble();
+                }
                 if response.status() == StatusCode::TOO_MANY_REQUESTS {
                     // Read to its end (a line of text or a small Status;
                     // a watch's too), so the connection can serve the
@@ -656,6 +682,38 @@ mod tests {
             took >= Duration::from_secs(3) && took < Duration::from_secs(6),
             "{took:?}"
         );
+    }
+
+    /// What `footprint` waits to see stop: each try without an answer, or
+    /// answered 429 or 5xx. A 4xx other than 429 is the caller's business
+    /// (a conflict, a refusal), not the API server's trouble.
+    #[tokio::test(start_paused = true)]
+    async fn troubles_count_each_try_the_api_server_did_not_serve() {
+        let (inner, _seen) = scripted(vec![
+            (200, None),
+            (403, None),
+            (404, None),
+            (409, None),
+            (500, None),
+            (503, None),
+            (429, Some("1")),
+            (200, None),
+        ]);
+        let (client, metrics, _stop) = wrapped(inner);
+        let mut got = Vec::new();
+        for _ in 0..7 {
+            got.push(client.send(patch()).await.unwrap().status().as_u16());
+        }
+        assert_eq!(got, [200, 403, 404, 409, 500, 503, 200]);
+        assert_eq!(metrics.troubles(), 3, "500, 503 and the 429 sent again");
+
+        let refused = tower::service_fn(|_req: Request<Body>| async {
+            Err::<Response<Body>, BoxError>("connection refused".into())
+        });
+        let (client, metrics, _stop) = wrapped(Client::new(refused, "default"));
+        assert!(client.send(patch()).await.is_err());
+        assert!(client.send(patch()).await.is_err());
+        assert_eq!(metrics.troubles(), 2, "each request without an answer");
     }
 
     #[tokio::test(start_paused = true)]

@@ -469,6 +469,23 @@ impl Reporter {
         self.shared.initialized.load(Ordering::SeqCst)
     }
 
+    /// Failed API writes so far (`nodeguard_api_write_errors_total`, every
+    /// resource).
+    pub fn api_write_errors(&self) -> u64 {
+        WRITTEN_RESOURCES
+            .iter()
+            .map(|resource| {
+                self.shared
+                    .metrics
+                    .api_write_errors
+                    .get_or_create(&ResourceLabels {
+                        resource: resource.to_string(),
+                    })
+                    .get()
+            })
+            .sum()
+    }
+
     /// The desired set now.
     pub fn desired(&self) -> DesiredSet {
         self.lock().clone()

@@ -442,6 +442,18 @@ pub fn kubectl_status(args: &[&str]) -> Result<String, String> {
 /// namespace (token from the TokenRequest API), with no permissions until
 /// the test grants them.
 pub async fn service_account_client(admin: &Client, name: &str) -> Client {
+    let token = service_account_token(admin, name).await;
+    let mut config = admin_config().await;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..Default::default()
+    };
+    Client::try_from(config).unwrap()
+}
+
+/// Creates service account `name` in the test namespace; a token for it,
+/// valid for an hour.
+pub async fn service_account_token(admin: &Client, name: &str) -> String {
     let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), TEST_NAMESPACE);
     let sa: ServiceAccount = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}
@@ -458,19 +470,24 @@ pub async fn service_account_client(admin: &Client, name: &str) -> Client {
         },
         ..Default::default()
     };
-    let token = sas
-        .create_token_request(name, &PostParams::default(), &req)
+    sas.create_token_request(name, &PostParams::default(), &req)
         .await
         .expect("TokenRequest works against the test API server")
         .status
         .expect("token status")
-        .token;
-    let mut config = admin_config().await;
-    config.auth_info = kube::config::AuthInfo {
-        token: Some(token.into()),
-        ..Default::default()
-    };
-    Client::try_from(config).unwrap()
+        .token
+}
+
+/// Writes to `path` the test cluster's kubeconfig with `token` as its
+/// credentials (for a binary run as a service account).
+pub fn kubeconfig_with_token(token: &str, path: &std::path::Path) {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig_path()).unwrap();
+    // Kubeconfig leaves secrets out when serialized: the token by hand.
+    let mut v = serde_json::to_value(&kc).unwrap();
+    for a in v["users"].as_array_mut().unwrap() {
+        a["user"] = serde_json::json!({ "token": token });
+    }
+    std::fs::write(path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
 }
 
 /// A temporary directory removed on drop.

@@ -1658,45 +1658,6 @@ pub async fn alerts(
     use crate::support::alerts::{missing_from, quiet_test, rule_groups_for, test_rules};
     let pod = agent_pod(admin, agent_ns).await;
     let pod_name = pod.metadata.name.clone().unwrap();
-    // The image's binary, 10 s after it was ready, dropped its executable's
-    // resident pages (helper-74's review: on this static PIE, musl's loader
-    // gives a load bias of 0, and the first version released nothing while
-    // its log said it had).
-    // The line comes 10 s after the pod is first ready: asked for up to 30 s.
-    // Text logs (this install) say `ranges=3`, JSON logs `"ranges":3`.
-    // Read on the node: the API server here cannot reach the kubelet by
-    // the VM's name (`kubectl logs` fails with "no such host").
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let line = loop {
-        let logs = vm
-            .sh(&format!(
-                "cat /var/log/pods/{agent_ns}_{pod_name}_*/nodeguard/*.log 2>/dev/null; true"
-            ))
-            .await;
-        if let Some(l) = logs.lines().find(|l| l.contains("the executable's")) {
-            break l.to_string();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no line about the executable's pages in the agent's log 30 s on:\n{logs}"
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    };
-    let ranges: u32 = ["ranges=", "\"ranges\":"]
-        .iter()
-        .find_map(|key| {
-            let (_, rest) = line.split_once(key)?;
-            rest.split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0);
-    assert!(
-        line.contains("released the executable's resident pages") && ranges > 0,
-        "{line}"
-    );
-    eprintln!("kube-alerts: {line}");
     vm.sh("for i in $(seq 1 15); do echo \"Killed process $((4000 + i)) (stress-ng) total-vm:10240kB, anon-rss:8192kB, file-rss:0kB, shmem-rss:0kB\" > /dev/kmsg; done")
         .await;
     let dropped = "nodeguard_events_dropped_total{reason=\"OOMKilling\",cause=\"rate_limited\"}";
@@ -1769,6 +1730,47 @@ pub async fn alerts(
     );
     let skipped =
         value("nodeguard_watchdog_skipped_pets_total{target=\"device\",reason=\"stuck_loop\"}");
+    // The image's binary, once it had been ready for a while, dropped its
+    // executable's resident pages (helper-74's review: on this static PIE,
+    // musl's loader gives a load bias of 0, and the first version released
+    // nothing while its log said it had).
+    // The line comes 60-120 s after the pod is first ready, once its API
+    // calls have gone through for 30 s (footprint::settle): asked for last,
+    // up to 240 s from here.
+    // Text logs (this install) say `ranges=3`, JSON logs `"ranges":3`.
+    // Read on the node: the API server here cannot reach the kubelet by
+    // the VM's name (`kubectl logs` fails with "no such host").
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let line = loop {
+        let logs = vm
+            .sh(&format!(
+                "cat /var/log/pods/{agent_ns}_{pod_name}_*/nodeguard/*.log 2>/dev/null; true"
+            ))
+            .await;
+        if let Some(l) = logs.lines().find(|l| l.contains("the executable's")) {
+            break l.to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no line about the executable's pages in the agent's log 240 s on:\n{logs}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let ranges: u32 = ["ranges=", "\"ranges\":"]
+        .iter()
+        .find_map(|key| {
+            let (_, rest) = line.split_once(key)?;
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0);
+    assert!(
+        line.contains("released the executable's resident pages") && ranges > 0,
+        "{line}"
+    );
+    eprintln!("kube-alerts: {line}");
     let alerts = crate::support::alerts::alerts(&groups).len();
     let series = crate::support::alerts::samples(&text).len();
     rows.pass(

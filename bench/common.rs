@@ -322,13 +322,13 @@ pub fn agents_release_pages() -> bool {
 /// panics on a line saying they were not.
 pub fn says_released(log: &str, what: &std::path::Path) -> bool {
     for line in log.lines() {
-        if line.contains("released the executable's resident pages") {
+        if line.contains(nodeguard::footprint::RELEASED) {
             return true;
         }
         assert!(
-            !line.contains("the executable's pages were not released")
-                && !line.contains("not all of the executable's pages were released")
-                && !line.contains("found none of the executable's pages to release"),
+            !nodeguard::footprint::NOT_RELEASED
+                .iter()
+                .any(|l| line.contains(l)),
             "{}: {line}",
             what.display()
         );
@@ -336,27 +336,40 @@ pub fn says_released(log: &str, what: &std::path::Path) -> bool {
     false
 }
 
-/// Waits, up to `within`, for the nodeguard whose log is `log` to say it
-/// released its executable's pages (`footprint`: 60-120 s after it is first
-/// ready, once its API calls have gone through for 30-60 s), so an idle
-/// window measures what ships. Returns at once when the agents keep them
-/// ([`agents_release_pages`]). Panics when the line does not come (a
+/// Waits, up to `within`, for every nodeguard whose log is one of `logs` to
+/// say it released its executable's pages (`footprint`: 60-120 s after it
+/// is first ready, once its API calls have gone through for 30-60 s), so an
+/// idle or steady window measures what ships, and returns how long it
+/// waited. Reads the logs not yet done every `every`. Returns at once when the agents keep them
+/// ([`agents_release_pages`]). Panics when a line does not come (a
 /// `NODEGUARD_BENCH_BINARY` from before the release: run it with
 /// `NODEGUARD_KEEP_EXECUTABLE_PAGES=1`), or a line says the pages were not
 /// released.
-pub async fn wait_for_page_release(log: &std::path::Path, within: Duration) {
+pub async fn wait_for_page_release(
+    logs: &[&std::path::Path],
+    within: Duration,
+    every: Duration,
+) -> Duration {
+    let start = tokio::time::Instant::now();
     if !agents_release_pages() {
-        return;
+        return Duration::ZERO;
     }
-    let deadline = tokio::time::Instant::now() + within;
-    while !says_released(&std::fs::read_to_string(log).unwrap_or_default(), log) {
+    let mut left: Vec<&std::path::Path> = logs.to_vec();
+    loop {
+        left.retain(|log| !says_released(&std::fs::read_to_string(log).unwrap_or_default(), log));
+        let Some(first) = left.first() else {
+            return start.elapsed();
+        };
         assert!(
-            tokio::time::Instant::now() < deadline,
-            "{}: no line about the executable's pages {} s on",
-            log.display(),
-            within.as_secs()
+            start.elapsed() < within,
+            "{} of {} agent(s) had not said they released the executable's pages {} s on \
+             (the first: {})",
+            left.len(),
+            logs.len(),
+            within.as_secs(),
+            first.display()
         );
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(every).await;
     }
 }
 

@@ -1022,26 +1022,14 @@ impl Fleet {
         // (60-120 s after it was ready, later if its calls were still shed:
         // footprint), so the window holds what an agent at rest does.
         if side == Side::Nodeguard && agents_release_pages() {
-            let t = Instant::now();
-            loop {
-                let left = members
-                    .iter()
-                    .filter(|m| {
-                        !says_released(&std::fs::read_to_string(&m.log).unwrap_or_default(), &m.log)
-                    })
-                    .count();
-                if left == 0 {
-                    break;
-                }
-                assert!(
-                    t.elapsed() < Duration::from_secs(600),
-                    "{left} of the fleet had not released their start's pages 600 s after all were ready"
-                );
-                tokio::time::sleep(Duration::from_secs(2)).await;
-            }
+            let logs: Vec<&Path> = members.iter().map(|m| m.log.as_path()).collect();
+            // Every 2 s: a thousand logs read at each look.
+            let waited =
+                wait_for_page_release(&logs, Duration::from_secs(600), Duration::from_secs(2))
+                    .await;
             eprintln!(
                 "fleet: every agent released its start's pages {:.0} s after all were ready",
-                t.elapsed().as_secs_f64()
+                waited.as_secs_f64()
             );
         }
         tokio::time::sleep(Duration::from_secs(15)).await;

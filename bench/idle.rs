@@ -481,9 +481,11 @@ impl Bench {
         // nodeguard releases its start's pages 60-120 s after ready
         // (footprint): the window measures it after that.
         if p.port.is_some() {
+            let log = dir.join(format!("{}.log", peer.label()));
             wait_for_page_release(
-                &dir.join(format!("{}.log", peer.label())),
+                &[&log],
                 Duration::from_secs(240),
+                Duration::from_millis(500),
             )
             .await;
         }

@@ -361,7 +361,12 @@ impl Bench {
         // 60-120 s after ready, footprint), then 5 s more.
         if ready_port.is_some() {
             let log = dir.join(format!("{}.log", peer.label()));
-            wait_for_page_release(&log, Duration::from_secs(240)).await;
+            wait_for_page_release(
+                &[&log],
+                Duration::from_secs(240),
+                Duration::from_millis(500),
+            )
+            .await;
         }
         tokio::time::sleep(Duration::from_secs(5)).await;
         let audit_start = std::fs::metadata(&self.audit_log).unwrap().len();

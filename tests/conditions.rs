@@ -706,31 +706,18 @@ async fn events_reach_a_node_whose_name_is_long() {
 /// through events.k8s.io without its source, at once, and nothing waits.
 #[tokio::test]
 async fn an_event_whose_source_rbac_refuses_goes_without_it_and_holds_nothing_up() {
-    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
     use nodeguard::report::{ReportConfig, Reporter, kube::KubeEvents, run_event_publisher};
     let admin = admin_client().await;
     let node = TestNode::create(&admin, "core-refused", &[]).await;
     let sa = unique_name("old-rbac");
     let client = service_account_client(&admin, &sa).await;
-    let role: ClusterRole = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": sa},
-        "rules": [{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}],
-    }))
-    .unwrap();
-    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": sa},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
-        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": TEST_NAMESPACE}],
-    }))
-    .unwrap();
-    Api::<ClusterRole>::all(admin.clone())
-        .create(&PostParams::default(), &role)
-        .await
-        .unwrap();
-    Api::<ClusterRoleBinding>::all(admin.clone())
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap();
+    let _grant = Grant::new(
+        &admin,
+        "old-rbac",
+        serde_json::json!([{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}]),
+        &sa,
+    )
+    .await;
     let node_obj = Api::<Node>::all(admin.clone())
         .get(&node.name)
         .await
@@ -788,10 +775,4 @@ async fn an_event_whose_source_rbac_refuses_goes_without_it_and_holds_nothing_up
         Some("nodeguard.io/agent")
     );
     stop.cancel();
-    let _ = Api::<ClusterRoleBinding>::all(admin.clone())
-        .delete(&sa, &Default::default())
-        .await;
-    let _ = Api::<ClusterRole>::all(admin)
-        .delete(&sa, &Default::default())
-        .await;
 }

@@ -6,125 +6,12 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use kube::api::{DeleteParams, PostParams};
-use kube::{Api, Client};
 use support::*;
 
-const RELEASED: &str = "released the executable's resident pages";
-
-/// A ClusterRole granting `verbs` on everything to service account `sa` of
-/// the test namespace, through a ClusterRoleBinding of the same name; both
-/// deleted on drop, also when the test fails.
-struct Grant {
-    name: String,
-    binding: ClusterRoleBinding,
-    bindings: Api<ClusterRoleBinding>,
-}
-
-impl Grant {
-    async fn new(admin: &Client, prefix: &str, verbs: &[&str], sa: &str) -> Grant {
-        let name = unique_name(prefix);
-        let role: ClusterRole = serde_json::from_value(serde_json::json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-            "metadata": {"name": name},
-            "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": verbs}],
-        }))
-        .unwrap();
-        let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-            "metadata": {"name": name},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": TEST_NAMESPACE}],
-        }))
-        .unwrap();
-        Api::<ClusterRole>::all(admin.clone())
-            .create(&PostParams::default(), &role)
-            .await
-            .unwrap();
-        let grant = Grant {
-            name,
-            binding,
-            bindings: Api::all(admin.clone()),
-        };
-        grant.bind().await;
-        grant
-    }
-
-    async fn bind(&self) {
-        self.bindings
-            .create(&PostParams::default(), &self.binding)
-            .await
-            .unwrap();
-    }
-
-    async fn unbind(&self) {
-        self.bindings
-            .delete(&self.name, &DeleteParams::default())
-            .await
-            .unwrap();
-    }
-}
-
-impl Drop for Grant {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        with_admin_blocking(|client| async move {
-            let _ = Api::<ClusterRoleBinding>::all(client.clone())
-                .delete(&name, &DeleteParams::default())
-                .await;
-            let _ = Api::<ClusterRole>::all(client)
-                .delete(&name, &DeleteParams::default())
-                .await;
-        });
-    }
-}
-
-/// The agent's process, killed however the test ends.
-struct Agent(Child);
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The API server stopped until this is dropped.
-struct ApiServerDown;
-
-impl ApiServerDown {
-    fn now() -> Self {
-        cluster_ctl("stop", "kube-apiserver");
-        ApiServerDown
-    }
-}
-
-impl Drop for ApiServerDown {
-    fn drop(&mut self) {
-        // Said, not asserted: a panic here while the test unwinds would
-        // abort before the other guards (the agent, the grants) run.
-        // The controller manager's informers back off for up to 30 s after
-        // an outage: the next test's PDB would wait on that (as
-        // tests/outage.rs does).
-        for (action, component) in [
-            ("start", "kube-apiserver"),
-            ("stop", "kube-controller-manager"),
-            ("start", "kube-controller-manager"),
-        ] {
-            let ok = Command::new(repo_root().join("e2e/cluster/ctl"))
-                .args([action, component])
-                .status()
-                .is_ok_and(|s| s.success());
-            if !ok {
-                eprintln!("e2e/cluster/ctl {action} {component} failed");
-            }
-        }
-    }
-}
+use nodeguard::footprint::RELEASED;
 
 /// Failed writes so far, Events and the Node's status.
 async fn write_errors(addr: SocketAddr) -> f64 {
@@ -153,10 +40,6 @@ async fn no_release(log: &std::path::Path, since: Instant, until: Duration, why:
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-}
-
-async fn ready(addr: SocketAddr) -> bool {
-    tokio::net::TcpStream::connect(addr).await.is_ok() && http_get(addr, "/readyz").await.0 == 200
 }
 
 /// What holds the release, each for longer than it could wait without it
@@ -193,14 +76,15 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
     let token = service_account_token(&admin, &sa).await;
     let kubeconfig = dir.path.join("kubeconfig");
     kubeconfig_with_token(&token, &kubeconfig);
+    let everything = |verbs: &[&str]| serde_json::json!([{"apiGroups": ["*"], "resources": ["*"], "verbs": verbs}]);
     let _but_patch = Grant::new(
         &admin,
         "footprint-all-but-patch",
-        &["get", "list", "watch", "create", "update", "delete"],
+        everything(&["get", "list", "watch", "create", "update", "delete"]),
         &sa,
     )
     .await;
-    let patch = Grant::new(&admin, "footprint-patch", &["patch"], &sa).await;
+    let patch = Grant::new(&admin, "footprint-patch", everything(&["patch"]), &sa).await;
 
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -209,7 +93,7 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
         .port();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let log = dir.path.join("agent.log");
-    let _agent = Agent(
+    let _agent = Killed(
         Command::new(env!("CARGO_BIN_EXE_nodeguard"))
             .args(["run", "--node-name", &node.name])
             .arg(format!("--listen={addr}"))
@@ -229,7 +113,7 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
         Duration::from_secs(30),
         "the agent ready, AppBroken written",
         || async {
-            ready(addr).await && condition_is(&admin, &node.name, "AppBroken", "False").await
+            is_ready(addr).await && condition_is(&admin, &node.name, "AppBroken", "False").await
         },
     )
     .await;
@@ -252,7 +136,7 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
         "its writes were refused",
     )
     .await;
-    assert!(ready(addr).await, "the agent stays ready");
+    assert!(is_ready(addr).await, "the agent stays ready");
     let (_, metrics) = http_get(addr, "/metrics").await;
     let refused = sample(
         &metrics,
@@ -273,7 +157,7 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
     )
     .await;
     let before = write_errors(addr).await;
-    let down = ApiServerDown::now();
+    let down = Outage::begin("kube-apiserver");
     let down_at = Instant::now();
     no_release(
         &log,
@@ -283,7 +167,7 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
     )
     .await;
     assert!(
-        ready(addr).await,
+        is_ready(addr).await,
         "the agent stays ready while the API server is away (the test's premise)"
     );
     assert_eq!(
@@ -291,7 +175,7 @@ async fn the_start_pages_stay_while_the_agents_calls_fail_and_go_once_they_pass(
         before,
         "no write failed while the API server was away (the test's premise)"
     );
-    drop(down);
+    down.end();
     let back_at = Instant::now();
     eventually(
         Duration::from_secs(120),

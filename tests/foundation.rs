@@ -7,7 +7,6 @@ mod support;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use nodeguard::policy::NodeGuardPolicy;
@@ -83,30 +82,16 @@ async fn readyz_turns_200_only_after_the_first_sync() {
     assert_eq!(v["loops"]["policy-watch"]["synced"], false);
 
     // Grant the permissions: the watches sync after their backoff.
-    let role_name = unique_name("nodeguard-test-reader");
-    let role: ClusterRole = serde_json::from_value(serde_json::json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-        "metadata": {"name": role_name},
-        "rules": [
+    let _grant = Grant::new(
+        &admin,
+        "nodeguard-test-reader",
+        serde_json::json!([
             {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["nodeguard.io"], "resources": ["nodeguardpolicies"], "verbs": ["get", "list", "watch"]},
-        ],
-    }))
-    .unwrap();
-    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": role_name},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
-        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": TEST_NAMESPACE}],
-    }))
-    .unwrap();
-    let roles: Api<ClusterRole> = Api::all(admin.clone());
-    let bindings: Api<ClusterRoleBinding> = Api::all(admin.clone());
-    roles.create(&PostParams::default(), &role).await.unwrap();
-    bindings
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap();
+        ]),
+        &sa,
+    )
+    .await;
 
     eventually(
         Duration::from_secs(45),
@@ -120,8 +105,6 @@ async fn readyz_turns_200_only_after_the_first_sync() {
     assert_eq!(v["loops"]["policy-watch"]["synced"], true);
 
     agent.stop().await;
-    let _ = bindings.delete(&role_name, &DeleteParams::default()).await;
-    let _ = roles.delete(&role_name, &DeleteParams::default()).await;
 }
 
 #[tokio::test]

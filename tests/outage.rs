@@ -20,20 +20,6 @@ use support::*;
 /// The tests of this binary stop the shared API server: one at a time.
 static API_DOWN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Starts `stopped` (the API server or etcd) again, and restarts the
-/// controller manager: its informers back off for up to 30 s after an
-/// outage, so the next test's PDB (here or in tests/shutdown.rs) would wait
-/// on that.
-fn back(stopped: &str) {
-    cluster_ctl("start", stopped);
-    cluster_ctl("stop", "kube-controller-manager");
-    cluster_ctl("start", "kube-controller-manager");
-}
-
-fn api_server_back() {
-    back("kube-apiserver");
-}
-
 #[tokio::test]
 async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     let _turn = API_DOWN.lock().await;
@@ -52,8 +38,7 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
     })
     .await;
 
-    cluster_ctl("stop", "kube-apiserver");
-    let guard = RestartOnDrop("kube-apiserver");
+    let outage = Outage::begin("kube-apiserver");
     for i in 0..30 {
         let status = if i % 2 == 0 {
             Status::True
@@ -75,8 +60,7 @@ async fn conditions_converge_within_5s_after_a_30s_api_outage() {
         "OutageSecond",
         desired(Status::True, "Late", "set just before the API returned."),
     );
-    api_server_back();
-    std::mem::forget(guard);
+    outage.end();
     let back = Instant::now();
     eventually(
         Duration::from_secs(5),
@@ -234,10 +218,9 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
     // its 20 s window in; the API server has until its window ends to be
     // back.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
+    let outage = tokio::task::spawn_blocking(|| Outage::begin("kube-apiserver"))
         .await
         .unwrap();
-    let guard = RestartOnDrop("kube-apiserver");
     let stopped = t0.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
@@ -245,8 +228,9 @@ async fn a_shutdown_goes_on_through_an_api_server_restart() {
         200,
         "an API outage during a shutdown must not fail /livez"
     );
-    tokio::task::spawn_blocking(api_server_back).await.unwrap();
-    std::mem::forget(guard);
+    tokio::task::spawn_blocking(move || outage.end())
+        .await
+        .unwrap();
     let back = t0.elapsed();
     eventually(
         Duration::from_secs(40),
@@ -318,15 +302,15 @@ async fn a_shutdown_that_begins_during_an_api_outage_taints_the_node_once_it_is_
     let r = ArmedNode::start("api-down-taint", 30, 90).await;
     let (admin, node, peer) = (&r.admin, &r.node, &r.peer);
 
-    tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
+    let outage = tokio::task::spawn_blocking(|| Outage::begin("kube-apiserver"))
         .await
         .unwrap();
-    let guard = RestartOnDrop("kube-apiserver");
     peer.prepare_for_shutdown(true).await;
     let t0 = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
-    tokio::task::spawn_blocking(api_server_back).await.unwrap();
-    std::mem::forget(guard);
+    tokio::task::spawn_blocking(move || outage.end())
+        .await
+        .unwrap();
     let back = t0.elapsed();
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(admin.clone());
     eventually(
@@ -397,10 +381,9 @@ async fn a_shutdown_taint_the_api_server_was_away_for_is_removed_once_it_is_back
         }),
     )
     .await;
-    tokio::task::spawn_blocking(|| cluster_ctl("stop", "kube-apiserver"))
+    let outage = tokio::task::spawn_blocking(|| Outage::begin("kube-apiserver"))
         .await
         .unwrap();
-    let guard = RestartOnDrop("kube-apiserver");
     let address = bus.address.clone();
     // The record of the previous boot's shutdown, whose taint it added.
     let (agent, _state) = start_agent_with(admin.clone(), &node.name, move |c| {
@@ -421,8 +404,9 @@ async fn a_shutdown_taint_the_api_server_was_away_for_is_removed_once_it_is_back
     // Longer than the removal's retries at start: about 10 s now, 81 s
     // before (whose record then went, and the taint stayed).
     tokio::time::sleep(Duration::from_secs(95)).await;
-    tokio::task::spawn_blocking(api_server_back).await.unwrap();
-    std::mem::forget(guard);
+    tokio::task::spawn_blocking(move || outage.end())
+        .await
+        .unwrap();
     let back = Instant::now();
     eventually(
         Duration::from_secs(30),
@@ -593,15 +577,13 @@ async fn refusals_from_a_just_restarted_api_server_keep_the_short_backoff() {
     })
     .await;
 
-    cluster_ctl("stop", "kube-apiserver");
-    let guard = RestartOnDrop("kube-apiserver");
+    let outage = Outage::begin("kube-apiserver");
     tokio::time::sleep(Duration::from_secs(30)).await;
     // Armed before the start: the first requests the new server answers
     // are the refused ones.
     let outage_requests = refusals.log.lock().unwrap().len();
     refusals.armed.store(true, SeqCst);
-    api_server_back();
-    std::mem::forget(guard);
+    outage.end();
 
     // Two refusals in a row, then a request sent as the agent.
     let pair = |log: &[NodesRequest]| {
@@ -666,17 +648,6 @@ async fn refusals_from_a_just_restarted_api_server_keep_the_short_backoff() {
     task.await.unwrap();
 }
 
-/// Brings etcd [`back`] when dropped (`start etcd` waits for the API
-/// server's /readyz): the tests after this one find the control plane
-/// whole, the test passed or not.
-struct EtcdBack;
-
-impl Drop for EtcdBack {
-    fn drop(&mut self) {
-        back("etcd");
-    }
-}
-
 /// `requireApiServer` fences a node cut off from the API server; it does
 /// not judge the control plane. While etcd is down, every API server's
 /// plain `/livez` fails (500, `[-]etcd failed`), and a probe of it would
@@ -705,8 +676,10 @@ async fn the_watchdogs_pets_go_on_while_etcd_is_down() {
     let skipped = || api_server_skips(agent.addr);
     assert_eq!(skipped().await, Some(0.0), "served, and no pet skipped yet");
 
-    let guard = EtcdBack;
-    tokio::task::spawn_blocking(|| cluster_ctl("stop", "etcd"))
+    // etcd brought back however the test ends (`start etcd` waits for the
+    // API server's /readyz): the tests after this one find the control
+    // plane whole.
+    let outage = tokio::task::spawn_blocking(|| Outage::begin("etcd"))
         .await
         .unwrap();
     let get = |path: &'static str| {
@@ -755,7 +728,7 @@ async fn the_watchdogs_pets_go_on_while_etcd_is_down() {
     let (probe_path, _) = get(nodeguard::watchdog::core::API_PROBE_PATH).await;
     let (still, _) = get("/livez").await;
 
-    tokio::task::spawn_blocking(move || drop(guard))
+    tokio::task::spawn_blocking(move || outage.end())
         .await
         .unwrap();
     eprintln!(

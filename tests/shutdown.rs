@@ -1214,7 +1214,7 @@ async fn ready_means_the_delay_inhibitor_is_held() {
 /// look.
 #[tokio::test]
 async fn the_start_pages_stay_mapped_while_a_shutdown_is_under_way() {
-    const RELEASED: &str = "released the executable's resident pages";
+    use nodeguard::footprint::RELEASED;
     let s = setup(
         "pages-shutdown",
         Duration::from_secs(220),
@@ -1410,14 +1410,9 @@ impl AgentProcess {
     }
 
     async fn ready(&self) {
-        eventually(
-            Duration::from_secs(30),
-            "the agent process ready",
-            || async {
-                tokio::net::TcpStream::connect(self.listen).await.is_ok()
-                    && http_get(self.listen, "/readyz").await.0 == 200
-            },
-        )
+        eventually(Duration::from_secs(30), "the agent process ready", || {
+            is_ready(self.listen)
+        })
         .await;
     }
 
@@ -1448,22 +1443,6 @@ impl AgentProcess {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-}
-
-/// A child process SIGKILLed when the test ends, also on a panic.
-struct Killed(std::process::Child);
-
-impl Killed {
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 

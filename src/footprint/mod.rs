@@ -38,6 +38,19 @@ pub const DELAY: Duration = Duration::from_secs(60);
 /// without an answer, no 429 or 5xx, no failed write): see [`settle`].
 pub const QUIET: Duration = Duration::from_secs(30);
 
+/// The start of the line [`release_when_ready`] logs (info, target
+/// `nodeguard::footprint`) once the pages are released: what the benches
+/// and the tests wait for.
+pub const RELEASED: &str = "released the executable's resident pages";
+
+/// The lines it logs (warn) instead when the pages stay mapped, in whole or
+/// in part.
+pub const NOT_RELEASED: [&str; 3] = [
+    "found none of the executable's pages to release",
+    "not all of the executable's pages were released",
+    "the executable's pages were not released",
+];
+
 /// How often [`release_when_ready`] looks at the agent, until it releases.
 const LOOK_EVERY: Duration = Duration::from_secs(5);
 
@@ -128,19 +141,18 @@ pub async fn release_when_ready(
     }
     match release_executable_pages() {
         Ok(r) if r.ranges.is_empty() => {
-            tracing::warn!("found none of the executable's pages to release: they stay mapped")
+            tracing::warn!("{}: they stay mapped", NOT_RELEASED[0])
         }
         Ok(r) => tracing::info!(
             ranges = r.ranges.len(),
             rss_file_mib_before = (r.rss_file_kib.0 as f64 / 102.4).round() / 10.0,
             rss_file_mib_after = (r.rss_file_kib.1 as f64 / 102.4).round() / 10.0,
-            "released the executable's resident pages (kept in the page cache; \
-             what runs again maps them back)"
+            "{RELEASED} (kept in the page cache; what runs again maps them back)"
         ),
         Err(e @ FootprintError::Advise { .. }) => {
-            tracing::warn!(error = %e, "not all of the executable's pages were released")
+            tracing::warn!(error = %e, "{}", NOT_RELEASED[1])
         }
-        Err(e) => tracing::warn!(error = %e, "the executable's pages were not released"),
+        Err(e) => tracing::warn!(error = %e, "{}", NOT_RELEASED[2]),
     }
 }
 

@@ -28,8 +28,9 @@ pub struct Look {
     pub ready: bool,
     /// A graceful node shutdown is under way.
     pub shutting_down: bool,
-    /// The API troubles counted so far (shed answers, failed writes): only
-    /// a change counts.
+    /// The API troubles counted so far: each try of a request that the API
+    /// server did not serve (no answer, or 429 or 5xx) and each failed
+    /// condition or Event write. Only a change counts.
     pub troubles: u64,
 }
 
@@ -71,10 +72,10 @@ impl Settle {
             self.quiet_since = None;
             return false;
         }
-        if troubled || self.quiet_since.is_none() {
-            self.quiet_since = Some(look.at);
-        }
-        let quiet_since = self.quiet_since.unwrap_or(look.at);
+        let quiet_since = match self.quiet_since {
+            Some(since) if !troubled => since,
+            _ => *self.quiet_since.insert(look.at),
+        };
         look.at.saturating_duration_since(first_ready) >= self.delay
             && look.at.saturating_duration_since(quiet_since) >= self.quiet
     }

@@ -598,18 +598,169 @@ pub fn cluster_ctl(action: &str, component: &str) {
 /// [`cluster_ctl`], waiting up to `ready` for a started API server's
 /// `/readyz` (e2e/cluster/ctl's `NODEGUARD_APISERVER_READY_SECONDS`).
 pub fn cluster_ctl_within(action: &str, component: &str, ready: Duration) {
-    let status = std::process::Command::new(repo_root().join("e2e/cluster/ctl"))
+    assert!(
+        try_cluster_ctl(action, component, ready),
+        "e2e/cluster/ctl {action} {component} failed"
+    );
+}
+
+/// [`cluster_ctl_within`], saying whether it went through instead of
+/// asserting it.
+fn try_cluster_ctl(action: &str, component: &str, ready: Duration) -> bool {
+    std::process::Command::new(repo_root().join("e2e/cluster/ctl"))
         .args([action, component])
         .env(
             "NODEGUARD_APISERVER_READY_SECONDS",
             ready.as_secs().max(1).to_string(),
         )
         .status()
-        .expect("e2e/cluster/ctl runs");
-    assert!(
-        status.success(),
-        "e2e/cluster/ctl {action} {component} failed"
-    );
+        .is_ok_and(|s| s.success())
+}
+
+/// What brings the control plane back after `stopped` (the API server or
+/// etcd) was stopped: `stopped` started again, and the controller manager
+/// restarted, since its informers back off for up to 30 s after an outage
+/// and the next test's PDB would wait on that.
+fn back_steps(stopped: &'static str) -> [(&'static str, &'static str); 3] {
+    [
+        ("start", stopped),
+        ("stop", "kube-controller-manager"),
+        ("start", "kube-controller-manager"),
+    ]
+}
+
+/// Brings the control plane back after `stopped` was stopped ([`back_steps`]).
+pub fn back(stopped: &'static str) {
+    for (action, component) in back_steps(stopped) {
+        cluster_ctl(action, component);
+    }
+}
+
+/// `component` (the API server or etcd) stopped until this is dropped;
+/// then the control plane is brought back as [`back`] does, also when the
+/// test fails. A step that fails on drop is said, not asserted: a panic
+/// while the test unwinds would abort before the other guards run.
+pub struct Outage(&'static str);
+
+impl Outage {
+    /// Stops `component`; brought back on drop also when the stop itself
+    /// fails part way.
+    pub fn begin(component: &'static str) -> Outage {
+        let outage = Outage(component);
+        cluster_ctl("stop", component);
+        outage
+    }
+
+    /// Ends the outage as [`back`] does, asserting each step; a step that
+    /// fails leaves the drop to try them all again.
+    pub fn end(self) {
+        back(self.0);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Outage {
+    fn drop(&mut self) {
+        for (action, component) in back_steps(self.0) {
+            if !try_cluster_ctl(action, component, Duration::from_secs(60)) {
+                eprintln!("e2e/cluster/ctl {action} {component} failed");
+            }
+        }
+    }
+}
+
+/// A child process (an agent, a lock holder), killed and reaped however
+/// the test ends.
+pub struct Killed(pub std::process::Child);
+
+impl Killed {
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Whether an agent listening on `addr` answers `/readyz` with 200 (false
+/// while nothing listens there yet).
+pub async fn is_ready(addr: std::net::SocketAddr) -> bool {
+    tokio::net::TcpStream::connect(addr).await.is_ok() && http_get(addr, "/readyz").await.0 == 200
+}
+
+/// A ClusterRole with `rules`, bound to service account `sa` of the test
+/// namespace by a ClusterRoleBinding of the same name; both deleted on
+/// drop, also when the test fails.
+pub struct Grant {
+    pub name: String,
+    binding: k8s_openapi::api::rbac::v1::ClusterRoleBinding,
+    bindings: Api<k8s_openapi::api::rbac::v1::ClusterRoleBinding>,
+}
+
+impl Grant {
+    pub async fn new(admin: &Client, prefix: &str, rules: serde_json::Value, sa: &str) -> Grant {
+        use k8s_openapi::api::rbac::v1::ClusterRole;
+        let name = unique_name(prefix);
+        let role: ClusterRole = serde_json::from_value(serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": name},
+            "rules": rules,
+        }))
+        .unwrap();
+        let binding = serde_json::from_value(serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": TEST_NAMESPACE}],
+        }))
+        .unwrap();
+        Api::<ClusterRole>::all(admin.clone())
+            .create(&PostParams::default(), &role)
+            .await
+            .unwrap();
+        let grant = Grant {
+            name,
+            binding,
+            bindings: Api::all(admin.clone()),
+        };
+        grant.bind().await;
+        grant
+    }
+
+    /// Binds the role again after [`Grant::unbind`].
+    pub async fn bind(&self) {
+        self.bindings
+            .create(&PostParams::default(), &self.binding)
+            .await
+            .unwrap();
+    }
+
+    /// Takes the role away (the binding deleted, the role kept).
+    pub async fn unbind(&self) {
+        self.bindings
+            .delete(&self.name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+        let name = self.name.clone();
+        with_admin_blocking(|client| async move {
+            let _ = Api::<ClusterRoleBinding>::all(client.clone())
+                .delete(&name, &DeleteParams::default())
+                .await;
+            let _ = Api::<ClusterRole>::all(client)
+                .delete(&name, &DeleteParams::default())
+                .await;
+        });
+    }
 }
 
 /// Restarts the API server when dropped, so a failing outage test does not

@@ -1767,7 +1767,7 @@ pub async fn alerts(
         })
         .unwrap_or(0);
     assert!(
-        line.contains("released the executable's resident pages") && ranges > 0,
+        line.contains(nodeguard::footprint::RELEASED) && ranges > 0,
         "{line}"
     );
     eprintln!("kube-alerts: {line}");

@@ -420,7 +420,7 @@ async fn a_restarted_agent_finding_heartbeats_from_the_future_heartbeats_within_
 
 /// PATCHes of `nodes/<node>/status` in the API server's audit log.
 fn audit_status_patches(node: &str) -> usize {
-    audit_completed()
+    audit_completed(&[node])
         .iter()
         .filter(|e| {
             e["verb"] == "patch"

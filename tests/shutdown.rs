@@ -67,7 +67,7 @@ async fn event_created_at(admin: &Client, node: &str, reason: &str) -> jiff::Tim
         Duration::from_secs(5),
         "the Event's create in the audit log",
         || {
-            at = audit_completed()
+            at = audit_completed(&[&name])
                 .into_iter()
                 .find(|e| {
                     e["verb"] == "create"
@@ -2122,7 +2122,7 @@ async fn the_node_is_tainted_before_the_first_eviction() {
         Duration::from_secs(10),
         "the taint and the eviction in the audit log",
         || {
-            let entries = audit_completed();
+            let entries = audit_completed(&[&s.node.name, &low]);
             let after = |e: &&serde_json::Value| at(e, "requestReceivedTimestamp") >= signalled;
             // The PATCH that landed (an attempt refused with a conflict is
             // not the taint).
@@ -2354,7 +2354,7 @@ async fn a_stop_as_the_host_begins_shutting_down_runs_the_shutdown_first() {
 /// (its taint edits; else the node lifecycle controller, tainting the new
 /// Node), and the response code.
 fn node_patches(node: &str, since: jiff::Timestamp) -> Vec<(bool, i64)> {
-    audit_completed()
+    audit_completed(&[node])
         .iter()
         .filter(|e| {
             e["verb"] == "patch"

@@ -1258,10 +1258,16 @@ pub async fn node_event(
         })
 }
 
-pub fn audit_completed() -> Vec<serde_json::Value> {
+/// The completed requests in the API server's audit log whose line names
+/// one of `about` (a Node's, a pod's or an Event's name): only those lines
+/// are parsed. After a fleet bench the log holds hundreds of MB (it
+/// rotates at 200 MB), and parsing all of it took longer than the tests'
+/// waits for an entry.
+pub fn audit_completed(about: &[&str]) -> Vec<serde_json::Value> {
     let log = kubeconfig_path().parent().unwrap().join("logs/audit.log");
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     text.lines()
+        .filter(|l| about.iter().any(|name| l.contains(name)))
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|e| e["stage"] == "ResponseComplete")
         .collect()
@@ -1270,7 +1276,7 @@ pub fn audit_completed() -> Vec<serde_json::Value> {
 /// Writes (create, update, patch) of Node `node`, any subresource, in the
 /// API server's audit log: `(subresource, stageTimestamp)` of each.
 pub fn audit_node_writes(node: &str) -> Vec<(String, String)> {
-    audit_completed()
+    audit_completed(&[node])
         .into_iter()
         .filter(|e| {
             ["create", "update", "patch"].contains(&e["verb"].as_str().unwrap_or(""))
